@@ -1,0 +1,171 @@
+"""Every message that crosses a process boundary, as msgspec Structs (msgpack on the wire).
+
+Client ↔ frontend messages are tagged by a "type" field (docs/protocol.md); frontend ↔ engine core
+messages are tagged the same way on their own socket.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .sampling import SamplingParams
+
+# ---- client ↔ frontend ---------------------------------------------------------------
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token's log-probability and, when asked, the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class Generate(msgspec.Struct, tag="generate", kw_only=True):
+    """Start a request. Exactly one of prompt (text) and token_ids is given."""
+
+    id: str
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    sampling: SamplingParams = SamplingParams()
+
+
+class Abort(msgspec.Struct, tag="abort", kw_only=True):
+    """Stop a request; its stream ends with finish_reason "abort"."""
+
+    id: str
+
+
+class StatsQuery(msgspec.Struct, tag="stats", kw_only=True):
+    """Ask for the engine's counters."""
+
+    id: str
+
+
+class HealthQuery(msgspec.Struct, tag="health", kw_only=True):
+    """Ask for each process's pid, uptime, restarts and the last fault."""
+
+    id: str
+
+
+ClientMessage = Generate | Abort | StatsQuery | HealthQuery
+
+
+class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
+    """New output of a request. The last delta of a request has a finish_reason."""
+
+    id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int | None = None  # on the last delta
+    completion_tokens: int | None = None  # on the last delta
+
+
+class Error(msgspec.Struct, tag="error", kw_only=True):
+    """A request failed (or a frame was rejected). id is "" when none could be read."""
+
+    id: str
+    code: str  # "bad_request" | "too_long" | "busy" | "internal" | "worker_fault" | "unknown_id"
+    message: str
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """The engine core's counters, for the stats request and LLM.stats()."""
+
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    preemptions: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+
+
+class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):
+    """Answer to StatsQuery."""
+
+    id: str
+    stats: EngineStats
+
+
+class ProcessHealth(msgspec.Struct, kw_only=True):
+    name: str
+    pid: int
+    uptime_s: float
+    restarts: int
+    alive: bool
+
+
+class Health(msgspec.Struct, tag="health_reply", kw_only=True):
+    """Answer to HealthQuery."""
+
+    id: str
+    healthy: bool
+    processes: list[ProcessHealth] = []
+    last_fault: str | None = None
+
+
+ServerMessage = Delta | Error | Stats | Health
+
+# ---- frontend ↔ engine core ----------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", kw_only=True):
+    """A tokenized request for the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Tokens already streamed to the client (resubmission after an engine-core restart).
+    output_token_ids: list[int] = []
+
+
+class AbortRequest(msgspec.Struct, tag="abort_req", kw_only=True):
+    request_ids: list[str]
+
+
+class StatsRequest(msgspec.Struct, tag="stats_req", kw_only=True):
+    id: str
+
+
+EngineInput = AddRequest | AbortRequest | StatsRequest
+
+
+class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request in one tick."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", kw_only=True):
+    """Everything one tick produced."""
+
+    outputs: list[RequestOutputDelta] = []
+
+
+class StatsResponse(msgspec.Struct, tag="stats_resp", kw_only=True):
+    id: str
+    stats: EngineStats
+
+
+class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
+    """The engine core (and its worker) are ready; sent once per engine-core start."""
+
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+
+
+EngineOutput = EngineOutputs | StatsResponse | EngineReady

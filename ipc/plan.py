@@ -1,0 +1,132 @@
+"""The engine core ↔ device boundary: a step's plan, its result, and the Device protocol.
+
+A plan is flat numpy arrays (the layout the shared-memory tickets copy byte for byte):
+T tokens across R rows; row r owns tokens query_start[r]:query_start[r+1]. A prefill chunk is a
+row with many tokens, a decode is a row with one. Rows with sample[r] produce one token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+FEED_HOST = -1  # feed_from_row value: the input token is in input_ids, written by the host
+
+# mask_kind bits: what a committed token can change about the next pick (the seed's RowMask).
+MASK_NONE = 0
+MASK_BAN = 1  # ban the ids in ban_ids[r] (min_tokens not reached: EOS and stop ids)
+MASK_FORCE = 2  # the pick is force_token[r] (thinking budget spent: the think-end token)
+MASK_GREEDY = 4  # take the argmax whatever the temperature (adaptive sampling in a fence or tool call)
+
+NO_SEED = -1
+
+
+class FedAheadPolicy(enum.Enum):
+    """What the device can do with a step launched ahead whose input turned out stale."""
+
+    REWIND = "rewind"  # attention only: an over-run position is simply never used
+    REPICK_ONLY = "repick_only"  # recurrent state: a launched step cannot be undone
+
+
+class DeviceError(RuntimeError):
+    """A step failed on the device, or the device (worker process) is gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A launched step: the ring slot it occupies and its sequence number."""
+
+    slot: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts about the model and its KV cache that the engine core plans with."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_kv_blocks: int
+    block_size: int
+    dtype: str
+    fed_ahead_policy: FedAheadPolicy = FedAheadPolicy.REWIND
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One forward step: the tokens to run, where their KV goes, and how each row samples."""
+
+    # Per token (T).
+    input_ids: np.ndarray  # int32[T]; a fed row's entry is ignored (see feed_from_row)
+    positions: np.ndarray  # int32[T]
+    slot_mapping: np.ndarray  # int64[T]: block_table[pos // block_size] * block_size + pos % block_size
+    # Per row (R).
+    query_start: np.ndarray  # int32[R+1]: cumulative token counts
+    seq_lens: np.ndarray  # int32[R]: KV length of the row once this step's tokens are written
+    block_tables: np.ndarray  # int32[R, B]: physical block ids, padded with 0
+    sample: np.ndarray  # bool[R]: the row produces a token (a decode, or a prompt's last chunk)
+    feed_from_row: np.ndarray  # int32[R]: FEED_HOST, or take the input from the previous step's row i
+    temperature: np.ndarray  # float32[R]
+    top_k: np.ndarray  # int32[R] (0 disables)
+    top_p: np.ndarray  # float32[R]
+    min_p: np.ndarray  # float32[R]
+    repetition_penalty: np.ndarray  # float32[R]
+    presence_penalty: np.ndarray  # float32[R]
+    frequency_penalty: np.ndarray  # float32[R]
+    seeds: np.ndarray  # int64[R]: every row has a seed (the engine draws one when the request has none)
+    mask_kind: np.ndarray  # uint8[R]: MASK_* bits
+    force_token: np.ndarray  # int32[R]
+    ban_ids: np.ndarray  # int32[R, K]: -1 padded
+    num_logprobs: np.ndarray  # int32[R]: -1 none, 0 the sampled token's only, N top-N too
+    # Token history for penalties, only for rows that have penalties (others have empty ranges).
+    hist_tokens: np.ndarray  # int32[H]
+    hist_start: np.ndarray  # int32[R+1]
+    hist_prompt_len: np.ndarray  # int32[R]: the first n history tokens of the row are its prompt
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step produced, row for row. tokens[r] is -1 where the row did not sample."""
+
+    tokens: np.ndarray  # int32[R]
+    logprobs: np.ndarray | None = None  # float32[R]: log-prob of the sampled token (raw distribution)
+    top_ids: np.ndarray | None = None  # int32[R, N]
+    top_logprobs: np.ndarray | None = None  # float32[R, N]
+    timings: dict[str, float] = field(default_factory=dict)  # optional figures for benchmarks
+
+
+class Device(Protocol):
+    """The model as the engine core sees it. Implementations: LocalDevice, WorkerDevice, FakeDevice."""
+
+    def launch(self, plan: StepPlan) -> Ticket:
+        """Start a step without waiting for it. Steps run in launch order."""
+        ...
+
+    def await_result(self, ticket: Ticket) -> StepResult:
+        """Wait for a launched step; DeviceError if it failed or the device died."""
+        ...
+
+    def read_logits(self, ticket: Ticket) -> np.ndarray:
+        """float32[R, V] logits of the most recently settled step (host sampling under RepickOnly)."""
+        ...
+
+    def model(self) -> ModelInfo:
+        """Facts about the model, fixed for the device's life."""
+        ...
+
+    def close(self) -> None:
+        """Release the device; launched steps are abandoned."""
+        ...

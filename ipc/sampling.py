@@ -1,0 +1,75 @@
+"""SamplingParams: what a request asks of the sampler, validated once at the edge."""
+
+from __future__ import annotations
+
+import msgspec
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick each new token. Field names and defaults follow vLLM's SamplingParams."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 (or -1) disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens
+    presence_penalty: float = 0.0  # over output tokens
+    frequency_penalty: float = 0.0  # over output tokens
+    seed: int | None = None  # batch-invariant: noise is a function of (seed, position)
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop ids are banned until this many tokens exist
+    logprobs: int | None = None  # top-N logprobs per token (0 = only the sampled token's)
+    skip_special_tokens: bool = True
+    max_thinking_tokens: int | None = None  # after this many thinking tokens, force the think-end token
+    adaptive_sampling: bool = False  # greedy inside a code fence or a tool call
+    priority: int = 0  # lower runs first (vLLM's convention); FCFS among equals
+
+    @property
+    def greedy(self) -> bool:
+        """True when the sampler takes the argmax."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the sampler needs the row's token history."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field whose value the engine cannot serve."""
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1", self.max_tokens)
+        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer", self.top_k)
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0", self.repetition_penalty)
+        _check(_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2**63)", self.seed)
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings", len(self.stop))
+        _check(all(0 < len(s) <= MAX_STOP_STRING_LEN for s in self.stop), "stop", f"each stop string must have 1..{MAX_STOP_STRING_LEN} characters", self.stop)
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]", self.min_tokens)
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(self.max_thinking_tokens is None or (isinstance(self.max_thinking_tokens, int) and self.max_thinking_tokens >= 0), "max_thinking_tokens", "must be >= 0", self.max_thinking_tokens)
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            _check(not bad, "stop_token_ids", f"ids must be in [0, {vocab_size})", bad)
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")
+
+
+def _check(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} {rule} (got {value!r})")
