@@ -28,7 +28,7 @@ class Generate(msgspec.Struct, tag="generate", kw_only=True):
     id: str
     prompt: str | None = None
     token_ids: list[int] | None = None
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
 
 
 class Abort(msgspec.Struct, tag="abort", kw_only=True):

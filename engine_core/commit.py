@@ -1,0 +1,47 @@
+"""Committing a step's tokens to its sequences: append, advance row state, check stops."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metrale.ipc.messages import TokenLogprob
+from metrale.ipc.plan import StepResult
+
+from .pipeline import update_row_state
+from .sequence import Sequence
+from .step_io import StepIo
+
+
+def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: StepResult | None, skip: list[bool] | None) -> None:
+    """Append each sampling row's token to its sequence, skipping discarded and finished rows."""
+    token_list = tokens.tolist()
+    for r, seq in enumerate(seqs):
+        tok = token_list[r]
+        if tok < 0 or seq.finished or (skip is not None and skip[r]):
+            continue
+        seq.tokens.append(tok)
+        seq.pending.append(tok)
+        if seq.params.logprobs is not None and result is not None and result.logprobs is not None:
+            seq.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
+        update_row_state(seq, tok, io.toks)
+        _check_stop(io, seq, tok)
+    for seq in seqs:
+        io.pool.cache_full_blocks(seq)
+
+
+def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:
+    """Finish seq if tok ends it: EOS, a stop id, max_tokens, or the model's context."""
+    p = seq.params
+    if seq.num_output >= p.min_tokens and (
+        (not p.ignore_eos and tok in io.eos_ids) or tok in p.stop_token_ids
+    ):
+        seq.finish("stop")
+    elif seq.num_output >= p.max_tokens or seq.num_tokens >= io.max_model_len:
+        seq.finish("length")
+
+
+def _token_logprob(result: StepResult, r: int, tok: int, n: int) -> TokenLogprob:
+    """The logprob record of row r's sampled token, with its top-n alternatives."""
+    if n and result.top_ids is not None and result.top_logprobs is not None:
+        return TokenLogprob(tok, float(result.logprobs[r]), result.top_ids[r, :n].tolist(), result.top_logprobs[r, :n].tolist())
+    return TokenLogprob(tok, float(result.logprobs[r]))

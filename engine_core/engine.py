@@ -1,0 +1,232 @@
+"""EngineCore: requests in, one batch of token deltas out per tick. No sockets here (see core.py).
+
+A tick reads top to bottom: keep the decode lane running if nothing needs the device quiet; otherwise
+drain it, retire what finished, schedule, and run the step (in the lane when it is all decodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from metrale.ipc.messages import EngineStats, RequestOutputDelta
+from metrale.ipc.plan import Device, DeviceError
+from metrale.ipc.sampling import SamplingParams
+
+from .commit import commit_tokens
+from .decode_lane import discard_row, drain, fail_rows, step_decode_pipelined
+from .kv_blocks import KvBlockPool
+from .pipeline import Pipeline, PipelineFaults, SpecialTokens, init_row_state, row_mask
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence, SeqStatus
+from .step_builder import StepBuilder
+from .step_io import StepIo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """The engine core's knobs (the same names as LLM(...) and `metrale serve` flags)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 4096
+    enable_prefix_caching: bool = True
+    pipeline: bool = True
+    seed: int | None = None  # draws the seeds of requests that bring none
+
+
+class EngineCore:
+    """The scheduler, the KV block pool and the pipeline state around one Device."""
+
+    def __init__(
+        self,
+        device: Device,
+        options: EngineOptions | None = None,
+        *,
+        special_tokens: SpecialTokens = SpecialTokens(),
+        clock: Callable[[], float] = time.monotonic,
+        faults: PipelineFaults | None = None,
+    ):
+        self.options = options = options or EngineOptions()
+        self.device = device
+        info = device.model()
+        self.info = info
+        pool = KvBlockPool(info.num_kv_blocks, info.block_size, options.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=options.max_num_seqs,
+                max_num_batched_tokens=options.max_num_batched_tokens,
+                max_model_len=info.max_model_len,
+                max_waiting=options.max_waiting,
+            ),
+            pool,
+        )
+        builder = StepBuilder(
+            max_tokens=max(options.max_num_batched_tokens, options.max_num_seqs),
+            max_rows=options.max_num_seqs,
+            max_model_len=info.max_model_len,
+            block_size=info.block_size,
+        )
+        self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
+        self.pipeline = Pipeline(faults=faults or PipelineFaults())
+        self.requests: dict[str, Sequence] = {}
+        self._rng = random.Random(options.seed)
+        self._arrivals = 0
+        self.num_steps = 0
+        self.generated_tokens = 0
+
+    @property
+    def pool(self) -> KvBlockPool:
+        return self.scheduler.pool
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] = ()
+    ) -> None:
+        """Queue a request; ValueError (naming the field) or SchedulerBusy if it cannot be served."""
+        if request_id in self.requests and not self.requests[request_id].finished:
+            raise ValueError(f"request id {request_id!r} is already live")
+        params.validate(self.info.vocab_size)
+        if not prompt_token_ids:
+            raise ValueError("prompt must have at least one token")
+        vocab = self.info.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token_ids must be in [0, {vocab}) (got {bad[:5]})")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(
+            request_id=request_id,
+            params=params,
+            seed=seed,
+            tokens=list(prompt_token_ids) + list(output_token_ids),
+            num_prompt=len(prompt_token_ids),
+            arrival=self._arrivals,
+        )
+        self.scheduler.check_admissible(seq)
+        self._arrivals += 1
+        init_row_state(seq, self.io.toks)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now: nothing more of it is committed, even what is in flight."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.finished:
+            return
+        if seq.status == SeqStatus.WAITING:
+            self.scheduler.remove_waiting(seq)
+        else:
+            discard_row(self.pipeline, seq)
+        seq.finish("abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or self.pipeline.has_inflight()
+
+    # ---- the tick -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutputDelta]:
+        """Run one tick and return what it produced."""
+        self.num_steps += 1
+        running = self.scheduler.running
+        if self.pipeline.has_inflight():
+            if self._lane_may_continue():
+                step_decode_pipelined(running, self.pipeline, self.io)
+                return self._take_outputs()
+            drain(running, self.pipeline, self.io)
+        self.scheduler.retire_finished()
+        step = self.scheduler.schedule()
+        if not step.seqs:
+            self._fail_unschedulable()
+        elif self.options.pipeline and step.decode_only and len(step) == len(self.scheduler.running):
+            step_decode_pipelined(self.scheduler.running, self.pipeline, self.io)
+        else:
+            run_step(step.seqs, step.num_new, self.io)
+        return self._take_outputs()
+
+    def drain(self) -> list[RequestOutputDelta]:
+        """Settle everything in flight (before shutdown or a worker swap)."""
+        drain(self.scheduler.running, self.pipeline, self.io)
+        return self._take_outputs()
+
+    def _lane_may_continue(self) -> bool:
+        """True when nothing needs the device quiet: no arrival to admit, nothing to retire, no prefill."""
+        return not self.scheduler.has_admissible() and all(
+            not s.finished and s.num_tokens - s.num_computed <= 1 for s in self.scheduler.running
+        )
+
+    def _fail_unschedulable(self) -> None:
+        """With nothing running, a waiting head that still does not fit never will: fail it."""
+        if self.scheduler.running or not self.scheduler.num_waiting:
+            return
+        head = self.scheduler.waiting()[0]
+        self.scheduler.remove_waiting(head)
+        head.finish("error", f"the KV cache ({self.pool.num_blocks} blocks) cannot hold this request")
+
+    def _take_outputs(self) -> list[RequestOutputDelta]:
+        """The deltas of every request that committed tokens or finished since the last call.
+
+        A finished request stays listed until its blocks are freed, so anything committed to it after
+        its finish (which validation exists to prevent) would show, not vanish.
+        """
+        out = []
+        gone = []
+        for rid, seq in self.requests.items():
+            finishing = seq.finished and not seq.reported_finish
+            if seq.pending or finishing:
+                out.append(
+                    RequestOutputDelta(
+                        rid,
+                        seq.pending,
+                        seq.finish_reason if finishing else None,
+                        seq.pending_logprobs or None,
+                        seq.error if finishing else None,
+                    )
+                )
+                self.generated_tokens += len(seq.pending)
+                seq.pending = []
+                seq.pending_logprobs = []
+                seq.reported_finish = seq.finished
+            if seq.finished and not seq.block_table:
+                gone.append(rid)
+        for rid in gone:
+            del self.requests[rid]
+        return out
+
+    # ---- facts ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.pool
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=self.scheduler.num_waiting,
+            swapped=0,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used,
+            kv_blocks_cached=pool.num_cached,
+            kv_blocks_free=pool.num_free,
+            prefix_cache_hit_rate=pool.stats.hit_rate,
+            preemptions=self.scheduler.num_preemptions,
+            steps=self.num_steps,
+            generated_tokens=self.generated_tokens,
+        )
+
+
+def run_step(seqs: list[Sequence], num_new: list[int], io: StepIo) -> None:
+    """The synchronous step: launch, wait, commit."""
+    masks = [row_mask(s, io.toks, io.eos_ids) for s in seqs]
+    plan = io.builder.build(seqs, num_new, masks)
+    try:
+        ticket = io.device.launch(plan)
+        for s, k in zip(seqs, num_new):
+            s.num_computed += k
+        result = io.device.await_result(ticket)
+    except DeviceError as e:
+        fail_rows(seqs, io, e)
+        return
+    commit_tokens(io, seqs, result.tokens, result, None)

@@ -1,0 +1,185 @@
+"""FakeDevice: a deterministic toy model behind the Device protocol, with fault injection.
+
+Its "KV cache" stores the token written at each slot, and every sampling row reads its whole context
+back through its block table, so a wrong slot mapping, block table or prefix-cache hit changes the
+output (and reading a never-written slot fails the step loudly). The next-token logits are a hash of
+the row's last three tokens and its length; picks follow host_sampler's rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from metrale.ipc.plan import FEED_HOST, DeviceError, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket
+
+from .host_sampler import sample_row, uniform_noise
+
+
+@dataclass(slots=True)
+class FakeClock:
+    """An injected clock that only moves when told to."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+
+
+@dataclass(slots=True)
+class FakeFaults:
+    """What goes wrong, by step number (0-based, in launch order)."""
+
+    fail_steps: set[int] = field(default_factory=set)  # these steps raise DeviceError when awaited
+    corrupt_feed_steps: set[int] = field(default_factory=set)  # these steps feed row 0 a wrong token
+    dead: bool = False  # the worker is gone: every launch and await fails
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one step ran: its rows' token counts and whether each sampled."""
+
+    q_lens: list[int]
+    sampled: list[bool]
+    fed: bool
+
+
+class FakeDevice:
+    """A toy model that executes each step at launch, in order, and answers awaits from its results."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 48,
+        num_kv_blocks: int = 256,
+        block_size: int = 4,
+        max_model_len: int = 1024,
+        eos_token_ids: tuple[int, ...] = (1,),
+        policy: FedAheadPolicy = FedAheadPolicy.REWIND,
+        clock: FakeClock | None = None,
+        step_cost: float = 0.0,
+        faults: FakeFaults | None = None,
+    ):
+        self.info = ModelInfo(
+            name="fake",
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            dtype="int",
+            fed_ahead_policy=policy,
+        )
+        self.clock = clock or FakeClock()
+        self.step_cost = step_cost
+        self.faults = faults or FakeFaults()
+        self.kv = np.full(num_kv_blocks * block_size, -1, dtype=np.int64)
+        self.prev_tokens = np.zeros(0, dtype=np.int64)
+        self.records: list[StepRecord] = []
+        self._results: dict[int, StepResult | DeviceError] = {}
+        self._logits: dict[int, np.ndarray] = {}
+        self._launched = 0
+
+    # ---- Device protocol ------------------------------------------------------------
+
+    def launch(self, plan: StepPlan) -> Ticket:
+        if self.faults.dead:
+            raise DeviceError("the worker process is gone")
+        n = self._launched
+        self._launched += 1
+        try:
+            self._results[n] = self._execute(n, plan)
+        except DeviceError as e:
+            self._results[n] = e
+        self.clock.advance(self.step_cost)
+        return Ticket(slot=0, seq=n)
+
+    def await_result(self, ticket: Ticket) -> StepResult:
+        if self.faults.dead:
+            self._results.pop(ticket.seq, None)
+            raise DeviceError("the worker process is gone")
+        result = self._results.pop(ticket.seq)
+        if isinstance(result, DeviceError):
+            raise result
+        return result
+
+    def read_logits(self, ticket: Ticket) -> np.ndarray:
+        return self._logits[ticket.seq]
+
+    def model(self) -> ModelInfo:
+        return self.info
+
+    def close(self) -> None:
+        self._results.clear()
+
+    def kill(self) -> None:
+        """The worker dies: launched steps are lost."""
+        self.faults.dead = True
+
+    @property
+    def in_flight(self) -> int:
+        """Launched steps nobody has awaited yet (a leak if non-zero at the end)."""
+        return len(self._results)
+
+    # ---- the toy model --------------------------------------------------------------
+
+    def _execute(self, n: int, plan: StepPlan) -> StepResult:
+        """Write the step's tokens into the fake KV, then pick a token for every sampling row."""
+        if n in self.faults.fail_steps:
+            self.prev_tokens = np.zeros(plan.num_rows, dtype=np.int64)
+            raise DeviceError(f"injected failure of step {n}")
+        input_ids = plan.input_ids.astype(np.int64)
+        fed = bool((plan.feed_from_row != FEED_HOST).any())
+        for r in np.nonzero(plan.feed_from_row != FEED_HOST)[0]:
+            token = self.prev_tokens[plan.feed_from_row[r]]
+            if n in self.faults.corrupt_feed_steps and r == 0:
+                token = (token + 1) % self.info.vocab_size
+            input_ids[plan.query_start[r]] = token
+        self.kv[plan.slot_mapping] = input_ids
+        R = plan.num_rows
+        tokens = np.full(R, -1, dtype=np.int64)
+        logits_all = np.zeros((R, self.info.vocab_size), dtype=np.float32)
+        q_lens = np.diff(plan.query_start).tolist()
+        for r in range(R):
+            seq_len = int(plan.seq_lens[r])
+            positions = plan.positions[plan.query_start[r] : plan.query_start[r + 1]]
+            assert (positions == np.arange(seq_len - q_lens[r], seq_len)).all(), "positions do not end at seq_len"
+            if not plan.sample[r]:
+                continue
+            context = self._read_context(plan.block_tables[r], seq_len)
+            logits = self._logits_for(context)
+            logits_all[r] = logits
+            tokens[r] = sample_row(
+                logits,
+                temperature=float(plan.temperature[r]),
+                top_k=int(plan.top_k[r]),
+                seed=int(plan.seeds[r]),
+                position=seq_len,
+                mask_kind=int(plan.mask_kind[r]),
+                force_token=int(plan.force_token[r]),
+                ban=plan.ban_ids[r].tolist(),
+            )
+        self.prev_tokens = tokens.copy()
+        self._logits[n] = logits_all
+        self._logits.pop(n - 4, None)
+        self.records.append(StepRecord(q_lens, plan.sample.tolist(), fed))
+        lp = np.zeros(R, dtype=np.float32) if (plan.num_logprobs >= 0).any() else None
+        return StepResult(tokens=tokens.astype(np.int32), logprobs=lp)
+
+    def _read_context(self, block_table: np.ndarray, seq_len: int) -> np.ndarray:
+        """The tokens of a row's KV, read back through its block table."""
+        bs = self.info.block_size
+        pos = np.arange(seq_len)
+        slots = block_table[pos // bs].astype(np.int64) * bs + pos % bs
+        context = self.kv[slots]
+        assert (context >= 0).all(), "a step read KV that was never written"
+        return context
+
+    def _logits_for(self, context: np.ndarray) -> np.ndarray:
+        """Peaked pseudo-random logits that depend on the last three tokens and the length."""
+        key = hash((tuple(context[-3:].tolist()), len(context))) & (2**63 - 1)
+        return (uniform_noise(key, 0, self.info.vocab_size) * 8.0).astype(np.float32)

@@ -1,0 +1,172 @@
+"""Continuous batching with a token budget: decodes first, then prefill chunks, preempting when dry."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from .kv_blocks import KvBlockPool
+from .sequence import Sequence, SeqStatus
+
+
+class SchedulerBusy(RuntimeError):
+    """The waiting queue is full: the request is refused, nothing else changes."""
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_waiting: int = 4096
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """The sequences one step runs and how many tokens each runs (in scheduling order)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        """True when every row is a single-token decode (the pipelined lane's kind of step)."""
+        return all(k == 1 and s.is_decode for s, k in zip(self.seqs, self.num_new))
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass(slots=True)
+class Scheduler:
+    """Moves sequences between waiting and running, and picks each step's work."""
+
+    config: SchedulerConfig
+    pool: KvBlockPool
+    running: list[Sequence] = field(default_factory=list)
+    _waiting: list[tuple[int, int, Sequence]] = field(default_factory=list)  # heap by (priority, arrival)
+    num_preemptions: int = 0
+    _next_slot: int = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def waiting(self) -> list[Sequence]:
+        return [s for _, _, s in sorted(self._waiting)]
+
+    def check_admissible(self, seq: Sequence) -> None:
+        """Raise ValueError (too long) or SchedulerBusy (queue full) before a request is queued."""
+        limit = min(self.config.max_model_len, self.pool.num_blocks * self.pool.block_size)
+        if seq.num_tokens >= limit:
+            raise ValueError(
+                f"prompt has {seq.num_tokens} tokens; this server accepts at most {limit - 1} "
+                f"(max_model_len {self.config.max_model_len}, KV capacity {self.pool.num_blocks * self.pool.block_size} tokens)"
+            )
+        if len(self._waiting) >= self.config.max_waiting:
+            raise SchedulerBusy(f"server busy: {len(self._waiting)} requests waiting")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new (or preempted) sequence."""
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (seq.params.priority, seq.arrival, seq))
+
+    def has_admissible(self) -> bool:
+        """True when a waiting sequence could be admitted now (so the device should go quiet)."""
+        if not self._waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        head = self._waiting[0][2]
+        return self.pool.blocks_needed(head, min(head.num_tokens, self.config.max_num_batched_tokens)) <= self.pool.num_available
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    def remove_waiting(self, seq: Sequence) -> None:
+        """Drop a sequence (aborted) from the waiting queue."""
+        self._waiting = [e for e in self._waiting if e[2] is not seq]
+        heapq.heapify(self._waiting)
+
+    def retire_finished(self) -> list[Sequence]:
+        """Remove finished sequences from running and free their blocks."""
+        done = [s for s in self.running if s.finished]
+        if done:
+            self.running = [s for s in self.running if not s.finished]
+            for seq in done:
+                self.pool.free(seq)
+        return done
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free seq's blocks and queue it again with all its tokens."""
+        self.running.remove(seq)
+        self.pool.free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def requeue_all(self) -> None:
+        """Move every running sequence back to waiting (the device lost its KV)."""
+        for seq in list(self.running):
+            self.preempt(seq)
+        self.pool.reset_cache()
+
+    def schedule(self) -> ScheduledStep:
+        """Pick this step's work: every running decode, then prefill chunks up to the token budget."""
+        step = ScheduledStep()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: (s.params.priority, s.arrival))
+        decodes = [s for s in self.running if s.is_decode]
+        partial = [s for s in self.running if not s.is_decode]
+        for seq in decodes + partial:
+            if budget == 0:
+                break
+            if seq.status != SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
+                continue
+            k = min(seq.num_tokens - seq.num_computed, budget)
+            if self._grow_or_preempt(seq, seq.num_computed + k, step):
+                step.seqs.append(seq)
+                step.num_new.append(k)
+                budget -= k
+        while budget > 0 and self._waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self._waiting[0][2]
+            if not self._admit(seq, budget, step):
+                break
+            budget -= step.num_new[-1]
+        return step
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, step: ScheduledStep) -> bool:
+        """Allocate seq's blocks for num_tokens, preempting the lowest-priority unscheduled others.
+
+        False when seq itself had to go (preempted, or failed when nothing else can make room).
+        """
+        while not self.pool.allocate(seq, num_tokens):
+            victims = [s for s in self.running if s is not seq and s not in step.seqs]
+            if victims:
+                self.preempt(victims[-1])
+                continue
+            if len(self.running) == 1 and not step.seqs:
+                seq.finish("error", f"the KV cache ({self.pool.num_blocks} blocks) cannot hold this request")
+            else:
+                self.preempt(seq)
+            return False
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:
+        """Start (or resume) the head of the waiting queue with a first chunk; False if it does not fit."""
+        if seq.num_computed == 0 and not seq.block_table:
+            self.pool.match_prefix(seq)
+        k = min(seq.num_tokens - seq.num_computed, budget)
+        watermark = 1 if self.running else 0  # keep one block so running decodes do not preempt at once
+        if self.pool.blocks_needed(seq, seq.num_computed + k) > self.pool.num_available - watermark:
+            self.pool.free(seq)  # give back a prefix match; it is matched again next time
+            seq.num_computed = 0
+            return False
+        heapq.heappop(self._waiting)
+        self.pool.allocate(seq, seq.num_computed + k)
+        seq.status = SeqStatus.RUNNING
+        seq.slot_idx = self._next_slot
+        self._next_slot += 1
+        self.running.append(seq)
+        step.seqs.append(seq)
+        step.num_new.append(k)
+        return True

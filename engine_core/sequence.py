@@ -1,0 +1,83 @@
+"""A request's state inside the engine core: its tokens, how many are in the KV cache, its blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from metrale.ipc.messages import TokenLogprob
+from metrale.ipc.sampling import SamplingParams
+
+
+class SeqStatus(enum.IntEnum):
+    WAITING = 0  # queued; no KV blocks (or preempted: blocks freed, tokens kept)
+    RUNNING = 1  # admitted: holds KV blocks, scheduled every step
+    FINISHED = 2  # stopped; its blocks are freed when it is retired
+
+
+@dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its field values
+class Sequence:
+    """One request. tokens = prompt + committed output; num_computed of them have KV in the cache.
+
+    A step runs tokens[num_computed:num_computed + k]; it samples a new token when that reaches the
+    end of tokens. So a fresh prompt is a prefill (k up to its length) and a running request is a
+    decode (k = 1): one rule serves both, and chunked prefill is just a smaller k.
+    """
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+    tokens: list[int]
+    num_prompt: int
+    arrival: int  # admission order tie-breaker (FCFS)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    slot_idx: int = -1  # stable row order within a batch (the seed's slot index)
+    # Committed since the last output was taken: what the next RequestOutputDelta carries.
+    pending: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    reported_finish: bool = False
+    # Row-mask state (pipeline.row_mask): thinking budget and adaptive sampling.
+    in_think: bool = False
+    think_tokens: int = 0
+    in_fence: bool = False
+    in_tool: bool = False
+    num_preemptions: int = 0
+    # Prefix caching (kv_blocks): how many leading blocks are hashed, and the last one's hash.
+    hashed_blocks: int = 0
+    prefix_hash: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    @property
+    def is_decode(self) -> bool:
+        """True when the next step for this sequence is a single-token decode."""
+        return self.num_tokens - self.num_computed == 1
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """Mark the sequence stopped; later commits for it are skipped."""
+        if self.status != SeqStatus.FINISHED:
+            self.status = SeqStatus.FINISHED
+            self.finish_reason = reason
+            self.error = error

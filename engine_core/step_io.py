@@ -1,0 +1,69 @@
+"""What a step needs from its surroundings: the device, the block pool, the plan builder, the clock.
+
+Effects on KV and logits are values passed to one `apply` (as in the seed), so tests can fake and count them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from metrale.ipc.plan import Device, Ticket
+
+from .kv_blocks import KvBlockPool
+from .pipeline import SpecialTokens
+from .sequence import Sequence
+from .step_builder import StepBuilder
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveKv:
+    """Make room for seq's next KV position (num_computed), maybe a new block."""
+
+    seq: Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Give back an over-run's reservation: the blocks beyond seq's num_computed tokens."""
+
+    seq: Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLogits:
+    """Bring a settled step's logits to the host for host sampling."""
+
+    ticket: Ticket
+
+
+Effect = ReserveKv | Rollback | ReadLogits
+
+
+@dataclass(slots=True)
+class StepIo:
+    """The scheduler's view of the outside world for one engine (the seed's `sched.io`)."""
+
+    device: Device
+    pool: KvBlockPool
+    builder: StepBuilder
+    toks: SpecialTokens
+    eos_ids: tuple[int, ...]
+    max_model_len: int
+    clock: Callable[[], float] = time.monotonic
+    effects: Counter = field(default_factory=Counter)
+    last_error: str | None = None  # the last device error, for health reports
+
+    def apply(self, effect: Effect) -> bool | np.ndarray:
+        """Carry out one effect. ReserveKv answers False when the pool is dry."""
+        self.effects[type(effect).__name__] += 1
+        if isinstance(effect, ReserveKv):
+            return self.pool.allocate(effect.seq, effect.seq.num_computed + 1)
+        if isinstance(effect, Rollback):
+            self.pool.trim(effect.seq, effect.seq.num_computed)
+            return True
+        return self.device.read_logits(effect.ticket)
