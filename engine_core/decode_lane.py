@@ -28,10 +28,7 @@ POISONED = (
 
 
 def step_decode_pipelined(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> None:
-    """The plain decode step of a tick when the lane can run ahead.
-
-    With nothing in flight the caller has reserved every row's next KV slot (the scheduler did).
-    """
+    """The plain decode step of a tick when the lane can run ahead."""
     active.sort(key=lambda s: s.slot_idx)  # slot order, as the synchronous step establishes it
     inf = pipeline.inflight
     if inf is not None:
@@ -50,7 +47,10 @@ def step_decode_pipelined(active: list[Sequence], pipeline: Pipeline, io: StepIo
         if settle(active, pipeline, io) != Settled.REDO:
             return
     # Nothing in flight, or the last step was discarded: launch now, and keep the step in flight
-    # only when the next tick may launch ahead of it.
+    # only when the next tick may launch ahead of it. A redo's reservations were rolled back; when
+    # the pool cannot give them again, the next tick schedules (and preempts) first.
+    if not reserve_all(active, io):
+        return
     hold = ahead_allowed(active, io.toks, pipeline.faults)
     if launch_plain(active, pipeline, io) and not hold:
         settle(active, pipeline, io)

@@ -74,6 +74,7 @@ class EngineCore:
         )
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
         self.pipeline = Pipeline(faults=faults or PipelineFaults())
+        self.io.faults = self.pipeline.faults
         self.requests: dict[str, Sequence] = {}
         self._rng = random.Random(options.seed)
         self._arrivals = 0

@@ -35,7 +35,6 @@ class FakeFaults:
     """What goes wrong, by step number (0-based, in launch order)."""
 
     fail_steps: set[int] = field(default_factory=set)  # these steps raise DeviceError when awaited
-    corrupt_feed_steps: set[int] = field(default_factory=set)  # these steps feed row 0 a wrong token
     dead: bool = False  # the worker is gone: every launch and await fails
 
 
@@ -130,15 +129,14 @@ class FakeDevice:
     def _execute(self, n: int, plan: StepPlan) -> StepResult:
         """Write the step's tokens into the fake KV, then pick a token for every sampling row."""
         if n in self.faults.fail_steps:
-            self.prev_tokens = np.zeros(plan.num_rows, dtype=np.int64)
             raise DeviceError(f"injected failure of step {n}")
+        if any(isinstance(r, DeviceError) for r in self._results.values()):
+            # Launched behind a failure the host has not seen yet: its inputs never existed.
+            raise DeviceError("an earlier step failed")
         input_ids = plan.input_ids.astype(np.int64)
         fed = bool((plan.feed_from_row != FEED_HOST).any())
         for r in np.nonzero(plan.feed_from_row != FEED_HOST)[0]:
-            token = self.prev_tokens[plan.feed_from_row[r]]
-            if n in self.faults.corrupt_feed_steps and r == 0:
-                token = (token + 1) % self.info.vocab_size
-            input_ids[plan.query_start[r]] = token
+            input_ids[plan.query_start[r]] = self.prev_tokens[plan.feed_from_row[r]]
         self.kv[plan.slot_mapping] = input_ids
         R = plan.num_rows
         tokens = np.full(R, -1, dtype=np.int64)

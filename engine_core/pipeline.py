@@ -49,6 +49,8 @@ class PipelineFaults:
 
     keep_overrun: bool = False  # commit over-run rows as if their launch had been valid
     ignore_ahead_allowed: bool = False  # launch ahead even when a mask could go stale
+    # The host commits a token other than the device's: (request id, output index) gets token + 1.
+    rewrite_commit: tuple[str, int] | None = None
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ import numpy as np
 from metrale.ipc.plan import Device, Ticket
 
 from .kv_blocks import KvBlockPool
-from .pipeline import SpecialTokens
+from .pipeline import PipelineFaults, SpecialTokens
 from .sequence import Sequence
 from .step_builder import StepBuilder
 
@@ -57,6 +57,7 @@ class StepIo:
     clock: Callable[[], float] = time.monotonic
     effects: Counter = field(default_factory=Counter)
     last_error: str | None = None  # the last device error, for health reports
+    faults: PipelineFaults = field(default_factory=PipelineFaults)
 
     def apply(self, effect: Effect) -> bool | np.ndarray:
         """Carry out one effect. ReserveKv answers False when the pool is dry."""

@@ -1,0 +1,315 @@
+"""WorkerDevice: the Device whose steps run in a GPU worker process, through the shared-memory ticket ring.
+
+The engine core owns the ring and the doorbell's listening socket; a worker process (started by the
+supervisor, or by WorkerDevice.spawn for tests and offline use) attaches to them and says WorkerReady.
+launch() writes a plan into slot seq % N, publishes seq, rings; await_result() spins briefly, then
+waits on the doorbell in short slices, checking that the worker lives, so a dead worker is a
+DeviceError within one slice (10 ms by default) and never a hang. A restarted worker attaches to the
+same ring: wait_ready() accepts it, and every step launched before it is abandoned (DeviceError).
+
+No torch here: the engine core runs on numpy and plain Python.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+import psutil
+
+from metrale.ipc.doorbell import Attached, Bell, BellListener, Shutdown, WorkerFailed, WorkerReady, bell_path
+from metrale.ipc.plan import DeviceError, ModelInfo, StepPlan, StepResult, Ticket
+from metrale.ipc.tickets import SPIN_IS_SAFE, RingGeometry, TicketRing, WorkerStats
+
+DEFAULT_SPIN_US = 100.0
+WAIT_SLICE_S = 0.01
+WORKER_MODULE = "metrale.gpu_worker.worker"
+
+
+class WorkerDevice:
+    """The Device protocol over a ticket ring served by a separate worker process."""
+
+    def __init__(
+        self,
+        geometry: RingGeometry = RingGeometry(),
+        *,
+        token: str | None = None,
+        spin_us: float = DEFAULT_SPIN_US,
+        wait_slice_s: float = WAIT_SLICE_S,
+        step_timeout_s: float | None = None,
+    ) -> None:
+        """Create the ring ("metrale-<our pid>-<token>") and its doorbell; no worker yet (see wait_ready).
+
+        A supervisor that starts the worker itself passes a token it also gives the worker
+        (`--ring metrale-<engine pid>-<token>`), then the engine calls wait_ready()."""
+        self._ring = TicketRing.create(geometry, token=token)
+        try:
+            self._listener = BellListener(bell_path(self._ring.name))
+        except BaseException:
+            self._ring.close()
+            raise
+        self._spin_ns = int(spin_us * 1000) if SPIN_IS_SAFE else 0
+        self._slice_s = wait_slice_s
+        self._step_timeout_s = step_timeout_s
+        self._bell: Bell | None = None
+        self._info: ModelInfo | None = None
+        self._pid: int | None = None
+        self._proc: subprocess.Popen | None = None  # only when we spawned the worker
+        self._spawn_args: tuple[list[str], dict[str, str] | None] | None = None
+        self._gone: str | None = "no worker has attached to the ring yet"
+        self._inflight = [0] * self._ring.num_slots  # seq in flight per slot, 0 when free
+        self._next_seq = 1
+        self._first_seq = 1  # tickets below this were launched to a previous worker
+        self._closed = False
+
+    # ---- starting a worker ---------------------------------------------------------------
+
+    @classmethod
+    def spawn(
+        cls,
+        geometry: RingGeometry = RingGeometry(),
+        *,
+        factory: str | None = None,
+        runner_kwargs: dict | None = None,
+        env: dict[str, str] | None = None,
+        worker_spin_us: float | None = None,
+        ready_timeout_s: float = 600.0,
+        **device_kwargs,
+    ) -> WorkerDevice:
+        """Create a device and start its worker as our child process (tests, offline use)."""
+        device = cls(geometry, **device_kwargs)
+        try:
+            argv = [sys.executable, "-m", WORKER_MODULE, "--ring", device.ring_name]
+            if factory is not None:
+                argv += ["--factory", factory]
+            if runner_kwargs:
+                argv += ["--runner-kwargs", msgspec.json.encode(runner_kwargs).decode()]
+            if worker_spin_us is not None:
+                argv += ["--spin-us", str(worker_spin_us)]
+            device._spawn_args = (argv, None if env is None else {**os.environ, **env})
+            device.respawn(ready_timeout_s)
+            return device
+        except BaseException:
+            device.close()
+            raise
+
+    def respawn(self, ready_timeout_s: float = 600.0) -> ModelInfo:
+        """Start a fresh worker on the same ring (killing the old one if it lives); spawned devices only."""
+        if self._spawn_args is None:
+            raise RuntimeError("respawn() is for devices made by WorkerDevice.spawn; the supervisor restarts workers")
+        self._stop_child(grace_s=0.0)
+        argv, env = self._spawn_args
+        self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        return self.wait_ready(ready_timeout_s, pid=self._proc.pid)
+
+    def wait_ready(self, timeout_s: float = 600.0, pid: int | None = None) -> ModelInfo:
+        """Wait for a (re)started worker to attach and say ready; steps launched before are abandoned.
+
+        pid: the worker's pid when the caller knows it, so that its death is an error at once."""
+        deadline = time.monotonic() + timeout_s
+        self._detach()
+        bell = None
+        while bell is None:
+            self._raise_if_dead_before_ready(pid)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeviceError(f"no worker attached to {self._ring.name} within {timeout_s:.1f} s")
+            bell = self._listener.accept(min(left, 0.05))
+        try:
+            ready = self._receive_ready(bell, deadline, pid)
+            self._first_seq = self._next_seq
+            bell.send(Attached(first_seq=self._first_seq))
+        except BaseException:
+            bell.close()
+            raise
+        self._bell, self._info, self._pid, self._gone = bell, ready.info, ready.pid, None
+        self._inflight = [0] * self._ring.num_slots
+        return ready.info
+
+    # ---- the Device protocol -----------------------------------------------------------------
+
+    def launch(self, plan: StepPlan) -> Ticket:
+        """Write the plan into the next slot, publish it and ring the worker; ValueError if it does not fit.
+
+        RuntimeError if the slot is still in flight (await a ticket first). With no worker attached
+        the ticket is still made, and awaiting it raises DeviceError."""
+        seq = self._next_seq
+        slot = seq % self._ring.num_slots
+        if self._inflight[slot]:
+            raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
+        self._ring.write_plan(slot, plan)
+        self._ring.publish_plan(slot, seq)
+        if self._bell is not None:
+            self._bell.ring()
+        self._inflight[slot] = seq
+        self._next_seq = seq + 1
+        return Ticket(slot, seq)
+
+    def await_result(self, ticket: Ticket) -> StepResult:
+        """Wait for a launched step. The result's arrays are copies (they stay valid for good).
+
+        DeviceError if the step failed (the worker's message), the worker died or was replaced,
+        or step_timeout_s passed."""
+        slot, seq = ticket.slot, ticket.seq
+        if self._inflight[slot] != seq:
+            if seq < self._first_seq:
+                raise DeviceError(f"step {seq} was abandoned: the worker was restarted")
+            raise ValueError(f"{ticket} is not in flight")
+        try:
+            self._wait_result(slot, seq)
+            error = self._ring.result_error(slot)
+            if error is not None:
+                raise DeviceError(f"step {seq} failed in the worker: {error}")
+            return self._ring.read_result(slot, copy=True)
+        finally:
+            self._inflight[slot] = 0
+
+    def read_logits(self, ticket: Ticket) -> np.ndarray:
+        """Not yet carried over the ring (only recurrent models need host logits)."""
+        raise NotImplementedError("WorkerDevice does not return logits to the host yet")
+
+    def model(self) -> ModelInfo:
+        """The worker's ModelInfo (from its ready message)."""
+        if self._info is None:
+            raise DeviceError("no worker has attached yet")
+        return self._info
+
+    def close(self) -> None:
+        """Tell the worker to exit, stop it if we started it, remove the ring and doorbell. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._bell is not None and not self._bell.peer_gone:
+                try:
+                    self._bell.send(Shutdown(), timeout_s=1.0)
+                except OSError:
+                    pass  # the worker is gone already
+            self._stop_child(grace_s=5.0)
+        finally:
+            self._detach()
+            self._listener.close()
+            self._ring.close()
+
+    def __enter__(self) -> WorkerDevice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- facts --------------------------------------------------------------------------
+
+    @property
+    def ring_name(self) -> str:
+        """The shared-memory segment a worker attaches to (`--ring`)."""
+        return self._ring.name
+
+    @property
+    def pid(self) -> int | None:
+        """The attached worker's pid (None before wait_ready)."""
+        return self._pid
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The worker process when this device spawned it."""
+        return self._proc
+
+    def worker_stats(self) -> WorkerStats:
+        """The worker's counters: idle (waiting for plans) vs busy time, steps served."""
+        return self._ring.worker_stats()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _wait_result(self, slot: int, seq: int) -> None:
+        """Return once result seq is published in slot; DeviceError if the worker dies or times out."""
+        ring = self._ring
+        if ring.result_seq(slot) == seq:
+            return
+        start = time.monotonic_ns()
+        if ring.spin_for_result(slot, seq, start + self._spin_ns):
+            return
+        give_up = None if self._step_timeout_s is None else start + int(self._step_timeout_s * 1e9)
+        bell = self._bell
+        while ring.result_seq(slot) != seq:
+            if seq < self._first_seq:
+                raise DeviceError(f"step {seq} was abandoned: the worker was restarted")
+            gone = self._why_gone()
+            if gone is not None:
+                if ring.result_seq(slot) == seq:
+                    return  # published just before the worker went
+                raise DeviceError(f"step {seq} lost: {gone}")
+            if give_up is not None and time.monotonic_ns() > give_up:
+                raise DeviceError(f"step {seq} took longer than {self._step_timeout_s} s")
+            bell.wait(self._slice_s)
+
+    def _why_gone(self) -> str | None:
+        """Why the worker can no longer answer (None while it lives); remembered once known."""
+        if self._gone is None:
+            if self._bell.peer_gone:
+                self._gone = f"the worker process (pid {self._pid}) closed its doorbell"
+            elif not self._alive(self._pid):
+                self._gone = f"the worker process (pid {self._pid}) died"
+            if self._gone is not None and self._proc is not None:
+                code = self._reap(timeout_s=0.05)
+                if code is not None:
+                    self._gone += f" (exit code {code})"
+        return self._gone
+
+    def _alive(self, pid: int) -> bool:
+        """Whether a worker pid runs (our own child is checked through its Popen, a zombie is dead)."""
+        if self._proc is not None and self._proc.pid == pid:
+            return self._proc.poll() is None
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.AccessDenied:
+            return True
+
+    def _raise_if_dead_before_ready(self, pid: int | None) -> None:
+        """DeviceError if the worker we are waiting for already died."""
+        if pid is not None and not self._alive(pid):
+            code = self._reap(0.0) if self._proc is not None and self._proc.pid == pid else None
+            raise DeviceError(f"the worker process (pid {pid}) exited before it was ready (exit code {code})")
+
+    def _receive_ready(self, bell: Bell, deadline: float, pid: int | None) -> WorkerReady:
+        """The WorkerReady a connected worker sends once its runner is built."""
+        while True:
+            message = bell.receive(min(max(deadline - time.monotonic(), 0.0), 0.05))
+            if isinstance(message, WorkerReady):
+                return message
+            if isinstance(message, WorkerFailed):
+                raise DeviceError(f"the worker (pid {message.pid}) failed to start: {message.message}")
+            if bell.peer_gone:
+                raise DeviceError("the worker process exited before it was ready")
+            self._raise_if_dead_before_ready(pid)
+            if time.monotonic() > deadline:
+                raise DeviceError(f"the worker connected but was not ready within the timeout on {self._ring.name}")
+
+    def _detach(self) -> None:
+        """Forget the current worker: its steps in flight are abandoned."""
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
+        self._gone = "the worker was detached"
+        self._first_seq = self._next_seq
+        self._inflight = [0] * self._ring.num_slots
+
+    def _stop_child(self, grace_s: float) -> None:
+        """Wait up to grace_s for our spawned worker to exit, then kill it; reap it."""
+        if self._proc is None:
+            return
+        if self._reap(grace_s) is None:
+            self._proc.kill()
+            self._reap(5.0)
+
+    def _reap(self, timeout_s: float) -> int | None:
+        """Our spawned worker's exit code if it exits within timeout_s, else None."""
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None

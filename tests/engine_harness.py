@@ -1,0 +1,95 @@
+"""Drive an EngineCore on a FakeDevice through a scripted workload and record what it streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metrale.engine_core.engine import EngineCore, EngineOptions
+from metrale.engine_core.fake_device import FakeDevice, FakeFaults
+from metrale.engine_core.pipeline import PipelineFaults, SpecialTokens
+from metrale.ipc.plan import FedAheadPolicy
+from metrale.ipc.sampling import SamplingParams
+
+THINK_START, THINK_END = 2, 3
+TOKS = SpecialTokens(think_start=THINK_START, think_end=THINK_END)
+
+
+@dataclass
+class Req:
+    """One scripted request: when it arrives, what it asks, and when (by streamed tokens) it is aborted."""
+
+    prompt: list[int]
+    params: SamplingParams
+    arrive_tick: int = 0
+    abort_after: int | None = None
+
+
+@dataclass
+class Run:
+    streams: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    ticks: int = 0
+    engine: EngineCore | None = None
+    device: FakeDevice | None = None
+
+
+def run_workload(
+    reqs: list[Req],
+    *,
+    pipeline: bool,
+    num_kv_blocks: int = 512,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    policy: FedAheadPolicy = FedAheadPolicy.REWIND,
+    lane_faults: PipelineFaults | None = None,
+    device_faults: FakeFaults | None = None,
+    prefix_caching: bool = True,
+    max_ticks: int = 20_000,
+    max_model_len: int = 1024,
+) -> Run:
+    """Run reqs to completion and return the token stream and finish reason of each."""
+    dev = FakeDevice(
+        num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len
+    )
+    eng = EngineCore(
+        dev,
+        EngineOptions(
+            pipeline=pipeline,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=prefix_caching,
+        ),
+        special_tokens=TOKS,
+        faults=lane_faults,
+    )
+    run = Run(engine=eng, device=dev)
+    pending = sorted(enumerate(reqs), key=lambda x: x[1].arrive_tick)
+    aborted: set[str] = set()
+    tick = 0
+    while pending or eng.has_unfinished():
+        while pending and pending[0][1].arrive_tick <= tick:
+            i, r = pending.pop(0)
+            run.streams[str(i)] = []
+            eng.add_request(str(i), r.prompt, r.params)
+        for i, r in enumerate(reqs):
+            rid = str(i)
+            if r.abort_after is not None and rid in run.streams and rid not in aborted and rid not in run.finish:
+                if len(run.streams[rid]) >= r.abort_after:
+                    aborted.add(rid)
+                    eng.abort(rid)
+        for d in eng.step():
+            assert d.request_id not in run.finish, f"request {d.request_id} streamed after its finish"
+            run.streams[d.request_id].extend(d.new_token_ids)
+            if d.finish_reason:
+                run.finish[d.request_id] = d.finish_reason
+                if d.error:
+                    run.errors[d.request_id] = d.error
+        tick += 1
+        assert tick < max_ticks, "the engine did not finish the workload"
+    run.ticks = tick
+    eng.pool.check_invariant()
+    assert eng.pool.num_used == 0, "blocks still referenced after every request finished"
+    assert dev.in_flight == 0, "a launched step was never awaited"
+    return run

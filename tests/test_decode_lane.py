@@ -1,0 +1,142 @@
+"""The pipelined decode lane streams exactly what the synchronous loop streams (FakeDevice)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metrale.engine_core.decode_lane import POISONED
+from metrale.engine_core.fake_device import FakeFaults
+from metrale.engine_core.pipeline import PipelineFaults
+from metrale.ipc.plan import FedAheadPolicy
+from metrale.ipc.sampling import SamplingParams
+
+from engine_harness import THINK_START, Req, run_workload
+
+VOCAB = 48
+
+
+@st.composite
+def requests(draw) -> Req:
+    prompt = draw(st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24))
+    max_tokens = draw(st.integers(1, 30))
+    think = draw(st.one_of(st.none(), st.integers(0, 6)))
+    if think is not None and draw(st.booleans()):
+        prompt = prompt + [THINK_START]  # a template that opens the thinking block
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=draw(st.sampled_from([0.0, 0.0, 0.7, 1.3])),
+        top_k=draw(st.sampled_from([0, 0, 5])),
+        seed=draw(st.integers(0, 2**32)),
+        stop_token_ids=draw(st.lists(st.integers(4, VOCAB - 1), max_size=2)),
+        min_tokens=draw(st.integers(0, min(4, max_tokens))),
+        max_thinking_tokens=think,
+        ignore_eos=draw(st.booleans()),
+    )
+    return Req(
+        prompt=prompt,
+        params=params,
+        arrive_tick=draw(st.integers(0, 25)),
+        abort_after=draw(st.one_of(st.none(), st.none(), st.integers(0, 12))),
+    )
+
+
+workloads = st.lists(requests(), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=workloads, small_pool=st.integers(14, 40), seqs=st.sampled_from([2, 4, 8]))
+def test_pipelined_streams_equal_synchronous_for_any_workload(reqs, small_pool, seqs):
+    """Arrivals, stops, aborts, think budgets, min_tokens, seeds and a dry pool: same streams, no leak."""
+    reference = run_workload(reqs, pipeline=False, max_num_seqs=seqs)
+    piped = run_workload(reqs, pipeline=True, max_num_seqs=seqs)
+    assert piped.streams == reference.streams
+    assert piped.finish == reference.finish
+    small_sync = run_workload(reqs, pipeline=False, num_kv_blocks=small_pool, max_num_seqs=seqs)
+    small_piped = run_workload(reqs, pipeline=True, num_kv_blocks=small_pool, max_num_seqs=seqs)
+    assert small_piped.streams == small_sync.streams == reference.streams
+    assert small_piped.finish == small_sync.finish == reference.finish
+
+
+def _finishing_workload() -> list[Req]:
+    """Greedy requests that stop at different lengths while the lane runs ahead."""
+    return [Req([5 + i, 9, 11 + i], SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)) for i in range(6)]
+
+
+def test_the_lane_really_runs_ahead():
+    """Most decode steps of a plain greedy workload are launched ahead (fed from the device)."""
+    run = run_workload(_finishing_workload(), pipeline=True)
+    fed = sum(r.fed for r in run.device.records)
+    assert fed > len(run.device.records) // 2
+
+
+def test_without_overrun_validation_the_property_fails():
+    """keep_overrun commits the steps that ran past a finish: the streams then differ from synchronous."""
+    reqs = _finishing_workload()
+    reference = run_workload(reqs, pipeline=False)
+    with pytest.raises(AssertionError, match="streamed after its finish"):
+        run_workload(reqs, pipeline=True, lane_faults=PipelineFaults(keep_overrun=True))
+    assert run_workload(reqs, pipeline=True).streams == reference.streams
+
+
+def test_device_error_fails_exactly_the_inflight_rows_and_frees_every_block():
+    """A failed pipelined step: its rows finish with the error; a later request still succeeds."""
+    reqs = _finishing_workload()
+    late = Req([7, 7, 7], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), arrive_tick=40)
+    run = run_workload(reqs + [late], pipeline=True, device_faults=FakeFaults(fail_steps={4}))
+    failed = {rid for rid, why in run.finish.items() if why == "error"}
+    assert failed == {str(i) for i in range(6)}
+    assert all("injected failure of step 4" in run.errors[r] for r in failed)
+    assert run.finish["6"] == "length" and len(run.streams["6"]) == 5
+
+
+def test_repick_only_stale_mask_is_resampled_on_the_host():
+    """RepickOnly: a step launched ahead whose mask went stale stands, and the host picks its token."""
+    think = [Req([5, 6, THINK_START], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, max_thinking_tokens=2))]
+    others = [Req([8 + i, 9], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    reference = run_workload(think + others, pipeline=False, policy=FedAheadPolicy.REPICK_ONLY)
+    forced = run_workload(
+        think + others,
+        pipeline=True,
+        policy=FedAheadPolicy.REPICK_ONLY,
+        lane_faults=PipelineFaults(ignore_ahead_allowed=True),
+    )
+    assert forced.engine.io.effects["ReadLogits"] > 0, "no stale mask was met: the test did not test"
+    assert forced.streams == reference.streams
+
+
+def test_rewind_stale_mask_redoes_the_step():
+    """Rewind: the same stale mask discards the step whole and launches it again."""
+    think = [Req([5, 6, THINK_START], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, max_thinking_tokens=2))]
+    others = [Req([8 + i, 9], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    reference = run_workload(think + others, pipeline=False)
+    forced = run_workload(think + others, pipeline=True, lane_faults=PipelineFaults(ignore_ahead_allowed=True))
+    assert forced.engine.io.effects["Rollback"] > 0
+    assert forced.streams == reference.streams
+
+
+def test_repick_only_poisoned_row_fails_and_others_are_unaffected():
+    """A RepickOnly row fed a token the host did not commit fails with the seed's message; others go on."""
+    reqs = [Req([5 + i, 9], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    rewrite = PipelineFaults(rewrite_commit=("0", 4))
+    reference = run_workload(reqs, pipeline=False, policy=FedAheadPolicy.REPICK_ONLY, lane_faults=rewrite)
+    run = run_workload(
+        reqs, pipeline=True, policy=FedAheadPolicy.REPICK_ONLY, lane_faults=PipelineFaults(rewrite_commit=("0", 4))
+    )
+    assert run.finish["0"] == "error" and run.errors["0"] == POISONED
+    assert run.streams["0"] == reference.streams["0"][:5]
+    for rid in ("1", "2"):
+        assert run.streams[rid] == reference.streams[rid]
+        assert run.finish[rid] == "length"
+
+
+def test_rewind_host_rewrite_is_an_overrun_and_is_redone():
+    """Rewind: the same host-side rewrite makes the step launched ahead an over-run; it is run again
+    from the host's token and the stream equals the synchronous loop's."""
+    reqs = [Req([5 + i, 9], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    reference = run_workload(reqs, pipeline=False, lane_faults=PipelineFaults(rewrite_commit=("0", 4)))
+    run = run_workload(reqs, pipeline=True, lane_faults=PipelineFaults(rewrite_commit=("0", 4)))
+    assert run.engine.io.effects["Rollback"] > 0
+    assert run.streams == reference.streams
+    assert run.finish == reference.finish
