@@ -11,7 +11,7 @@ import logging
 
 import numpy as np
 
-from metrale.ipc.plan import FEED_HOST, DeviceError, FedAheadPolicy
+from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy
 
 from .commit import commit_tokens
 from .host_sampler import host_sample
@@ -212,11 +212,18 @@ def discard_row(pipeline: Pipeline, seq: Sequence) -> None:
 
 
 def fail_rows(active: list[Sequence], io: StepIo, error: Exception) -> None:
-    """Tell every row of a failed step: it finishes with the device's error."""
-    log.error("decode step failed: %s", error)
+    """Tell every row of a failed step: it finishes with the device's error.
+
+    Under recovery a lost device fails nobody: the engine requeues the rows once the tick ends.
+    """
     io.last_error = str(error)
+    if io.recover and isinstance(error, DeviceLost):
+        log.warning("device lost, its requests will be recomputed: %s", error)
+        io.device_lost = str(error)
+        return
+    log.error("decode step failed: %s", error)
     for s in active:
-        s.finish("error", str(error))
+        s.finish("error", f"worker_fault: {error}")
 
 
 def _await_quietly(io: StepIo, inf: Inflight) -> None:

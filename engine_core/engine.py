@@ -1,7 +1,8 @@
 """EngineCore: requests in, one batch of token deltas out per tick. No sockets here (see core.py).
 
-A tick reads top to bottom: keep the decode lane running if nothing needs the device quiet; otherwise
-drain it, retire what finished, schedule, and run the step (in the lane when it is all decodes).
+A tick reads top to bottom: keep the decode lane running if nothing needs the device quiet, or else drain
+it; with nothing in flight, retire what finished, schedule, and run the step (in the lane when it is all
+decodes). Every tick commits at most one token per request, in either loop.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     pipeline: bool = True
     seed: int | None = None  # draws the seeds of requests that bring none
+    recover_from_device_loss: bool = False  # requeue (True) or fail (False) the requests of a dead worker
 
 
 class EngineCore:
@@ -75,6 +77,7 @@ class EngineCore:
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
         self.pipeline = Pipeline(faults=faults or PipelineFaults())
         self.io.faults = self.pipeline.faults
+        self.io.recover = options.recover_from_device_loss
         self.requests: dict[str, Sequence] = {}
         self._rng = random.Random(options.seed)
         self._arrivals = 0
@@ -138,8 +141,11 @@ class EngineCore:
         if self.pipeline.has_inflight():
             if self._lane_may_continue():
                 step_decode_pipelined(running, self.pipeline, self.io)
-                return self._take_outputs()
-            drain(running, self.pipeline, self.io)
+            else:
+                # The device goes quiet. What the drain committed is delivered (and aborts that it
+                # prompts are seen) before the next launch: no tick commits two tokens of one request.
+                drain(running, self.pipeline, self.io)
+            return self._take_outputs()
         self.scheduler.retire_finished()
         step = self.scheduler.schedule()
         if not step.seqs:
@@ -149,6 +155,22 @@ class EngineCore:
         else:
             run_step(step.seqs, step.num_new, self.io)
         return self._take_outputs()
+
+    @property
+    def device_lost(self) -> str | None:
+        """Why the device was lost (under recovery), until recover() is called."""
+        return self.io.device_lost
+
+    def recover(self) -> None:
+        """The device came back empty: requeue every running request with its committed tokens.
+
+        Their KV is recomputed from prompt + output; with greedy or seeded sampling the streams then
+        continue exactly as if nothing happened.
+        """
+        self.pipeline.inflight = self.pipeline.next = None
+        self.scheduler.retire_finished()
+        self.scheduler.requeue_all()
+        self.io.device_lost = None
 
     def drain(self) -> list[RequestOutputDelta]:
         """Settle everything in flight (before shutdown or a worker swap)."""

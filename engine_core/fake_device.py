@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metrale.ipc.plan import FEED_HOST, DeviceError, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket
+from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket
 
 from .host_sampler import sample_row, uniform_noise
 
@@ -87,7 +87,7 @@ class FakeDevice:
 
     def launch(self, plan: StepPlan) -> Ticket:
         if self.faults.dead:
-            raise DeviceError("the worker process is gone")
+            raise DeviceLost("the worker process is gone")
         n = self._launched
         self._launched += 1
         try:
@@ -100,7 +100,7 @@ class FakeDevice:
     def await_result(self, ticket: Ticket) -> StepResult:
         if self.faults.dead:
             self._results.pop(ticket.seq, None)
-            raise DeviceError("the worker process is gone")
+            raise DeviceLost("the worker process is gone")
         result = self._results.pop(ticket.seq)
         if isinstance(result, DeviceError):
             raise result
@@ -118,6 +118,13 @@ class FakeDevice:
     def kill(self) -> None:
         """The worker dies: launched steps are lost."""
         self.faults.dead = True
+
+    def revive(self) -> None:
+        """A new worker: empty KV, nothing in flight."""
+        self.faults.dead = False
+        self._results.clear()
+        self.kv.fill(-1)
+        self.prev_tokens = np.zeros(0, dtype=np.int64)
 
     @property
     def in_flight(self) -> int:

@@ -57,6 +57,8 @@ class StepIo:
     clock: Callable[[], float] = time.monotonic
     effects: Counter = field(default_factory=Counter)
     last_error: str | None = None  # the last device error, for health reports
+    recover: bool = False  # a lost device requeues its rows (True) or fails them (False, the seed's way)
+    device_lost: str | None = None  # set when the device died under recover; the engine requeues
     faults: PipelineFaults = field(default_factory=PipelineFaults)
 
     def apply(self, effect: Effect) -> bool | np.ndarray:

@@ -35,6 +35,10 @@ class DeviceError(RuntimeError):
     """A step failed on the device, or the device (worker process) is gone."""
 
 
+class DeviceLost(DeviceError):
+    """The device itself is gone (the worker process died): its KV cache went with it."""
+
+
 @dataclass(frozen=True, slots=True)
 class Ticket:
     """A launched step: the ring slot it occupies and its sequence number."""

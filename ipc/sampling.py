@@ -7,6 +7,7 @@ import msgspec
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 32
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -58,6 +59,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2**63)", self.seed)
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings", len(self.stop))
         _check(all(0 < len(s) <= MAX_STOP_STRING_LEN for s in self.stop), "stop", f"each stop string must have 1..{MAX_STOP_STRING_LEN} characters", self.stop)
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids))
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]", self.min_tokens)
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
         _check(self.max_thinking_tokens is None or (isinstance(self.max_thinking_tokens, int) and self.max_thinking_tokens >= 0), "max_thinking_tokens", "must be >= 0", self.max_thinking_tokens)

@@ -1,0 +1,114 @@
+"""The `metrale` command: serve, generate, status."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import click
+import msgspec
+
+from metrale.config import EngineArgs, ServeConfig
+from metrale.ipc.sampling import SamplingParams
+
+
+@click.group()
+def main() -> None:
+    """metrale: an LLM serving engine."""
+
+
+@main.command()
+@click.option("--model", default=None, help="Hugging Face model folder (default: the built-in tiny demo model).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7410, show_default=True, help="ZMQ client port (0: any free port).")
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")
+@click.option("--max-num-seqs", default=64, show_default=True)
+@click.option("--max-num-batched-tokens", default=2048, show_default=True)
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--num-kv-blocks", default=None, type=int)
+@click.option("--kv-cache-memory", default=None, type=float, help="bytes of KV cache (e.g. 2e9).")
+@click.option("--max-waiting", default=4096, show_default=True)
+@click.option("--no-prefix-caching", is_flag=True)
+@click.option("--no-pipeline", is_flag=True, help="run the synchronous loop instead of the pipelined decode lane.")
+@click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True)
+@click.option("--max-frame-bytes", default=1 << 20, show_default=True)
+@click.option("--seed", default=None, type=int)
+def serve(**o) -> None:
+    """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
+    from metrale.supervisor import Supervisor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = EngineArgs(
+        model=o["model"],
+        dtype=o["dtype"],
+        device=o["device"],
+        block_size=o["block_size"],
+        num_kv_blocks=o["num_kv_blocks"],
+        kv_cache_memory=int(o["kv_cache_memory"]) if o["kv_cache_memory"] else None,
+        max_num_seqs=o["max_num_seqs"],
+        max_num_batched_tokens=o["max_num_batched_tokens"],
+        max_waiting=o["max_waiting"],
+        enable_prefix_caching=not o["no_prefix_caching"],
+        pipeline=not o["no_pipeline"],
+        seed=o["seed"],
+    )
+    try:
+        engine.validate()
+    except ValueError as e:
+        raise click.BadParameter(str(e))
+    config = ServeConfig(
+        engine=engine, host=o["host"], port=o["port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"]
+    )
+    sup = Supervisor(config)
+    stop = lambda *_: sup._stop.set()  # noqa: E731 - the watch loop notices and returns
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        sup.start()
+        click.echo(f"metrale serving {sup.model_dir} on {sup.client_address} (pid {__import__('os').getpid()})", err=False)
+        sys.stdout.flush()
+        sup.watch()
+    finally:
+        sup.stop()
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7410, show_default=True)
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=None, type=int)
+@click.option("--json", "as_json", is_flag=True, help="print each delta as a JSON line.")
+def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: float, top_p: float, seed: int | None, as_json: bool) -> None:
+    """Stream a completion of PROMPT from a running server."""
+    from metrale.frontend.client import Client, RequestError
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    with Client(host, port) as client:
+        try:
+            for delta in client.generate(prompt, params=params):
+                if as_json:
+                    click.echo(msgspec.json.encode(delta).decode())
+                else:
+                    click.echo(delta.text, nl=False)
+        except RequestError as e:
+            raise click.ClickException(f"{e.code}: {e.message}")
+    if not as_json:
+        click.echo()
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7410, show_default=True)
+def status(host: str, port: int) -> None:
+    """Print each process's pid, uptime and restarts, and the engine's counters."""
+    from metrale.frontend.client import Client
+
+    with Client(host, port, timeout=5.0) as client:
+        health = client.health()
+        stats = client.stats()
+    click.echo(msgspec.json.encode({"health": health, "stats": stats}).decode())

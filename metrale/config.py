@@ -1,0 +1,47 @@
+"""The knobs, one struct for each audience: EngineArgs (model + engine, shared by LLM and serve) and ServeConfig.
+
+They are msgspec Structs so the supervisor hands them to its child processes as JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineArgs(msgspec.Struct, kw_only=True):
+    """What model to load and how the engine core schedules it. Same names in LLM(...) and `metrale serve`."""
+
+    model: str | None = None  # a Hugging Face folder; None = the built-in tiny demo model
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    device: str | None = None  # cuda when present, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes; the worker picks num_kv_blocks from it
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 4096
+    enable_prefix_caching: bool = True
+    pipeline: bool = True
+    seed: int | None = None
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first knob that cannot work."""
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1 (got {self.num_kv_blocks})")
+
+
+class ServeConfig(msgspec.Struct, kw_only=True):
+    """`metrale serve`: the engine plus where and how the three processes talk."""
+
+    engine: EngineArgs = msgspec.field(default_factory=EngineArgs)
+    host: str = "127.0.0.1"
+    port: int = 7410
+    run_dir: str = ""  # where the ipc:// sockets live (a fresh temp dir per serve)
+    max_frame_bytes: int = 1 << 20
+    on_worker_fault: str = "recover"  # recover | fail

@@ -1,0 +1,183 @@
+"""metrale.LLM: the offline engine — an engine core wired to the model runner in this process."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import msgspec
+
+from metrale.config import EngineArgs
+from metrale.engine_core.engine import EngineCore, EngineOptions
+from metrale.engine_core.pipeline import SpecialTokens
+from metrale.frontend.detokenizer import IncrementalDetokenizer
+from metrale.frontend.tokenizer import Tokenizer
+from metrale.ipc.messages import EngineStats, TokenLogprob
+from metrale.ipc.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEMO_MODEL_NOTE = "serving the built-in tiny demo model: random weights, so its text is random"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The whole result of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """The folder to load: the given one, or the built-in demo model (made once, then cached)."""
+    if model is not None:
+        return model
+    from metrale.gpu_worker.tiny_model import default_model_dir
+
+    log.warning(DEMO_MODEL_NOTE)
+    return str(default_model_dir())
+
+
+def special_tokens_of(tokenizer: Tokenizer) -> SpecialTokens:
+    """The token ids the row masks watch for, from the tokenizer's vocabulary."""
+    return SpecialTokens(
+        think_start=tokenizer.token_id("<think>"),
+        think_end=tokenizer.token_id("</think>"),
+        code_fence=tokenizer.token_id("```"),
+        tool_call_start=tokenizer.token_id("<tool_call>"),
+        tool_call_end=tokenizer.token_id("</tool_call>"),
+    )
+
+
+class LLM:
+    """Generate offline, batched, like vLLM's LLM: LLM(model_dir).generate(prompts, SamplingParams(...))."""
+
+    def __init__(self, model_dir: str | None = None, dtype: str = "auto", **kwargs):
+        args = EngineArgs(model=model_dir, dtype=dtype, **kwargs)
+        args.validate()
+        from metrale.gpu_worker.local_device import LocalDevice
+        from metrale.gpu_worker.model_runner import ModelRunner
+
+        self.args = args
+        self.model_dir = resolve_model_dir(args.model)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.runner = ModelRunner(
+            self.model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            show_progress=args.show_progress,
+        )
+        self.device = LocalDevice(self.runner, threaded=args.pipeline)
+        self.engine = EngineCore(self.device, engine_options(args), special_tokens=special_tokens_of(self.tokenizer))
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt (text, or token ids) to completion; outputs in the order of the prompts.
+
+        A prompt or parameter the engine cannot serve raises ValueError naming the field, and nothing runs.
+        """
+        token_lists = self._token_lists(prompts)
+        plist = _params_list(params, len(token_lists))
+        for p in plist:
+            p.validate(self.engine.info.vocab_size)
+        rids = [f"offline-{next(self._ids)}" for _ in token_lists]
+        outputs = {rid: RequestOutput(rid, ids) for rid, ids in zip(rids, token_lists)}
+        detoks = {rid: IncrementalDetokenizer(self.tokenizer, ids, p) for rid, ids, p in zip(rids, token_lists, plist)}
+        added = []
+        try:
+            for rid, ids, p in zip(rids, token_lists, plist):
+                self.engine.add_request(rid, ids, msgspec.structs.replace(p))
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            self._run_until_idle()
+            raise
+        open_ids = set(rids)
+        while open_ids:
+            for delta in self.engine.step():
+                rid = delta.request_id
+                if rid not in open_ids:
+                    continue
+                out, detok = outputs[rid], detoks[rid]
+                out.token_ids.extend(delta.new_token_ids)
+                if delta.logprobs:
+                    out.logprobs = (out.logprobs or []) + list(delta.logprobs)
+                text, stopped = detok.push(delta.new_token_ids)
+                out.text += text
+                if stopped:
+                    self.engine.abort(rid)  # a stop string ended it: the engine stops generating
+                    out.token_ids = out.token_ids[: len(detok.output_ids)]
+                    out.finish_reason = "stop"
+                    open_ids.discard(rid)
+                elif delta.finish_reason:
+                    out.text += detok.flush()
+                    out.finish_reason = delta.finish_reason
+                    out.error = delta.error
+                    open_ids.discard(rid)
+        self._run_until_idle()
+        return [outputs[rid] for rid in rids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Settle what is in flight and stop the device thread."""
+        self.engine.drain()
+        self.device.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _run_until_idle(self) -> None:
+        """Step until aborted requests are retired and nothing is in flight (their blocks are freed)."""
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def _token_lists(self, prompts) -> list[list[int]]:
+        """Prompts as token id lists: a str or a list of ints is one prompt."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif prompts and isinstance(prompts[0], int):
+            prompts = [list(prompts)]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def engine_options(args: EngineArgs) -> EngineOptions:
+    """The engine core's share of EngineArgs."""
+    return EngineOptions(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting,
+        enable_prefix_caching=args.enable_prefix_caching,
+        pipeline=args.pipeline,
+        seed=args.seed,
+    )
+
+
+def _params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"params has {len(params)} entries for {n} prompts")
+    return list(params)
