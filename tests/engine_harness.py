@@ -30,6 +30,7 @@ class Run:
     finish: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     ticks: int = 0
+    recoveries: int = 0
     engine: EngineCore | None = None
     device: FakeDevice | None = None
 
@@ -48,6 +49,8 @@ def run_workload(
     prefix_caching: bool = True,
     max_ticks: int = 20_000,
     max_model_len: int = 1024,
+    kill_at_tick: int | None = None,
+    recover: bool = True,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each."""
     dev = FakeDevice(
@@ -60,6 +63,7 @@ def run_workload(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=prefix_caching,
+            recover_from_device_loss=recover,
         ),
         special_tokens=TOKS,
         faults=lane_faults,
@@ -79,6 +83,8 @@ def run_workload(
                 if len(run.streams[rid]) >= r.abort_after:
                     aborted.add(rid)
                     eng.abort(rid)
+        if tick == kill_at_tick:
+            dev.kill()  # the worker dies between ticks, with a step in flight
         for d in eng.step():
             assert d.request_id not in run.finish, f"request {d.request_id} streamed after its finish"
             run.streams[d.request_id].extend(d.new_token_ids)
@@ -86,6 +92,10 @@ def run_workload(
                 run.finish[d.request_id] = d.finish_reason
                 if d.error:
                     run.errors[d.request_id] = d.error
+        if eng.device_lost:
+            run.recoveries += 1
+            dev.revive()  # the supervisor's new worker: empty KV
+            eng.recover()
         tick += 1
         assert tick < max_ticks, "the engine did not finish the workload"
     run.ticks = tick
