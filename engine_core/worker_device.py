@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 
 from metrale.ipc.doorbell import Attached, Bell, BellListener, Shutdown, WorkerFailed, WorkerReady, bell_path
-from metrale.ipc.plan import DeviceError, ModelInfo, StepPlan, StepResult, Ticket
+from metrale.ipc.plan import DeviceError, DeviceLost, ModelInfo, StepPlan, StepResult, Ticket
 from metrale.ipc.tickets import SPIN_IS_SAFE, RingGeometry, TicketRing, WorkerStats
 
 DEFAULT_SPIN_US = 100.0
@@ -109,24 +109,32 @@ class WorkerDevice:
     def wait_ready(self, timeout_s: float = 600.0, pid: int | None = None) -> ModelInfo:
         """Wait for a (re)started worker to attach and say ready; steps launched before are abandoned.
 
-        pid: the worker's pid when the caller knows it, so that its death is an error at once."""
+        pid: the worker's pid when the caller knows it, so that its death is an error at once (and a
+        stale connection from an earlier worker is skipped). DeviceError on timeout, or when the
+        worker reports that its runner failed to build."""
         deadline = time.monotonic() + timeout_s
         self._detach()
-        bell = None
-        while bell is None:
+        while True:
             self._raise_if_dead_before_ready(pid)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DeviceError(f"no worker attached to {self._ring.name} within {timeout_s:.1f} s")
             bell = self._listener.accept(min(left, 0.05))
-        try:
-            ready = self._receive_ready(bell, deadline, pid)
-            self._first_seq = self._next_seq
-            bell.send(Attached(first_seq=self._first_seq))
-        except BaseException:
+            if bell is None:
+                continue
+            try:
+                ready = self._receive_ready(bell, deadline, pid)
+                if ready is not None and (pid is None or ready.pid == pid):
+                    bell.send(Attached(first_seq=self._next_seq))
+                    break
+            except OSError:
+                pass  # it went away while attaching: wait for the next one
+            except BaseException:
+                bell.close()
+                raise
             bell.close()
-            raise
         self._bell, self._info, self._pid, self._gone = bell, ready.info, ready.pid, None
+        self._first_seq = self._next_seq
         self._inflight = [0] * self._ring.num_slots
         return ready.info
 
@@ -137,6 +145,8 @@ class WorkerDevice:
 
         RuntimeError if the slot is still in flight (await a ticket first). With no worker attached
         the ticket is still made, and awaiting it raises DeviceError."""
+        if self._closed:
+            raise DeviceError("the device is closed")
         seq = self._next_seq
         slot = seq % self._ring.num_slots
         if self._inflight[slot]:
@@ -155,9 +165,11 @@ class WorkerDevice:
         DeviceError if the step failed (the worker's message), the worker died or was replaced,
         or step_timeout_s passed."""
         slot, seq = ticket.slot, ticket.seq
+        if self._closed:
+            raise DeviceError("the device is closed")
         if self._inflight[slot] != seq:
             if seq < self._first_seq:
-                raise DeviceError(f"step {seq} was abandoned: the worker was restarted")
+                raise DeviceLost(f"step {seq} was abandoned: the worker was restarted")
             raise ValueError(f"{ticket} is not in flight")
         try:
             self._wait_result(slot, seq)
@@ -209,6 +221,11 @@ class WorkerDevice:
         return self._ring.name
 
     @property
+    def bell_path(self) -> str:
+        """The doorbell socket the worker connects to (derived from the ring name)."""
+        return self._listener.path
+
+    @property
     def pid(self) -> int | None:
         """The attached worker's pid (None before wait_ready)."""
         return self._pid
@@ -236,12 +253,12 @@ class WorkerDevice:
         bell = self._bell
         while ring.result_seq(slot) != seq:
             if seq < self._first_seq:
-                raise DeviceError(f"step {seq} was abandoned: the worker was restarted")
+                raise DeviceLost(f"step {seq} was abandoned: the worker was restarted")
             gone = self._why_gone()
             if gone is not None:
                 if ring.result_seq(slot) == seq:
                     return  # published just before the worker went
-                raise DeviceError(f"step {seq} lost: {gone}")
+                raise DeviceLost(f"step {seq} lost: {gone}")
             if give_up is not None and time.monotonic_ns() > give_up:
                 raise DeviceError(f"step {seq} took longer than {self._step_timeout_s} s")
             bell.wait(self._slice_s)
@@ -276,8 +293,8 @@ class WorkerDevice:
             code = self._reap(0.0) if self._proc is not None and self._proc.pid == pid else None
             raise DeviceError(f"the worker process (pid {pid}) exited before it was ready (exit code {code})")
 
-    def _receive_ready(self, bell: Bell, deadline: float, pid: int | None) -> WorkerReady:
-        """The WorkerReady a connected worker sends once its runner is built."""
+    def _receive_ready(self, bell: Bell, deadline: float, pid: int | None) -> WorkerReady | None:
+        """The WorkerReady a connected worker sends once its runner is built; None if it left first."""
         while True:
             message = bell.receive(min(max(deadline - time.monotonic(), 0.0), 0.05))
             if isinstance(message, WorkerReady):
@@ -285,10 +302,10 @@ class WorkerDevice:
             if isinstance(message, WorkerFailed):
                 raise DeviceError(f"the worker (pid {message.pid}) failed to start: {message.message}")
             if bell.peer_gone:
-                raise DeviceError("the worker process exited before it was ready")
+                return None
             self._raise_if_dead_before_ready(pid)
             if time.monotonic() > deadline:
-                raise DeviceError(f"the worker connected but was not ready within the timeout on {self._ring.name}")
+                raise DeviceError(f"a worker connected to {self._ring.name} but was not ready in time")
 
     def _detach(self) -> None:
         """Forget the current worker: its steps in flight are abandoned."""

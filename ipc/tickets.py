@@ -38,6 +38,7 @@ SEGMENT_PREFIX = "metrale-"
 SHM_DIR = "/dev/shm"
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
 VERSION = 1
+_sched_yield = getattr(os, "sched_yield", lambda: None)
 SPIN_IS_SAFE = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
 STATUS_OK = 0
@@ -190,7 +191,7 @@ class TicketRing:
         slot_at = [_HEADER_BYTES + s * slot_bytes for s in range(self.num_slots)]
         self._plan_regions = [_regions(base, at, offsets, self.geometry, _PLAN_FIELDS) for at in slot_at]
         self._result_regions = [_regions(base, at, offsets, self.geometry, _RESULT_FIELDS) for at in slot_at]
-        self._plan_cache: list[tuple[tuple | None, StepPlan | None]] = [(None, None)] * self.num_slots
+        self._plan_cache: list[tuple[tuple | None, list[np.ndarray] | None]] = [(None, None)] * self.num_slots
         # The header and control blocks as int64s read and written one at a time: the hot spin reads
         # a seq through this memoryview, several times cheaper than numpy scalar indexing.
         self._seqs = shm.buf.cast("q")
@@ -246,9 +247,8 @@ class TicketRing:
 
         Values are cast to the slot's dtypes (the StepPlan ones) as numpy assignment does."""
         counts = self._plan_counts(plan)
-        views = self._plan_views(slot, counts)
-        for name in _PLAN_NAMES:
-            getattr(views, name)[...] = getattr(plan, name)
+        for name, view in zip(_PLAN_NAMES, self._plan_views(slot, counts)):
+            view[...] = getattr(plan, name)
         c = self._ctrl[slot]
         self._q[c + _C_T : c + _C_H + 1] = counts
 
@@ -261,27 +261,27 @@ class TicketRing:
         return self._seqs[self._ctrl[slot] + _C_PLAN_SEQ]
 
     def read_plan(self, slot: int) -> StepPlan:
-        """The slot's plan as zero-copy views, valid until the engine reuses the slot.
-
-        The same StepPlan object comes back while a slot's counts repeat (steady decode): treat it
-        as read-only and do not keep it past the step."""
+        """The slot's plan as zero-copy views, valid until the engine reuses the slot (do not keep them)."""
         c = self._ctrl[slot]
         q = self._seqs
-        return self._plan_views(slot, (q[c + _C_T], q[c + _C_R], q[c + _C_B], q[c + _C_K], q[c + _C_H]))
+        return StepPlan(*self._plan_views(slot, (q[c + _C_T], q[c + _C_R], q[c + _C_B], q[c + _C_K], q[c + _C_H])))
 
-    def _plan_views(self, slot: int, counts: tuple[int, int, int, int, int]) -> StepPlan:
-        """A StepPlan of views into a slot for these counts, cached while the counts repeat."""
+    def _plan_views(self, slot: int, counts: tuple[int, int, int, int, int]) -> list[np.ndarray]:
+        """Views of a slot's plan regions for these counts, in field order; cached while counts repeat."""
         cached_counts, cached = self._plan_cache[slot]
         if cached_counts == counts:
             return cached
         t, r, b, k, h = counts
         lengths = _lengths(t, r, b, k, h)
-        arrays = [region[: lengths[kind]] for (_, _, kind), region in zip(_PLAN_FIELDS, self._plan_regions[slot])]
-        arrays[5] = arrays[5].reshape(r, b)  # block_tables
-        arrays[18] = arrays[18].reshape(r, k)  # ban_ids
-        views = StepPlan(*arrays)
+        views = [region[: lengths[kind]] for (_, _, kind), region in zip(_PLAN_FIELDS, self._plan_regions[slot])]
+        views[5] = views[5].reshape(r, b)  # block_tables
+        views[18] = views[18].reshape(r, k)  # ban_ids
         self._plan_cache[slot] = (counts, views)
         return views
+
+    def spin_for_plan(self, slot: int, seq: int, until_ns: int) -> bool:
+        """Spin until plan seq is published in slot (True) or time.monotonic_ns() reaches until_ns."""
+        return self._spin(self._ctrl[slot] + _C_PLAN_SEQ, seq, until_ns)
 
     # ---- results (worker writes, engine reads) ---------------------------------------------
 
@@ -341,6 +341,23 @@ class TicketRing:
                     setattr(result, name, getattr(result, name).copy())
         return result
 
+    def spin_for_result(self, slot: int, seq: int, until_ns: int) -> bool:
+        """Spin until result seq is published in slot (True) or time.monotonic_ns() reaches until_ns."""
+        return self._spin(self._ctrl[slot] + _C_RESULT_SEQ, seq, until_ns)
+
+    def _spin(self, index: int, seq: int, until_ns: int) -> bool:
+        """Busy-wait for the int64 at index to equal seq, yielding the core every turn.
+
+        The yield is what makes spinning safe on a 2-core host: when the peer (or anything else)
+        is runnable on this core it runs at once instead of waiting out the spin; when nothing is,
+        sched_yield returns in well under a microsecond."""
+        q = self._seqs
+        while q[index] != seq:
+            if time.monotonic_ns() >= until_ns:
+                return False
+            _sched_yield()
+        return True
+
     # ---- worker statistics (worker writes, anyone reads) ------------------------------------
 
     def store_worker_stats(
@@ -388,10 +405,10 @@ class TicketRing:
             ):
                 if value > limit:
                     raise ValueError(f"plan has {value} {what}, the ticket ring holds at most {limit}")
-        lengths = _lengths(t, r, b, k, h)
+        shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,)}
         for name, _, kind in _PLAN_FIELDS:
-            if getattr(plan, name).size != lengths[kind]:
-                raise ValueError(f"plan.{name} has {getattr(plan, name).size} elements, expected {lengths[kind]}")
+            if getattr(plan, name).shape != shapes[kind]:
+                raise ValueError(f"plan.{name} has shape {getattr(plan, name).shape}, expected {shapes[kind]}")
         return t, r, b, k, h
 
     def _result_counts(self, result: StepResult) -> tuple[int, int, int]:

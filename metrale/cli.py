@@ -112,3 +112,7 @@ def status(host: str, port: int) -> None:
         health = client.health()
         stats = client.stats()
     click.echo(msgspec.json.encode({"health": health, "stats": stats}).decode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""IncrementalDetokenizer: token ids in, text deltas out, one per request, with stop strings.
+
+The "prefix offset / read offset" technique (HF TextStreamer, vLLM): the text of the new tokens is the decode of
+a short window `ids[prefix:]` minus the decode of `ids[prefix:read]`, so a token's text is decoded in the context
+of the token before it (SentencePiece's leading spaces come out right). The window advances only when its text
+grew and does not end in U+FFFD — a UTF-8 character split across tokens waits for its last byte and is never
+emitted as replacement characters mid-way.
+
+Stop strings: text that might be the beginning of a stop string is held back; when a stop string completes, the
+text before it is emitted, the request is stopped, and no character of the stop string is ever emitted.
+
+The output text is the decode of the output ids in the context of the prompt's last few tokens; for byte-level
+BPE tokenizers that equals `tokenizer.decode(output_ids)`. Pure and synchronous: the server and the offline
+`metrale.LLM` share it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from metrale.ipc.sampling import SamplingParams
+
+# Prompt tokens decoded before the first output token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class Decoder(Protocol):
+    """What the detokenizer needs of a tokenizer."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """One request's detokenization state; push new ids, get new text."""
+
+    __slots__ = (
+        "_tok", "_skip", "_stops", "_ids", "_prefix", "_read", "_prefix_text", "_pending", "_pieces",
+        "output_ids", "stopped", "stop_string",
+    )
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._tok = tokenizer
+        self._skip = params.skip_special_tokens
+        self._stops: tuple[str, ...] = tuple(s for s in params.stop if s)
+        self._ids: list[int] = _prompt_context(tokenizer, prompt_ids, self._skip)
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._prefix_text = tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        self._pending = ""  # decoded text not emitted yet: a possible stop-string start
+        self._pieces: list[str] = []  # everything emitted, for `text`
+        self.output_ids: list[int] = []  # ids accepted (those after a stop string are not)
+        self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the request
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    def push(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Feed new ids; return (text to emit now, whether a stop string ended the request)."""
+        out: list[str] = []
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            self._ids.append(token_id)
+            self.output_ids.append(token_id)
+            new_text = self._advance(final=False)
+            if new_text:
+                out.append(self._release(new_text, final=False))
+        return self._emit("".join(out)), self.stopped
+
+    def flush(self) -> str:
+        """At the end of the request: emit what was held back (incomplete characters, partial stop strings)."""
+        if self.stopped:
+            return ""
+        return self._emit(self._release(self._advance(final=True), final=True))
+
+    def _advance(self, final: bool) -> str:
+        """Text the window gained since the last advance, or "" while it may still be mid-character."""
+        new_text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        grew = len(new_text) > len(self._prefix_text)
+        if not grew or (not final and new_text.endswith(_REPLACEMENT)):
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        return delta
+
+    def _release(self, new_text: str, final: bool) -> str:
+        """Add decoded text to the held-back text; return what may be emitted, stopping at a stop string."""
+        pending = self._pending + new_text
+        if not self._stops:
+            self._pending = ""
+            return pending
+        hit, which = _earliest_stop(pending, self._stops)
+        if hit >= 0:
+            self.stopped, self.stop_string, self._pending = True, which, ""
+            return pending[:hit]
+        keep = 0 if final else _held_suffix(pending, self._stops)
+        self._pending = pending[len(pending) - keep :] if keep else ""
+        return pending[: len(pending) - keep]
+
+    def _emit(self, text: str) -> str:
+        """Record emitted text and return it."""
+        if text:
+            self._pieces.append(text)
+        return text
+
+
+def _prompt_context(tokenizer: Decoder, prompt_ids: list[int], skip: bool) -> list[int]:
+    """The prompt's last few ids, or none when they end mid-character (their text would not be a prefix)."""
+    context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+    if context and tokenizer.decode(context, skip_special_tokens=skip).endswith(_REPLACEMENT):
+        return []
+    return context
+
+
+def _earliest_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str | None]:
+    """Index of the first stop string in text and which one it is, or (-1, None)."""
+    best, which = -1, None
+    for stop in stops:
+        i = text.find(stop)
+        if i >= 0 and (best < 0 or i < best):
+            best, which = i, stop
+    return best, which
+
+
+def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        start = max(len(text) - len(stop) + 1, 0)
+        i = text.find(stop[0], start)
+        while i >= 0 and len(text) - i > longest:
+            if stop.startswith(text[i:]):
+                longest = len(text) - i
+                break
+            i = text.find(stop[0], i + 1)
+    return longest

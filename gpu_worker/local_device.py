@@ -1,0 +1,137 @@
+"""LocalDevice: the model runner in-process, behind the Device protocol (offline use and tests).
+
+Steps run in launch order on one background thread; torch releases the GIL while it computes, so
+the engine core can commit step t on the calling thread while step t+1 runs — the same overlap the
+worker process gives, without the process. threaded=False runs each step inside launch().
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrale.gpu_worker.model_runner import ModelRunner
+from metrale.ipc.plan import DeviceError, ModelInfo, StepPlan, StepResult, Ticket
+
+_WAIT_SLICE_S = 0.1  # await_result wakes this often to notice a dead or closed device
+_STOP = None  # the queue item that ends the thread
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """A finished step: its result, or the exception it raised."""
+
+    result: StepResult | None = None
+    error: BaseException | None = None
+
+
+class LocalDevice:
+    """A Device whose steps run on a ModelRunner in this process."""
+
+    def __init__(self, runner: ModelRunner, threaded: bool = True):
+        """Wrap runner; with threaded, start the one thread that executes launched steps in order."""
+        self.runner = runner
+        self.threaded = threaded
+        self._next_seq = 0
+        self._runner_step: dict[int, int] = {}  # ticket seq -> runner step index (for read_logits)
+        self._outcomes: dict[int, _Outcome] = {}  # finished steps not yet awaited
+        self._finished = 0  # steps finish in launch order: seqs below this have finished
+        self._done = threading.Condition()
+        self._closed = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._serve, name="metrale-local-device", daemon=True)
+            self._thread.start()
+
+    def launch(self, plan: StepPlan) -> Ticket:
+        """Queue the step (or, unthreaded, run it now) and return its ticket."""
+        if self._closed:
+            raise DeviceError("the device is closed")
+        seq = self._next_seq
+        self._next_seq += 1
+        if self.threaded:
+            self._queue.put((seq, plan))
+        else:
+            self._run(seq, plan)
+        return Ticket(slot=0, seq=seq)
+
+    def await_result(self, ticket: Ticket) -> StepResult:
+        """Wait for the ticket's step; DeviceError if it failed, or the device closed or died first."""
+        with self._done:
+            while ticket.seq not in self._outcomes:
+                if ticket.seq >= self._next_seq:
+                    raise DeviceError(f"step {ticket.seq} was never launched")
+                if ticket.seq < self._finished:
+                    raise DeviceError(f"step {ticket.seq} was already awaited")
+                if self._closed:
+                    raise DeviceError("the device was closed before the step finished")
+                if self._thread is not None and not self._thread.is_alive():
+                    raise DeviceError("the device thread is gone")
+                self._done.wait(_WAIT_SLICE_S)
+            outcome = self._outcomes.pop(ticket.seq)
+        if outcome.error is not None:
+            raise DeviceError(f"step {ticket.seq} failed: {outcome.error!r}") from outcome.error
+        return outcome.result
+
+    def read_logits(self, ticket: Ticket) -> np.ndarray:
+        """float32 [R, V] raw logits of the ticket's (settled) step; zero rows did not sample."""
+        step = self._runner_step.get(ticket.seq)
+        if step is None:
+            raise DeviceError(f"step {ticket.seq} has no logits (not run, or failed)")
+        try:
+            return self.runner.read_logits(step)
+        except KeyError as exc:
+            raise DeviceError(str(exc)) from exc
+
+    def model(self) -> ModelInfo:
+        """The runner's model facts."""
+        return self.runner.info
+
+    def close(self) -> None:
+        """Stop the thread after the step it is running; queued steps are abandoned."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            # Drop what is queued so the thread reaches the stop item without running it.
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._queue.put(_STOP)
+            self._thread.join()
+        with self._done:
+            self._done.notify_all()
+
+    def __enter__(self) -> LocalDevice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _serve(self) -> None:
+        """The device thread: run queued steps in order until the stop item."""
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            self._run(*item)
+
+    def _run(self, seq: int, plan: StepPlan) -> None:
+        """Execute one step and publish its outcome."""
+        outcome = _Outcome()
+        try:
+            outcome.result = self.runner.execute(plan)
+            self._runner_step[seq] = self.runner.steps_executed - 1
+            self._runner_step.pop(seq - 4, None)  # the runner keeps only the last few steps' logits
+        except Exception as exc:  # a failed step is reported to its awaiter, never kills the thread
+            outcome.error = exc
+        with self._done:
+            self._outcomes[seq] = outcome
+            self._finished = seq + 1
+            self._done.notify_all()

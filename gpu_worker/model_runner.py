@@ -1,0 +1,306 @@
+"""The model runner: executes a StepPlan on the model and its paged KV cache, and samples.
+
+One `execute(plan)` is one step: copy the plan's token arrays to the device, take fed rows' inputs
+from the previous step's sampled tokens (still on the device: no host round trip), run the forward,
+compute logits for the rows that sample (their last token only), sample, and return the tokens.
+The runner is not thread-safe: one caller at a time (LocalDevice and the worker loop each own one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from metrale.gpu_worker.layers.attention import AttentionMetadata, build_metadata
+from metrale.gpu_worker.layers.kv_cache import PagedKVCache
+from metrale.gpu_worker.loader import load_model
+from metrale.gpu_worker.sampler import Sampler, SamplerOutput
+from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult
+
+CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
+GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
+GPU_RESERVED_BYTES = 1 << 30  # left for activations, logits and the sampler's scratch
+LOGITS_KEPT = 2  # steps whose logits read_logits can still return (the settled one and one ahead)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(slots=True)
+class _StepLogits:
+    """One executed step's logits, kept on the device until read or replaced."""
+
+    step: int
+    logits: torch.Tensor  # float32 [S, V]
+    rows: np.ndarray  # int64 [S]: the plan rows they belong to
+    num_rows: int  # R
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A plan's tensors on the device, ready for the forward."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    dynamic_seq_lens: torch.Tensor | None
+
+
+class _Staging:
+    """Device buffers for per-token and per-row arrays, grown on demand and reused every step."""
+
+    def __init__(self, device: torch.device):
+        """Start empty; the first steps size the buffers."""
+        self.device = device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """The array copied into buffer `name` (converted to dtype); a view valid until the next put."""
+        n = len(array)
+        buf = self._bufs.get(name)
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(max(n, 2 * (0 if buf is None else buf.shape[0]), 64), dtype=dtype, device=self.device)
+            self._bufs[name] = buf
+        view = buf[:n]
+        view.copy_(torch.from_numpy(np.ascontiguousarray(array)), non_blocking=True)
+        return view
+
+
+class ModelRunner:
+    """A loaded model, its paged KV cache and its sampler; executes StepPlans one at a time."""
+
+    def __init__(
+        self,
+        model_dir: str | pathlib.Path,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        show_progress: bool = True,
+    ):
+        """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)."""
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_dir = pathlib.Path(model_dir)
+        self.model, config = load_model(model_dir, dtype=dtype, device=self.device, show_progress=show_progress)
+        cfg = self.model.config
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        num_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory)
+        self.kv_cache = PagedKVCache(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=self.model.dtype, device=self.device,
+        )
+        self.info = ModelInfo(
+            name=self.model_dir.name,
+            vocab_size=cfg.vocab_size,
+            max_model_len=cfg.max_model_len,
+            eos_token_ids=_eos_token_ids(self.model_dir, config),
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            dtype=_DTYPE_NAMES[self.model.dtype],
+            fed_ahead_policy=FedAheadPolicy.REWIND,
+        )
+        self.sampler = Sampler(cfg.vocab_size, self.device)
+        self._staging = _Staging(self.device)
+        self._dynamic_rope = cfg.rope.rope_type == "dynamic"
+        self._last_tokens = torch.full((max(max_num_seqs, 1),), -1, dtype=torch.int64, device=self.device)
+        self._last_sample: np.ndarray | None = None  # bool [R] of the last executed step; None = no source
+        self._logits: deque[_StepLogits] = deque(maxlen=LOGITS_KEPT)
+        self.steps_executed = 0
+
+    # ---- public --------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step and sample; tokens[r] is -1 for rows that do not sample."""
+        start = time.perf_counter()
+        step = self.steps_executed
+        self.steps_executed += 1
+        prev_sample, self._last_sample = self._last_sample, None  # a failure leaves no feed source
+        with torch.inference_mode():
+            prepared = self._prepare(plan)
+            self._apply_feeds(plan, prepared.input_ids, prev_sample)
+            hidden = self._forward(prepared)
+            rows = np.flatnonzero(plan.sample)
+            if len(rows) == 0:
+                self._last_tokens[: plan.num_rows].fill_(-1)
+                self._last_sample = plan.sample.copy()
+                return StepResult(tokens=np.full(plan.num_rows, -1, dtype=np.int32), timings=_timings(start))
+            logits = self._logits_of(plan, hidden, rows)
+            # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync.
+            out = self.sampler(logits, plan, torch.from_numpy(rows))
+            self._keep_tokens(plan, self._staging.put("rows", rows), out.tokens)
+            self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
+            return self._result(plan, rows, out, start)
+
+    def forward_only(self, plan: StepPlan, *, sync: bool = True) -> torch.Tensor:
+        """The same step without feeds or sampling: float32 [S, V] logits of the sampling rows.
+
+        The forward-only floor for benchmarks (the plan's input_ids are used as they are). It writes
+        the KV cache like execute does, and leaves execute's feed state alone.
+        """
+        with torch.inference_mode():
+            prepared = self._prepare(plan)
+            hidden = self._forward(prepared)
+            logits = self._logits_of(plan, hidden, np.flatnonzero(plan.sample))
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return logits
+
+    def read_logits(self, step: int | None = None) -> np.ndarray:
+        """float32 [R, V] raw logits of an executed step (default: the last); zero rows did not sample.
+
+        `step` counts executed steps from 0; the last LOGITS_KEPT steps are kept. KeyError if gone.
+        """
+        for kept in reversed(list(self._logits)):  # a snapshot: LocalDevice may be appending
+            if step is None or kept.step == step:
+                out = np.zeros((kept.num_rows, self.info.vocab_size), dtype=np.float32)
+                out[kept.rows] = kept.logits.cpu().numpy()
+                return out
+        raise KeyError(f"logits of step {step} are no longer kept")
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def _check(self, plan: StepPlan) -> None:
+        """ValueError for a malformed plan or an index outside the model or the cache: caught here on
+        the host, since on a GPU an out-of-range index is a device-side assert that ends the CUDA context."""
+        t, r = plan.num_tokens, plan.num_rows
+        if t == 0 or len(plan.query_start) != r + 1 or int(plan.query_start[-1]) != t:
+            raise ValueError(f"invalid plan: {t} tokens, {r} rows, query_start ending {plan.query_start[-1:]}")
+        q_lens = np.diff(plan.query_start)
+        if int(q_lens.min()) < 1 or (plan.seq_lens < q_lens).any():
+            raise ValueError("invalid plan: a row with no tokens, or a seq_len below its token count")
+        host_fed = np.ones(t, dtype=bool)
+        host_fed[plan.query_start[:-1][plan.feed_from_row >= 0]] = False
+        if _outside(plan.input_ids[host_fed], self.info.vocab_size):
+            raise ValueError("invalid plan: an input id outside the vocabulary")
+        if _outside(plan.positions, self.info.max_model_len):
+            raise ValueError("invalid plan: a position outside the model's context")
+        if _outside(plan.slot_mapping, self.kv_cache.num_blocks * self.block_size):
+            raise ValueError("invalid plan: a slot outside the KV cache")
+        if _outside(plan.block_tables, self.kv_cache.num_blocks):
+            raise ValueError("invalid plan: a block id outside the KV cache")
+        if -(-int(plan.seq_lens.max()) // self.block_size) > plan.block_tables.shape[1]:
+            raise ValueError("invalid plan: block_tables narrower than the longest row's seq_len needs")
+
+    def _prepare(self, plan: StepPlan) -> _Prepared:
+        """Copy the plan's token arrays to the device and build the attention metadata."""
+        self._check(plan)
+        input_ids = self._staging.put("input_ids", plan.input_ids)
+        positions = self._staging.put("positions", plan.positions)
+        slot_mapping = self._staging.put("slot_mapping", plan.slot_mapping)
+        meta = build_metadata(
+            plan.query_start,
+            plan.seq_lens,
+            plan.block_tables,
+            slot_mapping,
+            block_size=self.block_size,
+            windows=self.model.windows,
+            device=self.device,
+        )
+        dynamic = None
+        if self._dynamic_rope and int(plan.seq_lens.max()) > self.model.config.rope.max_position_embeddings:
+            dynamic = self._staging.put("token_seq_lens", np.repeat(plan.seq_lens, np.diff(plan.query_start)))
+        return _Prepared(input_ids, positions, meta, dynamic)
+
+    def _apply_feeds(self, plan: StepPlan, input_ids: torch.Tensor, prev: np.ndarray | None) -> None:
+        """Fed rows take their input from the previous step's sampled token of row feed_from_row[r].
+
+        prev is the previous step's sample mask (None if it failed or there was none).
+        """
+        fed = np.flatnonzero(plan.feed_from_row >= 0)
+        if len(fed) == 0:
+            return
+        src = plan.feed_from_row[fed]
+        if prev is None or int(src.max()) >= len(prev) or not prev[src].all():
+            raise ValueError(f"rows {fed.tolist()} are fed from rows {src.tolist()}: not all sampled in the previous step")
+        if not (np.diff(plan.query_start)[fed] == 1).all():
+            raise ValueError("a fed row must have exactly one token")
+        token_idx = self._staging.put("fed_tokens", plan.query_start[fed])
+        input_ids[token_idx] = self._last_tokens[self._staging.put("fed_src", src)]
+
+    def _forward(self, p: _Prepared) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's tokens."""
+        return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.dynamic_seq_lens)
+
+    def _logits_of(self, plan: StepPlan, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """float32 [S, V] logits at the last token of each sampling row."""
+        last = self._staging.put("last_token", plan.query_start[rows + 1] - 1)
+        return self.model.compute_logits(hidden[last])
+
+    def _keep_tokens(self, plan: StepPlan, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Remember this step's sampled tokens on the device: the next step's feeds read them."""
+        if plan.num_rows > self._last_tokens.shape[0]:
+            self._last_tokens = torch.empty(2 * plan.num_rows, dtype=torch.int64, device=self.device)
+        self._last_tokens[: plan.num_rows].fill_(-1)
+        self._last_tokens[rows_dev] = tokens
+        self._last_sample = plan.sample.copy()
+
+    def _result(self, plan: StepPlan, rows: np.ndarray, out: SamplerOutput, start: float) -> StepResult:
+        """The StepResult row for row: tokens, and logprobs when any row asked for them."""
+        tokens = np.full(plan.num_rows, -1, dtype=np.int32)
+        tokens[rows] = out.tokens.cpu().numpy()
+        result = StepResult(tokens=tokens)
+        if out.logprobs is not None:
+            result.logprobs = np.full(plan.num_rows, np.nan, dtype=np.float32)
+            result.logprobs[rows] = out.logprobs.float().cpu().numpy()
+        if out.top_ids is not None:
+            n = out.top_ids.shape[1]
+            result.top_ids = np.full((plan.num_rows, n), -1, dtype=np.int32)
+            result.top_ids[rows] = out.top_ids.cpu().numpy()
+            result.top_logprobs = np.full((plan.num_rows, n), np.nan, dtype=np.float32)
+            result.top_logprobs[rows] = out.top_logprobs.float().cpu().numpy()
+        result.timings = _timings(start)
+        return result
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None) -> int:
+        """Blocks as asked, or as many as the byte budget holds (default: a share of free memory,
+        capped at what max_num_seqs sequences of max_model_len could use)."""
+        if num_kv_blocks is not None:
+            return int(num_kv_blocks)
+        cfg = self.model.config
+        per_block = PagedKVCache.bytes_per_block(
+            cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, self.model.dtype
+        )
+        if kv_cache_memory is not None:
+            return max(1, int(kv_cache_memory) // per_block)
+        cap = self.max_num_seqs * math.ceil(cfg.max_model_len / self.block_size) + 1
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_KV_CACHE_FRACTION) - GPU_RESERVED_BYTES
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        return max(1, min(cap, budget // per_block))
+
+
+def _outside(values: np.ndarray, end: int) -> bool:
+    """True when some value lies outside [0, end)."""
+    return values.size > 0 and (int(values.min()) < 0 or int(values.max()) >= end)
+
+
+def _timings(start: float) -> dict[str, float]:
+    """The step's host wall time (it includes the device, since the result is on the host)."""
+    return {"execute_s": time.perf_counter() - start}
+
+
+def _eos_token_ids(model_dir: pathlib.Path, config: dict) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's eos_token_id (int or list), else config.json's."""
+    eos = None
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))

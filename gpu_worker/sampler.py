@@ -1,0 +1,346 @@
+"""The device-side sampler: penalties, masks, temperature, top-k/top-p/min-p, seeded picks and logprobs.
+
+Everything is batched over the S sampling rows; the only per-row Python is numpy over the plan's small
+per-row arrays. Semantics follow vLLM: penalties (and bans) change the logits every pick sees, greedy
+rows take the argmax of those, sampled rows divide by the temperature, then top-k, top-p (over the
+top-k survivors) and min-p mask tokens out, and the pick is a Gumbel-max draw.
+
+Batch invariance: a row's noise is a splitmix64 hash of (seed, position, vocab index), computed with
+integer torch ops, so a row's token depends on its own logits and parameters only — never on the other
+rows nor on a shared generator — and every filter is a row-local operation whose result is unchanged
+for rows that do not ask for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, StepPlan
+
+GREEDY_EPS = 1e-5  # temperatures below this pick greedily (vLLM's _SAMPLING_EPS)
+NOISE_BITS = 23  # uniform draws are (k + 0.5) / 2**23: exact in float32 and strictly inside (0, 1)
+# Elements hashed per chunk (whole rows): bounds the integer scratch whatever S is. On CPU the size
+# barely matters; on an accelerator a big chunk keeps kernel launches few (scratch 3 x 128 MiB at most).
+NOISE_CHUNK_CPU = 1 << 17
+NOISE_CHUNK_DEVICE = 1 << 24
+
+# splitmix64 constants (Steele, Lea & Flood 2014; the finaliser of Vigna's splitmix64).
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_U64 = np.uint64
+
+
+def _as_int64(x: int) -> int:
+    """The signed int64 with the same bits as the unsigned 64-bit x (what torch holds)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _mix64_np(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 numpy values (wrapping arithmetic)."""
+    z = (z ^ (z >> _U64(30))) * _U64(_MIX1)
+    z = (z ^ (z >> _U64(27))) * _U64(_MIX2)
+    return z ^ (z >> _U64(31))
+
+
+def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
+    """splitmix64's finaliser in place over int64 torch values; tmp is scratch of z's shape.
+
+    torch's int64 multiply wraps like uint64's does; its right shift is arithmetic, so each shifted
+    value is masked to the bits a logical shift would keep.
+    """
+    for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp.bitwise_and_((1 << (64 - shift)) - 1)
+        z.bitwise_xor_(tmp)
+        if mult is not None:
+            z.mul_(_as_int64(mult))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index among ties); max().indices is ~3x faster than argmax on CPU."""
+    return x.max(dim=-1).indices
+
+
+def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Each row's noise key (int64 bits): a hash of its (seed, position) and nothing else."""
+    with np.errstate(over="ignore"):
+        s = seeds.astype(np.int64).view(np.uint64)
+        p = positions.astype(np.int64).view(np.uint64)
+        key = _mix64_np(_mix64_np(s + _U64(_GOLDEN)) + (p + _U64(1)) * _U64(_GOLDEN))
+    return key.view(np.int64)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's picks for the S sampling rows, and their logprobs when any row asked."""
+
+    tokens: torch.Tensor  # int64 [S]
+    logprobs: torch.Tensor | None  # float32 [S]: the pick's log-prob under the raw model distribution
+    top_ids: torch.Tensor | None  # int64 [S, N], N = max num_logprobs (None when N == 0)
+    top_logprobs: torch.Tensor | None  # float32 [S, N], sorted descending
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The sampling rows' parameters, gathered on the host, with the batch-wide decisions they imply."""
+
+    rows: np.ndarray  # int64 [S]: plan row of each sampling row
+    greedy: np.ndarray  # bool [S]
+    penalised: np.ndarray  # bool [S]
+    banned: np.ndarray  # bool [S]
+    forced: np.ndarray  # bool [S]
+    top_k_on: np.ndarray  # bool [S]
+    top_p_on: np.ndarray  # bool [S]
+    min_p_on: np.ndarray  # bool [S]
+    max_logprobs: int  # -1 when no row wants logprobs
+
+    @property
+    def fast(self) -> bool:
+        """True when a plain argmax of the logits is the whole answer."""
+        return bool(
+            self.greedy.all()
+            and not self.penalised.any()
+            and not self.banned.any()
+            and not self.forced.any()
+            and self.max_logprobs < 0
+        )
+
+
+def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int) -> _Batch:
+    """Read the sampling rows' parameters from the plan and decide which stages the step needs."""
+    mask = plan.mask_kind[rows]
+    greedy = (plan.temperature[rows] < GREEDY_EPS) | ((mask & MASK_GREEDY) != 0)
+    top_k = plan.top_k[rows]
+    num_logprobs = plan.num_logprobs[rows]
+    return _Batch(
+        rows=rows,
+        greedy=greedy,
+        penalised=(plan.repetition_penalty[rows] != 1.0)
+        | (plan.presence_penalty[rows] != 0.0)
+        | (plan.frequency_penalty[rows] != 0.0),
+        banned=(mask & MASK_BAN) != 0,
+        forced=(mask & MASK_FORCE) != 0,
+        top_k_on=~greedy & (top_k > 0) & (top_k < vocab_size),
+        top_p_on=~greedy & (plan.top_p[rows] < 1.0),
+        min_p_on=~greedy & (plan.min_p[rows] > 0.0),
+        max_logprobs=int(num_logprobs.max()) if len(rows) else -1,
+    )
+
+
+class Sampler:
+    """Picks one token per sampling row from its logits, as the plan's per-row parameters say."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        """Prepare the vocab-wide constants; the [S, V] scratch grows to the largest S seen."""
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        with np.errstate(over="ignore"):
+            steps = (np.arange(1, vocab_size + 1, dtype=np.uint64) * _U64(_GOLDEN)).view(np.int64)
+        self._vocab_steps = torch.from_numpy(steps).to(self.device)  # splitmix64's stream increments
+        self._capacity = 0
+        self._work = self._hash = self._scratch = self._noise = self._mask = None
+
+    def __call__(self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor) -> SamplerOutput:
+        """Sample one token for each of the S rows of logits (plan row rows[i] for logits[i])."""
+        # Pass rows on the CPU: the plan's arrays are host numpy, and a device rows tensor costs a sync.
+        rows_np = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
+        batch = _gather(plan, rows_np.astype(np.int64, copy=False), self.vocab_size)
+        if batch.fast:
+            return SamplerOutput(argmax(logits), None, None, None)
+        work = self._scratch_rows(len(rows_np))
+        work.copy_(logits)
+        if batch.penalised.any():
+            self._apply_penalties(work, plan, batch)
+        if batch.banned.any():
+            self._apply_bans(work, plan, batch)
+        tokens = self._pick(work, plan, batch)
+        if batch.forced.any():
+            forced = self._to_device(plan.force_token[batch.rows].astype(np.int64))
+            tokens = torch.where(self._to_device(batch.forced), forced, tokens)
+        return self._with_logprobs(logits, tokens, batch.max_logprobs)
+
+    def noise(self, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Gumbel noise float32 [S, V] for rows keyed by (seed, position): a new tensor, for tests."""
+        out = torch.zeros(len(seeds), self.vocab_size, dtype=torch.float32, device=self.device)
+        self._add_noise(out, seeds, positions)
+        return out
+
+    def _add_noise(self, work: torch.Tensor, seeds: np.ndarray, positions: np.ndarray) -> None:
+        """Add each row's Gumbel noise to work, a few rows at a time so the integer scratch stays small.
+
+        Every op is element-wise, so a row's noise is the same bits whichever chunk it falls in.
+        """
+        keys = self._to_device(row_keys(seeds, positions))
+        z_all, tmp_all, g_all = self._noise_scratch()
+        step = z_all.shape[0]
+        for first in range(0, len(keys), step):
+            n = min(step, len(keys) - first)
+            z, tmp, g = z_all[:n], tmp_all[:n], g_all[:n]
+            torch.add(keys[first : first + n, None], self._vocab_steps[None, :], out=z)
+            _mix64_(z, tmp)
+            torch.bitwise_right_shift(z, 64 - NOISE_BITS, out=tmp)
+            tmp.bitwise_and_((1 << NOISE_BITS) - 1)
+            g.copy_(tmp)
+            # u = (k + 0.5) / 2**23 lies strictly inside (0, 1), so -log(-log(u)) is always finite.
+            g.add_(0.5).mul_(2.0**-NOISE_BITS).log_().neg_().log_().neg_()
+            work[first : first + n].add_(g)
+
+    def _noise_scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The hash scratch (two int64 and one float32 [chunk, V]), made on first use and kept."""
+        if self._hash is None:
+            budget = NOISE_CHUNK_CPU if self.device.type == "cpu" else NOISE_CHUNK_DEVICE
+            shape = (max(1, budget // self.vocab_size), self.vocab_size)
+            self._hash = torch.empty(shape, dtype=torch.int64, device=self.device)
+            self._scratch = torch.empty(shape, dtype=torch.int64, device=self.device)
+            self._noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self._hash, self._scratch, self._noise
+
+    def _scratch_rows(self, n: int) -> torch.Tensor:
+        """The float32 [n, V] work buffer (and the bool mask beside it), grown when n exceeds the capacity."""
+        if n > self._capacity:
+            shape = (n, self.vocab_size)
+            self._work = torch.empty(shape, dtype=torch.float32, device=self.device)
+            self._mask = torch.empty(shape, dtype=torch.bool, device=self.device)
+            self._capacity = n
+        return self._work[:n]
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A small host array as a tensor on the sampler's device, copied without a device sync."""
+        host = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type == "cpu":
+            return host
+        # Through (cached) pinned memory so the copy is truly asynchronous: the host never waits on
+        # the kernels queued ahead of it.
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _apply_penalties(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> None:
+        """vLLM's penalties, touching only the (row, token) cells that occur in a row's history.
+
+        Repetition over prompt and output (divide positive logits, multiply negative ones), then
+        frequency (times the output count) and presence (once) over output tokens only.
+        """
+        rows, vocab = batch.rows, self.vocab_size
+        starts = plan.hist_start[rows].astype(np.int64)
+        lens = np.where(batch.penalised, plan.hist_start[rows + 1] - starts, 0)
+        total = int(lens.sum())
+        if total == 0:
+            return
+        first = np.cumsum(lens) - lens  # where each row's history begins in the gathered list
+        within = np.arange(total) - np.repeat(first, lens)
+        tokens = plan.hist_tokens[np.repeat(starts, lens) + within].astype(np.int64)
+        row_of = np.repeat(np.arange(len(rows)), lens)
+        is_output = within >= np.repeat(plan.hist_prompt_len[rows], lens)
+        valid = (tokens >= 0) & (tokens < vocab)
+        cells = row_of[valid] * vocab + tokens[valid]
+        seen = np.unique(cells)
+        out_cells, out_counts = np.unique(cells[is_output[valid]], return_counts=True)
+
+        flat = work.view(-1)
+        seen_dev = self._to_device(seen)
+        rep = self._to_device(plan.repetition_penalty[rows][seen // vocab].astype(np.float32))
+        x = flat[seen_dev]
+        flat[seen_dev] = torch.where(x > 0, x / rep, x * rep)
+        if len(out_cells):
+            out_rows = rows[out_cells // vocab]
+            out_dev = self._to_device(out_cells)
+            freq_times_count = plan.frequency_penalty[out_rows] * out_counts.astype(np.float32)
+            x = flat[out_dev]
+            x -= self._to_device(freq_times_count.astype(np.float32))
+            x -= self._to_device(plan.presence_penalty[out_rows].astype(np.float32))
+            flat[out_dev] = x
+
+    def _apply_bans(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> None:
+        """Set the banned ids of MASK_BAN rows to -inf, for greedy and sampled picks alike."""
+        ids = plan.ban_ids[batch.rows].astype(np.int64)
+        keep = (ids >= 0) & (ids < self.vocab_size) & batch.banned[:, None]
+        cells = (np.arange(len(batch.rows))[:, None] * self.vocab_size + ids)[keep]
+        if len(cells):
+            work.view(-1).index_fill_(0, self._to_device(cells), -math.inf)
+
+    def _pick(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> torch.Tensor:
+        """Greedy rows take the argmax; the others a seeded Gumbel-max draw from their filtered logits."""
+        greedy_tokens = argmax(work) if batch.greedy.any() else None
+        if batch.greedy.all():
+            return greedy_tokens
+        rows = batch.rows
+        temperature = np.where(batch.greedy, 1.0, plan.temperature[rows]).astype(np.float32)
+        work.div_(self._to_device(temperature)[:, None])
+        if batch.top_k_on.any() or batch.top_p_on.any():
+            self._apply_top_k_top_p(work, plan, batch)
+        if batch.min_p_on.any():
+            self._apply_min_p(work, plan, batch)
+        self._add_noise(work, plan.seeds[rows], plan.seq_lens[rows])
+        sampled = argmax(work)
+        if greedy_tokens is None:
+            return sampled
+        return torch.where(self._to_device(batch.greedy), greedy_tokens, sampled)
+
+    def _apply_top_k_top_p(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> None:
+        """Mask every token below its row's cutoff: the k-th largest value, raised to the nucleus's smallest.
+
+        Both filters keep all tokens at or above a value, so ties with the boundary token stay (vLLM's
+        top-k rule), and the result does not depend on how a sort orders equal values.
+        """
+        n, vocab = work.shape
+        rows = batch.rows
+        top_k = np.where(batch.top_k_on, plan.top_k[rows], vocab).astype(np.int64)
+        largest = self._largest(work, batch, top_k)  # [n, W]: each row's W largest values, descending
+        kth = largest.gather(1, self._to_device(top_k.clip(max=largest.shape[1]) - 1)[:, None])
+        cutoff = torch.where(self._to_device(batch.top_k_on)[:, None], kth, -math.inf)
+        if batch.top_p_on.any():
+            # The nucleus is the tokens whose strictly larger neighbours hold less than top_p of the
+            # mass top-k left: the same set as vLLM's "drop while the ascending cumsum <= 1 - top_p".
+            weight = (largest - largest[:, :1]).exp_().masked_fill_(largest < cutoff, 0.0)
+            cumulative = weight.cumsum_(dim=-1)
+            before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
+            top_p = self._to_device(np.where(batch.top_p_on, plan.top_p[rows], 1.0).astype(np.float32))
+            inside = (before < top_p[:, None] * cumulative[:, -1:]).sum(dim=-1, keepdim=True)
+            smallest_kept = largest.gather(1, inside - 1)  # inside >= 1: the largest token always stays
+            cutoff = torch.where(self._to_device(batch.top_p_on)[:, None], smallest_kept, cutoff)
+        torch.lt(work, cutoff, out=self._mask[:n])
+        work.masked_fill_(self._mask[:n], -math.inf)
+
+    def _largest(self, work: torch.Tensor, batch: _Batch, top_k: np.ndarray) -> torch.Tensor:
+        """Each row's largest values in descending order: enough of them to place both cutoffs.
+
+        Top-k alone needs the k_max largest. Top-p needs every token top-k keeps: when each top-p row
+        also has a top-k, the k_max + 1 largest suffice unless a tie at the k-th value runs past them
+        (checked on the host, so only on CPU where it costs no device sync); otherwise a full sort.
+        """
+        vocab = work.shape[1]
+        k_max = int(top_k[batch.top_k_on].max()) if batch.top_k_on.any() else vocab
+        if not batch.top_p_on.any():
+            return torch.topk(work, k_max, dim=-1, sorted=True).values
+        if self.device.type == "cpu" and not (batch.top_p_on & ~batch.top_k_on).any() and 8 * k_max < vocab:
+            largest = torch.topk(work, k_max + 1, dim=-1, sorted=True).values
+            kth = largest.gather(1, self._to_device(top_k.clip(max=k_max) - 1)[:, None])
+            tie_runs_past = (largest[:, -1:] == kth)[self._to_device(batch.top_p_on)]
+            if not bool(tie_runs_past.any()):
+                return largest
+        return torch.sort(work, dim=-1, descending=True).values
+
+    def _apply_min_p(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> None:
+        """Mask tokens whose probability is below min_p times the row's largest (p / p_max = e^(l - max))."""
+        min_p = plan.min_p[batch.rows]
+        with np.errstate(divide="ignore"):
+            log_min_p = np.where(batch.min_p_on, np.log(min_p), -np.inf).astype(np.float32)
+        n = work.shape[0]
+        relative = work - work.amax(dim=-1, keepdim=True)
+        torch.lt(relative, self._to_device(log_min_p)[:, None], out=self._mask[:n])
+        work.masked_fill_(self._mask[:n], -math.inf)
+
+    def _with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, max_logprobs: int) -> SamplerOutput:
+        """Attach the picks' log-probs and the top-N under the raw (unprocessed) distribution."""
+        if max_logprobs < 0:
+            return SamplerOutput(tokens, None, None, None)
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        picked = raw.gather(1, tokens[:, None]).squeeze(1)
+        if max_logprobs == 0:
+            return SamplerOutput(tokens, picked, None, None)
+        top = torch.topk(raw, min(max_logprobs, self.vocab_size), dim=-1, sorted=True)
+        return SamplerOutput(tokens, picked, top.indices, top.values)

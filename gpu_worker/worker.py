@@ -1,0 +1,213 @@
+"""The GPU worker process: serve the engine core's ticket ring with a model runner.
+
+Started as `python -m metrale.gpu_worker.worker --ring NAME [...]` by the supervisor (or by
+WorkerDevice.spawn in tests). It connects to the ring's doorbell, attaches the ring, builds its runner,
+says WorkerReady(info), and then loops: wait for plan seq k in slot k % N (spin briefly, then block on
+the doorbell), run it, write the result (or the error), publish, ring. It exits on Shutdown, when the
+engine core's end of the doorbell closes, or when its parent process dies.
+
+A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` and `read_logits()`. The
+plan's arrays are views into the shared slot: a runner copies what it keeps past execute().
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from metrale.ipc.doorbell import Attached, Bell, Shutdown, WorkerFailed, WorkerReady, bell_path
+from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
+
+DEFAULT_FACTORY = "metrale.gpu_worker.model_runner:ModelRunner"
+DEFAULT_SPIN_US = 100.0  # then block on the doorbell; the spin yields the core every turn (TicketRing._spin)
+WAIT_SLICE_S = 0.02  # how often a blocked worker checks that its parent lives
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Everything a worker process needs: which ring to serve and how to build its runner."""
+
+    ring_name: str
+    factory: str = DEFAULT_FACTORY  # "module:callable" returning a runner
+    runner_kwargs: dict[str, Any] = field(default_factory=dict)
+    spin_us: float = DEFAULT_SPIN_US
+    connect_timeout_s: float = 60.0
+
+
+@dataclass(slots=True)
+class WorkerLoop:
+    """The serving loop's state: the ring, the doorbell, the runner and the worker's clock."""
+
+    ring: TicketRing
+    bell: Bell
+    runner: Any
+    spin_ns: int
+    parent_pid: int
+    idle_ns: int = 0
+    busy_ns: int = 0
+    steps: int = 0
+    started_ns: int = 0
+
+    def serve(self, first_seq: int) -> None:
+        """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop."""
+        ring, n = self.ring, self.ring.num_slots
+        pid = os.getpid()
+        self.started_ns = time.monotonic_ns()
+        ring.store_worker_stats(pid, self.started_ns, 0, 0, 0, 0)
+        seq = first_seq
+        while True:
+            slot = seq % n
+            t0 = time.monotonic_ns()
+            if not self.wait_for_plan(slot, seq, t0):
+                return
+            t1 = time.monotonic_ns()
+            self.run_step(slot, seq)
+            t2 = time.monotonic_ns()
+            self.idle_ns += t1 - t0
+            self.busy_ns += t2 - t1
+            self.steps += 1
+            ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
+            seq += 1
+
+    def wait_for_plan(self, slot: int, seq: int, since_ns: int) -> bool:
+        """Wait until plan seq is published in slot (True), or until the worker should exit (False)."""
+        ring = self.ring
+        if ring.plan_seq(slot) == seq:
+            return True
+        if ring.spin_for_plan(slot, seq, since_ns + self.spin_ns):
+            return True
+        ring.mark_waiting(since_ns)
+        try:
+            while ring.plan_seq(slot) != seq:
+                if self.should_exit():
+                    return False
+                self.bell.wait(WAIT_SLICE_S)
+            return True
+        finally:
+            ring.mark_waiting(0)
+
+    def run_step(self, slot: int, seq: int) -> None:
+        """Execute the slot's plan and publish its result, or its error; the worker keeps serving."""
+        ring = self.ring
+        t0 = time.perf_counter_ns()
+        try:
+            result = self.runner.execute(ring.read_plan(slot))
+            ring.write_result(slot, result, exec_ns=time.perf_counter_ns() - t0)
+        except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
+            traceback.print_exc(file=sys.stderr)
+            ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+        ring.publish_result(slot, seq)
+        self.bell.ring()
+
+    def should_exit(self) -> bool:
+        """Whether the engine said Shutdown, its end of the doorbell closed, or our parent died."""
+        if self.bell.peer_gone or os.getppid() != self.parent_pid:
+            return True
+        while self.bell.inbox:
+            if isinstance(self.bell.inbox.popleft(), Shutdown):
+                return True
+        return False
+
+
+def load_factory(spec: str):
+    """The callable named by "module:attribute" (attribute may be dotted)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"runner factory must be 'module:callable', got {spec!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Serve the ring named in config until shutdown; the process exit code."""
+    parent_pid = os.getppid()
+    bell = Bell.connect(
+        bell_path(config.ring_name), config.connect_timeout_s, keep_trying=lambda: os.getppid() == parent_pid
+    )
+    ring = TicketRing.attach(config.ring_name)
+    try:
+        try:
+            runner = load_factory(config.factory)(**config.runner_kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, then we exit
+            traceback.print_exc(file=sys.stderr)
+            bell.send(WorkerFailed(pid=os.getpid(), message=f"{type(exc).__name__}: {exc}"))
+            return 1
+        bell.send(WorkerReady(pid=os.getpid(), info=runner.info))
+        first_seq = _await_attached(bell, parent_pid)
+        if first_seq is None:
+            return 0
+        spin_ns = int(config.spin_us * 1000) if SPIN_IS_SAFE else 0
+        WorkerLoop(ring, bell, runner, spin_ns, parent_pid).serve(first_seq)
+        return 0
+    finally:
+        bell.close()
+        ring.close()
+
+
+def _await_attached(bell: Bell, parent_pid: int) -> int | None:
+    """The first seq the engine assigns us; None if it went away (or said Shutdown) first."""
+    while not bell.peer_gone and os.getppid() == parent_pid:
+        message = bell.receive(WAIT_SLICE_S)
+        if isinstance(message, Attached):
+            return message.first_seq
+        if isinstance(message, Shutdown):
+            return None
+    return None
+
+
+def _number(text: str) -> int | float:
+    """An int if the text is one, else a float (kv cache memory may be bytes or a fraction)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """The WorkerConfig of a command line."""
+    ap = argparse.ArgumentParser(prog="python -m metrale.gpu_worker.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--ring", required=True, help="name of the ticket ring segment to serve")
+    ap.add_argument("--factory", default=DEFAULT_FACTORY, help="runner factory, 'module:callable'")
+    ap.add_argument("--runner-kwargs", default="{}", help="JSON object of keyword arguments for the factory")
+    ap.add_argument("--model-dir")
+    ap.add_argument("--dtype")
+    ap.add_argument("--num-kv-blocks", type=int)
+    ap.add_argument("--kv-cache-memory", type=_number)
+    ap.add_argument("--block-size", type=int)
+    ap.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US)
+    ap.add_argument("--connect-timeout", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    kwargs = msgspec.json.decode(args.runner_kwargs, type=dict[str, Any])
+    for name in ("model_dir", "dtype", "num_kv_blocks", "kv_cache_memory", "block_size"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return WorkerConfig(
+        ring_name=args.ring,
+        factory=args.factory,
+        runner_kwargs=kwargs,
+        spin_us=args.spin_us,
+        connect_timeout_s=args.connect_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the worker process."""
+    config = parse_args(argv)
+    try:
+        return run_worker(config)
+    except KeyboardInterrupt:
+        return 0  # the supervisor's Ctrl-C reaches the whole process group; it cleans up
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Shared fixtures: tiny model folders, and StepPlans built by hand (what the engine core would build).
+
+torch is not imported here (tests of the engine core and frontend must be able to check that they
+never import it); the fixtures that need it import it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from metrale.ipc.plan import FEED_HOST, MASK_NONE, StepPlan
+
+# One intra-op thread: on tiny models a second thread buys nothing, and on shared cores OpenMP
+# threads spinning against other processes' slow every step down several-fold. torch reads this
+# when it is first imported; _torch_threads() covers a torch imported earlier.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _torch_threads() -> None:
+    """Limit torch to one intra-op thread (see OMP_NUM_THREADS above)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """make_model(arch="llama", **kw) -> Path: a tiny random HF folder, built once per session per arguments."""
+    from metrale.gpu_worker.tiny_model import make_tiny_model
+
+    _torch_threads()
+    built: dict[tuple, pathlib.Path] = {}
+
+    def make_model(arch: str = "llama", **kw) -> pathlib.Path:
+        key = (arch, repr(sorted(kw.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = make_tiny_model(out, arch, **kw)
+        return built[key]
+
+    return make_model
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory) -> pathlib.Path:
+    """The "default" preset (the demo model), built in a session temp dir, not the user's cache."""
+    from metrale.gpu_worker.tiny_model import make_tiny_model
+
+    _torch_threads()
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-default"), "llama", preset="default")
+
+
+@dataclass
+class Row:
+    """One row of a hand-built step: the tokens it runs now after `context` cached tokens, in `blocks`."""
+
+    tokens: list[int]  # this step's input tokens (for a fed row: a placeholder, the device feeds it)
+    context: int  # tokens of the sequence already in the KV cache
+    blocks: list[int]  # the sequence's block table
+    sample: bool = True
+    feed_from_row: int = FEED_HOST
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    num_logprobs: int = -1
+    hist: list[int] = field(default_factory=list)
+
+
+def make_plan(rows: list[Row], *, block_size: int = 16) -> StepPlan:
+    """A StepPlan for the rows, laid out as the engine core lays it out."""
+    q_lens = np.array([len(r.tokens) for r in rows], dtype=np.int32)
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    positions = np.concatenate([np.arange(r.context, r.context + len(r.tokens)) for r in rows]).astype(np.int32)
+    slots = []
+    for r in rows:
+        for pos in range(r.context, r.context + len(r.tokens)):
+            slots.append(r.blocks[pos // block_size] * block_size + pos % block_size)
+    width = max(len(r.blocks) for r in rows)
+    tables = np.zeros((len(rows), width), dtype=np.int32)
+    for i, r in enumerate(rows):
+        tables[i, : len(r.blocks)] = r.blocks
+    n = len(rows)
+    hist = [np.asarray(r.hist, dtype=np.int32) for r in rows]
+    return StepPlan(
+        input_ids=np.concatenate([np.asarray(r.tokens, dtype=np.int32) for r in rows]),
+        positions=positions,
+        slot_mapping=np.asarray(slots, dtype=np.int64),
+        query_start=query_start,
+        seq_lens=np.array([r.context + len(r.tokens) for r in rows], dtype=np.int32),
+        block_tables=tables,
+        sample=np.array([r.sample for r in rows], dtype=bool),
+        feed_from_row=np.array([r.feed_from_row for r in rows], dtype=np.int32),
+        temperature=np.array([r.temperature for r in rows], dtype=np.float32),
+        top_k=np.array([r.top_k for r in rows], dtype=np.int32),
+        top_p=np.array([r.top_p for r in rows], dtype=np.float32),
+        min_p=np.zeros(n, dtype=np.float32),
+        repetition_penalty=np.ones(n, dtype=np.float32),
+        presence_penalty=np.zeros(n, dtype=np.float32),
+        frequency_penalty=np.zeros(n, dtype=np.float32),
+        seeds=np.array([r.seed for r in rows], dtype=np.int64),
+        mask_kind=np.full(n, MASK_NONE, dtype=np.uint8),
+        force_token=np.zeros(n, dtype=np.int32),
+        ban_ids=np.full((n, 1), -1, dtype=np.int32),
+        num_logprobs=np.array([r.num_logprobs for r in rows], dtype=np.int32),
+        hist_tokens=np.concatenate(hist) if hist else np.zeros(0, dtype=np.int32),
+        hist_start=np.concatenate([[0], np.cumsum([len(h) for h in hist])]).astype(np.int32),
+        hist_prompt_len=np.array([len(h) for h in hist], dtype=np.int32),
+    )
+
+
+def blocks_for(seq_index: int, max_len: int, block_size: int = 16, num_seqs: int = 32) -> list[int]:
+    """A fixed block table for test sequence seq_index: disjoint from the others', scattered over the
+    pool (so paging bugs show), never block 0."""
+    per_seq = -(-max_len // block_size)
+    pool = np.random.default_rng(1234).permutation(per_seq * num_seqs) + 1
+    return [int(b) for b in pool[seq_index * per_seq : (seq_index + 1) * per_seq]]
+
+
+@pytest.fixture(scope="session")
+def plans():
+    """Helpers for hand-built steps: plans.Row, plans.make_plan(rows, block_size=), plans.blocks_for(i, max_len)."""
+    return SimpleNamespace(Row=Row, make_plan=make_plan, blocks_for=blocks_for)

@@ -1,0 +1,209 @@
+"""IncrementalDetokenizer and Tokenizer on a small byte-level BPE trained here (and the tiny model's, when present)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HfTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from metrale.frontend.detokenizer import IncrementalDetokenizer
+from metrale.frontend.tokenizer import Tokenizer
+from metrale.ipc.sampling import SamplingParams
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "def hello(world):\n    return world + 1\n",
+    "你好世界，今天天气很好。",
+    "emoji 😀🎉 café naïve ``` code fence ```",
+]
+SPECIALS = ["<s>", "</s>", "<unk>"]
+ADDED_SPECIALS = ["<think>", "</think>", "<tool_call>"]
+
+
+def write_byte_bpe(folder: Path) -> Path:
+    """Train a 400-token byte-level BPE (multi-byte characters split across tokens) and write an HF folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = HfTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 50, trainer)
+    tok.add_special_tokens(ADDED_SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "model_max_length": 2048,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": 1, "max_position_embeddings": 2048}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return write_byte_bpe(tmp_path_factory.mktemp("byte_bpe"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tok_dir)
+
+
+def stream(tok: Tokenizer, prompt: list[int], out: list[int], params: SamplingParams, chunk: int = 1):
+    """Push `out` in chunks; return (deltas, stopped, detokenizer) with flush's text as the last delta."""
+    detok = IncrementalDetokenizer(tok, prompt, params)
+    deltas = []
+    stopped = False
+    for i in range(0, len(out), chunk):
+        text, stopped = detok.push(out[i : i + chunk])
+        deltas.append(text)
+        if stopped:
+            break
+    deltas.append(detok.flush())
+    return deltas, stopped, detok
+
+
+def test_tokenizer_matches_transformers(tok_dir, tok):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    for text in ["Hello world", "你好 😀 fox", "<think>x</think>", "", "  spaces  \n\n tabs\t"]:
+        assert tok.encode(text) == hf(text)["input_ids"], text
+        assert tok.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+        ids = tok.encode(text)
+        assert tok.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_tokenizer_facts(tok):
+    assert tok.encode("fox")[0] == tok.bos_token_id == 0
+    assert tok.eos_token_ids == (1,)
+    assert tok.vocab_size == tok.backend.get_vocab_size() > 300
+    assert tok.token_id("<think>") is not None and tok.token_id("</think>") in tok.special_token_ids
+    assert tok.token_id("no such token at all") is None
+    assert "<tool_call>" in tok.named_token_ids()
+    assert tok.chat_template.startswith("{% for")
+    assert tok.model_max_length == 2048
+
+
+def test_emoji_split_across_tokens_is_never_broken(tok):
+    text = "emoji 😀🎉 猫 done"
+    out = tok.encode(text, add_special_tokens=False)
+    assert len(out) > len(text.split())  # the emoji and the unseen CJK character take several byte tokens
+    deltas, _, _ = stream(tok, tok.encode("Say:"), out, SamplingParams())
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_cjk_and_emoji_round_trip_in_any_chunking(tok, chunk):
+    text = "你好世界 😀 猫狗 🎉🎉 naïve café"
+    out = tok.encode(text, add_special_tokens=False)
+    deltas, stopped, detok = stream(tok, tok.encode("x"), out, SamplingParams(), chunk)
+    assert not stopped
+    assert "".join(deltas) == text == detok.text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_text_matches_whole_decode_for_random_ids(tok):
+    rng = random.Random(7)
+    for _ in range(30):
+        out = [rng.randrange(3, 400) for _ in range(rng.randrange(1, 40))]
+        deltas, _, detok = stream(tok, tok.encode("prompt"), out, SamplingParams(), rng.randrange(1, 4))
+        assert "".join(deltas) == tok.decode(out)
+        assert detok.output_ids == out
+
+
+def test_prompt_ending_mid_character_does_not_shift_output(tok):
+    emoji = tok.encode("😀", add_special_tokens=False)
+    assert len(emoji) >= 2
+    prompt = tok.encode("hi ") + emoji[:1]  # the prompt ends inside a character
+    out = tok.encode(" fox", add_special_tokens=False)
+    deltas, _, _ = stream(tok, prompt, out, SamplingParams())
+    assert "".join(deltas) == tok.decode(out)
+
+
+def test_skip_special_tokens_is_honoured(tok):
+    think, end = tok.token_id("<think>"), tok.token_id("</think>")
+    words = [tok.encode(w, add_special_tokens=False) for w in ("plan", " answer")]
+    out = [think, *words[0], end, *words[1], 1]
+    skipped, _, _ = stream(tok, [0], out, SamplingParams(skip_special_tokens=True))
+    kept, _, _ = stream(tok, [0], out, SamplingParams(skip_special_tokens=False))
+    assert "".join(skipped) == "plan answer" == tok.decode(out, skip_special_tokens=True)
+    assert "".join(kept) == "<think>plan</think> answer</s>" == tok.decode(out, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_stop_string_is_never_streamed(tok, chunk):
+    text = "The quick brown fox jumps over the lazy dog."
+    out = tok.encode(text, add_special_tokens=False)
+    deltas, stopped, detok = stream(tok, [0], out, SamplingParams(stop=["fox jumps"]), chunk)
+    assert stopped and detok.stop_string == "fox jumps"
+    assert "".join(deltas) == "The quick brown "
+    assert all("fox" not in d for d in deltas)
+    # no ids past the token that completed the stop string are accepted
+    assert tok.decode(detok.output_ids).startswith("The quick brown fox jumps")
+    assert len(detok.output_ids) < len(out)
+
+
+def test_stop_string_split_inside_a_multibyte_character(tok):
+    text = "ok 😀🎉 after"
+    out = tok.encode(text, add_special_tokens=False)
+    deltas, stopped, _ = stream(tok, [0], out, SamplingParams(stop=["🎉"]))
+    assert stopped and "".join(deltas) == "ok 😀"
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_partial_stop_prefix_is_held_then_released(tok):
+    out = tok.encode("the lazy dog", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [0], SamplingParams(stop=["lazy cat"]))
+    streamed = []
+    for t in out:
+        text, stopped = detok.push([t])
+        assert not stopped
+        streamed.append(text)
+        # whatever could still become "lazy cat" is not out yet
+        assert not "".join(streamed).endswith("lazy")
+    streamed.append(detok.flush())
+    assert "".join(streamed) == "the lazy dog"
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    out = tok.encode("def hello(world):\n    return world + 1\n", add_special_tokens=False)
+    deltas, stopped, detok = stream(tok, [0], out, SamplingParams(stop=["return", "(", "zzz"]))
+    assert stopped and detok.stop_string == "("
+    assert "".join(deltas) == "def hello"
+
+
+def test_stop_string_at_very_start(tok):
+    out = tok.encode("The fox", add_special_tokens=False)
+    deltas, stopped, _ = stream(tok, [0], out, SamplingParams(stop=["The"]))
+    assert stopped and "".join(deltas) == ""
+
+
+def test_push_after_stop_emits_nothing(tok):
+    detok = IncrementalDetokenizer(tok, [0], SamplingParams(stop=["fox"]))
+    text, stopped = detok.push(tok.encode("a fox and more", add_special_tokens=False))
+    assert stopped and text == "a "
+    assert detok.push(tok.encode("fox", add_special_tokens=False)) == ("", True)
+    assert detok.flush() == ""
+
+
+def test_tiny_model_tokenizer_round_trip(tmp_path):
+    tiny = pytest.importorskip("metrale.gpu_worker.tiny_model")
+    folder = tiny.make_tiny_model(tmp_path / "tiny", arch="llama")
+    tok = Tokenizer.from_dir(folder)
+    text = "Hello, 世界! 😀 def f(x): return x"
+    out = tok.encode(text, add_special_tokens=False)
+    deltas, _, _ = stream(tok, tok.encode("Q:"), out, SamplingParams())
+    assert "".join(deltas) == tok.decode(out)
+    assert all("\ufffd" not in d for d in deltas[:-1])

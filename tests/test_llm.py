@@ -1,0 +1,115 @@
+"""The offline engine, metrale.LLM, on tiny random models: exactness, seeds, the lane, bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from metrale import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    with LLM(str(tiny_model_dir("llama")), show_progress=False, max_num_seqs=32) as engine:
+        yield engine
+        pool = engine.engine.pool
+        pool.check_invariant()
+        assert pool.num_used == 0
+
+
+def _prompts(n: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_tokens_equal_transformers_generate(tiny_model_dir, arch):
+    """A batch of 8 prompts of different lengths: every greedy token equals transformers' generate."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = tiny_model_dir(arch)
+    prompts = _prompts(8, seed=1)
+    with LLM(str(path), show_progress=False) as engine:
+        ours = engine.generate(prompts, SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert out.token_ids == gen[0, len(prompt):].tolist()
+
+
+def test_pipelined_equals_synchronous_for_32_requests(tiny_model_dir, llm):
+    """Greedy and seeded, 32 requests: the lane on and off give the same tokens."""
+    prompts = _prompts(32, seed=2)
+    params = [
+        SamplingParams(max_tokens=20 + i % 7, temperature=0.0 if i % 2 else 0.9, seed=i, min_tokens=i % 3)
+        for i in range(32)
+    ]
+    piped = llm.generate(prompts, params)
+    with LLM(str(tiny_model_dir("llama")), show_progress=False, pipeline=False, max_num_seqs=32) as sync:
+        plain = sync.generate(prompts, params)
+    assert [o.token_ids for o in piped] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in piped] == [o.finish_reason for o in plain]
+
+
+def test_seeded_request_is_batch_invariant(llm):
+    """The same (prompt, seed) gives the same tokens alone and inside 16 mixed requests."""
+    target = _prompts(1, seed=3)[0]
+    p = SamplingParams(max_tokens=24, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], p)[0].token_ids
+    others = _prompts(15, seed=4)
+    mixed = [SamplingParams(max_tokens=10 + i, temperature=0.7, seed=i) for i in range(15)]
+    batch = llm.generate(others[:7] + [target] + others[7:], mixed[:7] + [p] + mixed[7:])
+    assert batch[7].token_ids == alone
+    other_seed = llm.generate([target], SamplingParams(max_tokens=24, temperature=1.0, top_k=50, seed=4321, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_text_prompts_and_stop_strings(llm):
+    out = llm.generate("def add(a, b):", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    stop = out.text[5:9]
+    cut = llm.generate("def add(a, b):", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == out.text[: out.text.index(stop)]
+    assert cut.token_ids == out.token_ids[: len(cut.token_ids)]
+
+
+def test_logprobs_are_returned_per_token(llm):
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0.0
+        assert len(lp.top_ids) == 3 and lp.top_ids[0] == tok  # greedy: the pick is the top-1
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([5, 6], SamplingParams(max_tokens=-1), "max_tokens"),
+        ([5, 6], SamplingParams(top_p=0.0), "top_p"),
+        ([5, 6], SamplingParams(top_p=1.5), "top_p"),
+        ([5] * 5000, SamplingParams(max_tokens=4), "prompt has 5000 tokens"),
+        ([5, 10**7], SamplingParams(max_tokens=4), "token_ids"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_field(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([[5, 6, 7], prompt], [SamplingParams(max_tokens=4), params])
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.pool.num_used == 0
+
+
+def test_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path):
+    import shutil
+
+    src = tiny_model_dir("llama")
+    dst = tmp_path / "odd"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    cfg["model_type"] = "mamba"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="MambaForCausalLM"):
+        LLM(str(dst), show_progress=False)

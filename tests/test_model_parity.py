@@ -1,0 +1,230 @@
+"""Parity with Hugging Face transformers: greedy tokens and logits from our paged runner equal theirs.
+
+Our side is driven the way the engine core drives it: a batch of prompts of different lengths,
+prefilled together (optionally in chunks under a token budget, so steps mix prefill chunks with decode
+rows and later chunks attend to the cached prefix), then decoded one token per row per step with the
+inputs fed on the device. Theirs is `generate(do_sample=False)`, one prompt at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from metrale.gpu_worker.model_runner import ModelRunner
+
+transformers = pytest.importorskip("transformers")
+
+NUM_NEW = 32
+PROMPT_LENS = (3, 7, 12, 16, 17, 25, 33, 40)
+MAX_LEN = max(PROMPT_LENS) + NUM_NEW
+LOGIT_ATOL = 1e-4
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
+    "llama-linear-rope": ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}),
+    # Past max_position_embeddings (48) dynamic NTK rescales per step, as transformers does.
+    "llama-dynamic-rope": (
+        "llama",
+        {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "max_position_embeddings": 48},
+    ),
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+}
+
+
+@dataclass
+class _Seq:
+    """One test sequence on our side: its prompt, what is in the cache, what it generated."""
+
+    prompt: list[int]
+    blocks: list[int]
+    cached: int = 0
+    out: list[int] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+    row: int = -1  # its row in the last step, if it sampled there
+
+
+def run_greedy(runner: ModelRunner, prompts, num_new: int, plans, *, budget: int | None = None) -> list[_Seq]:
+    """Greedy-generate num_new tokens per prompt, scheduling like the engine core (decodes first, then
+    prefill chunks within the step's token budget); decode inputs are fed on the device."""
+    seqs = [_Seq(p, plans.blocks_for(i, MAX_LEN)) for i, p in enumerate(prompts)]
+    while any(len(s.out) < num_new for s in seqs):
+        rows, members = [], []
+        for s in seqs:
+            if s.cached >= len(s.prompt) and 0 < len(s.out) < num_new:
+                rows.append(plans.Row([0], s.cached, s.blocks, feed_from_row=s.row))
+                members.append((s, 1))
+        left = budget if budget is not None else 1 << 30
+        left -= len(rows)
+        for s in seqs:
+            todo = len(s.prompt) - s.cached
+            if todo <= 0 or left <= 0:
+                continue
+            n = min(todo, left)
+            left -= n
+            rows.append(plans.Row(s.prompt[s.cached : s.cached + n], s.cached, s.blocks, sample=n == todo))
+            members.append((s, n))
+        plan = plans.make_plan(rows)
+        result = runner.execute(plan)
+        logits = runner.read_logits()
+        for r, (s, n) in enumerate(members):
+            s.cached += n
+            s.row = r if plan.sample[r] else -1
+            if plan.sample[r]:
+                s.out.append(int(result.tokens[r]))
+                s.logits.append(logits[r])
+    return seqs
+
+
+def hf_generate(model, prompt: list[int], num_new: int):
+    """Transformers' greedy tokens and per-step logits for one prompt."""
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None and hasattr(rotary, "original_inv_freq"):
+        # Dynamic NTK state carries over between calls in transformers; start each prompt afresh.
+        rotary.inv_freq = rotary.original_inv_freq.clone()
+        rotary.max_seq_len_cached = rotary.original_max_seq_len
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=num_new,
+        eos_token_id=None,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logits = [step[0].float().numpy() for step in out.logits]
+    return tokens, logits
+
+
+def _hf_model(path, dtype=torch.float32):
+    """The transformers model for a folder, greedy and quiet."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of PROMPT_LENS lengths (ids past the special tokens)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(16, vocab, size=n).tolist() for n in PROMPT_LENS]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_tokens_and_logits_match_transformers(variant, tiny_model_dir, plans):
+    arch, kw = VARIANTS[variant]
+    path = tiny_model_dir(arch, **kw)
+    runner = ModelRunner(path, device="cpu", num_kv_blocks=512, show_progress=False)
+    prompts = _prompts(runner.info.vocab_size)
+    ours = run_greedy(runner, prompts, NUM_NEW, plans)
+    hf = _hf_model(path)
+    for i, (prompt, seq) in enumerate(zip(prompts, ours)):
+        tokens, logits = hf_generate(hf, prompt, NUM_NEW)
+        assert seq.out == tokens, f"{variant}: prompt {i} (len {len(prompt)}) diverges"
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits))
+        assert worst < LOGIT_ATOL, f"{variant}: prompt {i} logits differ by {worst}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chunked_prefill_mixed_with_decodes_matches_transformers(arch, tiny_model_dir, plans):
+    """A 12-token budget splits prompts into chunks (later chunks read the cached prefix) and puts
+    chunks of two rows and decode rows in the same step."""
+    path = tiny_model_dir(arch)
+    runner = ModelRunner(path, device="cpu", num_kv_blocks=512, show_progress=False)
+    prompts = _prompts(runner.info.vocab_size, seed=1)
+    ours = run_greedy(runner, prompts, 16, plans, budget=12)
+    hf = _hf_model(path)
+    for i, (prompt, seq) in enumerate(zip(prompts, ours)):
+        tokens, logits = hf_generate(hf, prompt, 16)
+        assert seq.out == tokens, f"{arch}: prompt {i} diverges under chunked prefill"
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits))
+        assert worst < LOGIT_ATOL
+
+
+def test_one_step_mixes_two_prefill_chunks_and_decode_rows(tiny_model_dir, plans):
+    """Explicitly: one plan holding a first chunk, a last chunk over a cached prefix, and two decodes."""
+    path = tiny_model_dir("llama")
+    runner = ModelRunner(path, device="cpu", num_kv_blocks=512, show_progress=False)
+    a, b, c, d = _prompts(runner.info.vocab_size, seed=2)[4:]  # lengths 17, 25, 33, 40
+    blocks = [plans.blocks_for(i, MAX_LEN) for i in range(4)]
+    Row = plans.Row
+    # Step 1: prefill c and d whole, and b's first 10 tokens.
+    step1 = [Row(c, 0, blocks[2]), Row(d, 0, blocks[3]), Row(b[:10], 0, blocks[1], sample=False)]
+    first = runner.execute(plans.make_plan(step1))
+    # Step 2: a's first chunk, b's last chunk (attends to its 10 cached tokens), c and d decode.
+    step2 = plans.make_plan(
+        [
+            Row(a[:9], 0, blocks[0], sample=False),
+            Row(b[10:], 10, blocks[1]),
+            Row([int(first.tokens[0])], len(c), blocks[2]),
+            Row([int(first.tokens[1])], len(d), blocks[3]),
+        ]
+    )
+    second = runner.execute(step2)
+    logits = runner.read_logits()
+    assert second.tokens[0] == -1
+    hf = _hf_model(path)
+    with torch.no_grad():
+        expect = {
+            1: hf(torch.tensor([b])).logits[0, -1],
+            2: hf(torch.tensor([c + [int(first.tokens[0])]])).logits[0, -1],
+            3: hf(torch.tensor([d + [int(first.tokens[1])]])).logits[0, -1],
+        }
+    for row, want in expect.items():
+        assert int(second.tokens[row]) == int(want.argmax())
+        assert np.abs(logits[row] - want.numpy()).max() < LOGIT_ATOL
+    # Step 3: a's last chunk over its cached 9 tokens.
+    third = runner.execute(plans.make_plan([Row(a[9:], 9, blocks[0])]))
+    with torch.no_grad():
+        want = hf(torch.tensor([a])).logits[0, -1]
+    assert int(third.tokens[0]) == int(want.argmax())
+    assert np.abs(runner.read_logits()[0] - want.numpy()).max() < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_argmax_agrees_with_transformers_bf16_under_teacher_forcing(arch, tiny_model_dir, plans):
+    path = tiny_model_dir(arch)
+    runner = ModelRunner(path, device="cpu", dtype="bfloat16", num_kv_blocks=512, show_progress=False)
+    assert runner.info.dtype == "bfloat16"
+    rng = np.random.default_rng(3)
+    vocab = runner.info.vocab_size
+    seqs = [rng.integers(16, vocab, size=n + NUM_NEW).tolist() for n in PROMPT_LENS]
+    blocks = [plans.blocks_for(i, MAX_LEN) for i in range(len(seqs))]
+    ours = [[] for _ in seqs]
+    # Prefill the prompts, then feed the fixed continuations from the host one token per step.
+    result = runner.execute(plans.make_plan([plans.Row(s[:n], 0, b) for s, n, b in zip(seqs, PROMPT_LENS, blocks)]))
+    for k in range(NUM_NEW - 1):
+        for i in range(len(seqs)):
+            ours[i].append(int(result.tokens[i]))
+        rows = [plans.Row([s[n + k]], n + k, b) for s, n, b in zip(seqs, PROMPT_LENS, blocks)]
+        result = runner.execute(plans.make_plan(rows))
+    for i in range(len(seqs)):
+        ours[i].append(int(result.tokens[i]))
+    hf = _hf_model(path, dtype=torch.bfloat16)
+    agree = total = 0
+    with torch.no_grad():
+        for s, n, mine in zip(seqs, PROMPT_LENS, ours):
+            theirs = hf(torch.tensor([s])).logits[0, n - 1 : n - 1 + NUM_NEW].argmax(-1).tolist()
+            agree += sum(x == y for x, y in zip(mine, theirs))
+            total += len(theirs)
+    assert agree / total >= 0.95, f"bf16 argmax agreement {agree}/{total}"

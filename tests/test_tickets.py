@@ -1,0 +1,293 @@
+"""The shared-memory ticket ring: layout round trips, zero-copy views, limits, and segment hygiene."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from metrale.ipc import tickets
+from metrale.ipc.doorbell import BellListener, bell_path
+from metrale.ipc.plan import StepPlan, StepResult
+from metrale.ipc.tickets import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    RingGeometry,
+    TicketRing,
+    owner_pid_of,
+    sweep_orphans,
+    sweep_segments,
+)
+
+GEOMETRY = RingGeometry(
+    num_slots=3, max_tokens=64, max_rows=8, max_blocks_per_row=6, max_ban_ids=3, max_hist_tokens=40, max_logprobs=5,
+    error_msg_bytes=64,
+)  # fmt: skip
+
+
+def our_segments() -> list[str]:
+    """The metrale entries in /dev/shm that this test process owns."""
+    return glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-*"))
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left_behind():
+    """Every test leaves /dev/shm as it found it."""
+    before = set(our_segments())
+    yield
+    assert set(our_segments()) == before
+
+
+@pytest.fixture
+def ring():
+    """A fresh ring owned by this process, closed (and unlinked) on every path."""
+    r = TicketRing.create(GEOMETRY)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+# name -> (dtype, length kind) of every StepPlan field, as the ring lays them out.
+PLAN_FIELDS = {name: (dtype, kind) for name, dtype, kind in tickets._PLAN_FIELDS}
+
+
+def random_plan(rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int) -> StepPlan:
+    """A plan of the given counts whose every array holds random values of its dtype."""
+    shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,)}
+    arrays = {}
+    for name, (dtype, kind) in PLAN_FIELDS.items():
+        shape = shapes[kind]
+        if dtype == np.bool_:
+            arrays[name] = rng.random(shape) < 0.5
+        elif np.issubdtype(dtype, np.floating):
+            arrays[name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            info = np.iinfo(dtype)
+            arrays[name] = rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    return StepPlan(**arrays)
+
+
+def assert_plans_equal(a: StepPlan, b: StepPlan) -> None:
+    """Every field equal bit for bit, same dtype and shape."""
+    for f in dataclasses.fields(StepPlan):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert x.dtype == y.dtype and x.shape == y.shape, f.name
+        assert x.tobytes() == y.tobytes(), f.name
+
+
+def test_plan_round_trip_is_bit_exact_for_random_shapes(ring):
+    rng = np.random.default_rng(7)
+    for i in range(60):
+        counts = (
+            int(rng.integers(0, 65)),
+            int(rng.integers(0, 9)),
+            int(rng.integers(0, 7)),
+            int(rng.integers(0, 4)),
+            int(rng.integers(0, 41)),
+        )
+        plan = random_plan(rng, *counts)
+        slot = i % ring.num_slots
+        ring.write_plan(slot, plan)
+        ring.publish_plan(slot, i + 1)
+        assert ring.plan_seq(slot) == i + 1
+        assert_plans_equal(ring.read_plan(slot), plan)
+
+
+def test_result_round_trip_is_bit_exact_with_and_without_logprobs(ring):
+    rng = np.random.default_rng(8)
+    for i in range(30):
+        r, n = int(rng.integers(0, 9)), int(rng.integers(0, 6))
+        result = StepResult(tokens=rng.integers(-1, 50000, size=r, dtype=np.int32))
+        if i % 3:
+            result.logprobs = rng.standard_normal(r).astype(np.float32)
+        if i % 2:
+            result.top_ids = rng.integers(0, 50000, size=(r, n), dtype=np.int32)
+            result.top_logprobs = rng.standard_normal((r, n)).astype(np.float32)
+        slot = i % ring.num_slots
+        ring.write_result(slot, result, exec_ns=1234)
+        ring.publish_result(slot, i + 1)
+        assert ring.result_seq(slot) == i + 1 and ring.result_error(slot) is None
+        for copy in (False, True):
+            back = ring.read_result(slot, copy=copy)
+            for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+                x, y = getattr(back, name), getattr(result, name)
+                assert (x is None) == (y is None), name
+                if y is not None:
+                    assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+            assert back.timings["worker_execute_s"] == pytest.approx(1.234e-6)
+
+
+def test_error_result_carries_a_truncated_message(ring):
+    ring.write_error(1, "boom: " + "é" * 100)
+    ring.publish_result(1, 5)
+    message = ring.result_error(1)
+    assert message.startswith("boom: é") and len(message.encode()) <= GEOMETRY.error_msg_bytes
+
+
+def test_read_plan_views_are_the_shared_memory_itself(ring):
+    rng = np.random.default_rng(9)
+    ring.write_plan(0, random_plan(rng, 5, 2, 3, 1, 4))
+    other = TicketRing.attach(ring.name)  # a second mapping of the same segment, as the worker has
+    try:
+        view = other.read_plan(0)
+        assert not view.input_ids.flags.owndata and view.block_tables.flags.c_contiguous
+        view.input_ids[0] = 4242
+        view.block_tables[1, 2] = -17
+        seen = ring.read_plan(0)
+        assert seen.input_ids[0] == 4242 and seen.block_tables[1, 2] == -17
+        ring.write_result(2, StepResult(tokens=np.array([1, 2, 3], dtype=np.int32)))
+        tokens = other.read_result(2).tokens
+        ring.write_result(2, StepResult(tokens=np.array([7, 8, 9], dtype=np.int32)))
+        assert tokens.tolist() == [7, 8, 9]  # a view: it sees the slot change
+        del view, seen, tokens
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize(
+    "counts, what",
+    [
+        ((65, 1, 1, 1, 0), "tokens"),
+        ((1, 9, 1, 1, 0), "rows"),
+        ((1, 1, 7, 1, 0), "blocks per row"),
+        ((1, 1, 1, 4, 0), "banned ids"),
+        ((1, 1, 1, 1, 41), "history tokens"),
+    ],
+)
+def test_oversized_plan_is_rejected_before_anything_is_written(ring, counts, what):
+    rng = np.random.default_rng(10)
+    kept = random_plan(rng, 3, 1, 1, 1, 2)
+    ring.write_plan(0, kept)
+    with pytest.raises(ValueError, match=what):
+        ring.write_plan(0, random_plan(rng, *counts))
+    assert_plans_equal(ring.read_plan(0), kept)
+
+
+def test_inconsistent_plan_is_rejected(ring):
+    plan = random_plan(np.random.default_rng(11), 4, 2, 2, 1, 0)
+    plan.positions = plan.positions[:3]
+    with pytest.raises(ValueError, match="positions"):
+        ring.write_plan(0, plan)
+
+
+def test_oversized_result_is_rejected(ring):
+    with pytest.raises(ValueError, match="rows"):
+        ring.write_result(0, StepResult(tokens=np.zeros(9, dtype=np.int32)))
+    wide = np.zeros((2, 6), dtype=np.int32)
+    with pytest.raises(ValueError, match="top logprobs"):
+        ring.write_result(0, StepResult(np.zeros(2, np.int32), top_ids=wide, top_logprobs=wide.astype(np.float32)))
+
+
+def test_segment_is_private_and_named_for_its_owner(ring):
+    path = os.path.join(SHM_DIR, ring.name)
+    assert ring.name.startswith(SEGMENT_PREFIX) and owner_pid_of(ring.name) == os.getpid()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    listener = BellListener(bell_path(ring.name))
+    try:
+        assert stat.S_IMODE(os.stat(listener.path).st_mode) == 0o600
+    finally:
+        listener.close()
+    assert not os.path.exists(listener.path)
+
+
+def test_close_and_context_manager_unlink_the_segment():
+    with TicketRing.create(GEOMETRY) as r:
+        path = os.path.join(SHM_DIR, r.name)
+        assert os.path.exists(path)
+    assert not os.path.exists(path)
+    r.close()  # idempotent
+
+
+def test_close_while_a_view_is_held_still_unlinks():
+    r = TicketRing.create(GEOMETRY)
+    held = r.read_plan(0)
+    r.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, r.name))
+    del held
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """Run a snippet in a fresh interpreter; its stdout and stderr are captured."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+
+
+def test_owner_exit_unlinks_the_segment():
+    done = run_python(
+        "from metrale.ipc.tickets import RingGeometry, TicketRing\n"
+        "r = TicketRing.create(RingGeometry(num_slots=2, max_tokens=8, max_rows=2))\n"
+        "print(r.name)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert not os.path.exists(os.path.join(SHM_DIR, done.stdout.strip()))
+
+
+def test_attached_process_exit_does_not_unlink_the_segment(ring):
+    done = run_python(
+        "import sys\n"
+        "from metrale.ipc.tickets import TicketRing\n"
+        f"r = TicketRing.attach({ring.name!r})\n"
+        "assert r.geometry.max_tokens == 64\n"
+        "r.publish_plan(1, 99)\n"
+    )  # exits without close(): neither exit nor resource_tracker may unlink
+    assert done.returncode == 0, done.stderr
+    assert "leaked" not in done.stderr and "Traceback" not in done.stderr
+    assert os.path.exists(os.path.join(SHM_DIR, ring.name))
+    assert ring.plan_seq(1) == 99
+
+
+def test_attach_rejects_a_foreign_segment():
+    from multiprocessing.shared_memory import SharedMemory
+
+    shm = SharedMemory(name=f"{SEGMENT_PREFIX}{os.getpid()}-foreign", create=True, size=8192)
+    try:
+        with pytest.raises(ValueError, match="not a metrale ticket ring"):
+            TicketRing.attach(shm.name.lstrip("/"))
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_sweep_orphans_removes_what_a_dead_owner_left():
+    pid = dead_pid()
+    leftovers = [os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{pid}-{suffix}") for suffix in ("aa11", "aa11.bell")]
+    for path in leftovers:
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        with TicketRing.create(GEOMETRY) as live:
+            removed = sweep_orphans()
+            assert {os.path.basename(p) for p in leftovers} <= set(removed)
+            assert live.name not in removed and os.path.exists(os.path.join(SHM_DIR, live.name))
+        assert not any(os.path.exists(p) for p in leftovers)
+    finally:
+        for path in leftovers:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_sweep_segments_removes_a_named_owners_segments():
+    pid = dead_pid()
+    path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{pid}-bb22")
+    with open(path, "wb"):
+        pass
+    try:
+        with TicketRing.create(GEOMETRY) as live:
+            assert sweep_segments([pid]) == [os.path.basename(path)]
+            assert os.path.exists(os.path.join(SHM_DIR, live.name))
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
