@@ -375,9 +375,13 @@ class TicketRing:
     def worker_stats(self) -> WorkerStats:
         """A snapshot of the worker's counters, the wait in progress counted as idle."""
         q = self._seqs
-        now = time.monotonic_ns()
-        waiting_since = q[_H_WORKER + 5]
-        idle = q[_H_WORKER + 2] + (now - waiting_since if waiting_since else 0)
+        for _ in range(100):  # the worker updates the fields one by one: read until two reads agree
+            waiting_since, idle_done = int(q[_H_WORKER + 5]), int(q[_H_WORKER + 2])
+            now = time.monotonic_ns()
+            if waiting_since == q[_H_WORKER + 5] and idle_done == q[_H_WORKER + 2]:
+                break
+        idle = idle_done + (now - waiting_since if waiting_since else 0)
+        idle = max(0, min(idle, now - int(q[_H_WORKER + 1])))  # never more than the wall time
         return WorkerStats(
             worker_pid=q[_H_WORKER],
             started_ns=q[_H_WORKER + 1],

@@ -22,6 +22,7 @@ def main() -> None:
 @click.option("--model", default=None, help="Hugging Face model folder (default: the built-in tiny demo model).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7410, show_default=True, help="ZMQ client port (0: any free port).")
+@click.option("--http-port", default=None, type=int, help="also serve the OpenAI-compatible HTTP API on this port.")
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True)
 @click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")
 @click.option("--max-num-seqs", default=64, show_default=True)
@@ -59,7 +60,7 @@ def serve(**o) -> None:
     except ValueError as e:
         raise click.BadParameter(str(e))
     config = ServeConfig(
-        engine=engine, host=o["host"], port=o["port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"]
+        engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"]
     )
     sup = Supervisor(config)
     stop = lambda *_: sup._stop.set()  # noqa: E731 - the watch loop notices and returns

@@ -42,6 +42,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     engine: EngineArgs = msgspec.field(default_factory=EngineArgs)
     host: str = "127.0.0.1"
     port: int = 7410
+    http_port: int | None = None  # also serve the OpenAI-compatible HTTP API here
     run_dir: str = ""  # where the ipc:// sockets live (a fresh temp dir per serve)
     max_frame_bytes: int = 1 << 20
     on_worker_fault: str = "recover"  # recover | fail

@@ -122,6 +122,8 @@ class Supervisor:
             "client_address": self.client_address,
             "max_model_len": self.max_model_len,
             "max_frame_bytes": self.config.max_frame_bytes,
+            "http_host": self.config.host,
+            "http_port": self.config.http_port,
         }
         health = str(self.run_dir / "health.msgpack")
         return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), health]
