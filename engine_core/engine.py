@@ -25,6 +25,7 @@ from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .step_builder import StepBuilder
 from .step_io import StepIo
+from .swap import SwapSpace
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class EngineOptions:
     pipeline: bool = True
     seed: int | None = None  # draws the seeds of requests that bring none
     recover_from_device_loss: bool = False  # requeue (True) or fail (False) the requests of a dead worker
+    preemption_mode: str = "recompute"  # or "swap" (needs the device's swap space: ModelInfo.num_swap_blocks)
 
 
 class EngineCore:
@@ -58,21 +60,29 @@ class EngineCore:
         self.device = device
         info = device.model()
         self.info = info
+        if options.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap (got {options.preemption_mode!r})")
+        if options.preemption_mode == "swap" and not info.num_swap_blocks:
+            log.warning("preemption_mode swap: the device has no swap space, preempted requests are recomputed")
         pool = KvBlockPool(info.num_kv_blocks, info.block_size, options.enable_prefix_caching)
+        swap = SwapSpace(info.num_swap_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=options.max_num_seqs,
                 max_num_batched_tokens=options.max_num_batched_tokens,
                 max_model_len=info.max_model_len,
                 max_waiting=options.max_waiting,
+                preemption_mode=options.preemption_mode,
             ),
             pool,
+            swap,
         )
         builder = StepBuilder(
             max_tokens=max(options.max_num_batched_tokens, options.max_num_seqs),
             max_rows=options.max_num_seqs,
             max_model_len=info.max_model_len,
             block_size=info.block_size,
+            swap=swap,
         )
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
         self.pipeline = Pipeline(faults=faults or PipelineFaults())
@@ -125,6 +135,8 @@ class EngineCore:
             return
         if seq.status == SeqStatus.WAITING:
             self.scheduler.remove_waiting(seq)
+        elif seq.status == SeqStatus.SWAPPED:
+            self.scheduler.remove_swapped(seq)
         else:
             discard_row(self.pipeline, seq)
         seq.finish("abort")
@@ -228,13 +240,15 @@ class EngineCore:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=self.scheduler.num_waiting,
-            swapped=0,
+            swapped=len(self.scheduler.swapped),
             kv_blocks_total=pool.num_blocks,
             kv_blocks_used=pool.num_used,
             kv_blocks_cached=pool.num_cached,
             kv_blocks_free=pool.num_free,
             prefix_cache_hit_rate=pool.stats.hit_rate,
             preemptions=self.scheduler.num_preemptions,
+            swapped_out_blocks=self.scheduler.swap.blocks_out,
+            swapped_in_blocks=self.scheduler.swap.blocks_in,
             steps=self.num_steps,
             generated_tokens=self.generated_tokens,
         )

@@ -62,6 +62,7 @@ class FakeDevice:
         clock: FakeClock | None = None,
         step_cost: float = 0.0,
         faults: FakeFaults | None = None,
+        num_swap_blocks: int = 0,
     ):
         self.info = ModelInfo(
             name="fake",
@@ -72,11 +73,13 @@ class FakeDevice:
             block_size=block_size,
             dtype="int",
             fed_ahead_policy=policy,
+            num_swap_blocks=num_swap_blocks,
         )
         self.clock = clock or FakeClock()
         self.step_cost = step_cost
         self.faults = faults or FakeFaults()
         self.kv = np.full(num_kv_blocks * block_size, -1, dtype=np.int64)
+        self.host_kv = np.full(num_swap_blocks * block_size, -1, dtype=np.int64)
         self.prev_tokens = np.zeros(0, dtype=np.int64)
         self.records: list[StepRecord] = []
         self._results: dict[int, StepResult | DeviceError] = {}
@@ -140,6 +143,7 @@ class FakeDevice:
         if any(isinstance(r, DeviceError) for r in self._results.values()):
             # Launched behind a failure the host has not seen yet: its inputs never existed.
             raise DeviceError("an earlier step failed")
+        self._swap(plan)
         input_ids = plan.input_ids.astype(np.int64)
         fed = bool((plan.feed_from_row != FEED_HOST).any())
         for r in np.nonzero(plan.feed_from_row != FEED_HOST)[0]:
@@ -174,6 +178,16 @@ class FakeDevice:
         self.records.append(StepRecord(q_lens, plan.sample.tolist(), fed))
         lp = np.zeros(R, dtype=np.float32) if (plan.num_logprobs >= 0).any() else None
         return StepResult(tokens=tokens.astype(np.int32), logprobs=lp)
+
+    def _swap(self, plan: StepPlan) -> None:
+        """Copy blocks out to host, then in; a swapped-out device block reads as never written."""
+        bs = self.info.block_size
+        for d, h in plan.swap_out.tolist():
+            self.host_kv[h * bs : (h + 1) * bs] = self.kv[d * bs : (d + 1) * bs]
+            self.kv[d * bs : (d + 1) * bs] = -1
+        for h, d in plan.swap_in.tolist():
+            self.kv[d * bs : (d + 1) * bs] = self.host_kv[h * bs : (h + 1) * bs]
+            self.host_kv[h * bs : (h + 1) * bs] = -1
 
     def _read_context(self, block_table: np.ndarray, seq_len: int) -> np.ndarray:
         """The tokens of a row's KV, read back through its block table."""

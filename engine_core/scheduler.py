@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .kv_blocks import KvBlockPool
 from .sequence import Sequence, SeqStatus
+from .swap import SwapSpace
 
 
 class SchedulerBusy(RuntimeError):
@@ -19,6 +20,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     max_waiting: int = 4096
+    preemption_mode: str = "recompute"  # or "swap": KV to host blocks, recompute when they run out
 
 
 @dataclass(slots=True)
@@ -43,7 +45,9 @@ class Scheduler:
 
     config: SchedulerConfig
     pool: KvBlockPool
+    swap: SwapSpace = field(default_factory=lambda: SwapSpace(0))
     running: list[Sequence] = field(default_factory=list)
+    swapped: list[Sequence] = field(default_factory=list)  # by (priority, arrival)
     _waiting: list[tuple[int, int, Sequence]] = field(default_factory=list)  # heap by (priority, arrival)
     num_preemptions: int = 0
     _next_slot: int = 0
@@ -72,14 +76,17 @@ class Scheduler:
         heapq.heappush(self._waiting, (seq.params.priority, seq.arrival, seq))
 
     def has_admissible(self) -> bool:
-        """True when a waiting sequence could be admitted now (so the device should go quiet)."""
-        if not self._waiting or len(self.running) >= self.config.max_num_seqs:
+        """True when a swapped or waiting sequence could be admitted now (so the device should go quiet)."""
+        if len(self.running) >= self.config.max_num_seqs:
             return False
-        head = self._waiting[0][2]
-        return self.pool.blocks_needed(head, min(head.num_tokens, self.config.max_num_batched_tokens)) <= self.pool.num_available
+        head = self.swapped[0] if self.swapped else (self._waiting[0][2] if self._waiting else None)
+        if head is None:
+            return False
+        k = min(head.num_tokens - head.num_computed, self.config.max_num_batched_tokens)
+        return self.pool.blocks_needed(head, head.num_computed + k) <= self.pool.num_available
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self.running)
+        return bool(self._waiting or self.running or self.swapped)
 
     def remove_waiting(self, seq: Sequence) -> None:
         """Drop a sequence (aborted) from the waiting queue."""
@@ -96,18 +103,50 @@ class Scheduler:
         return done
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free seq's blocks and queue it again with all its tokens."""
+        """Take seq off the device: swap its KV to host blocks (swap mode, while they last) or free it
+        and queue it again with all its tokens to recompute."""
         self.running.remove(seq)
-        self.pool.free(seq)
-        seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and seq.num_computed > 0 and self._swap_out(seq):
+            return
+        self.pool.free(seq)
+        seq.num_computed = 0
         self.add(seq)
 
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Queue the copy of seq's computed blocks to host; False when the swap space is full."""
+        self.pool.trim(seq, seq.num_computed)
+        host = self.swap.take(len(seq.block_table))
+        if host is None:
+            return False
+        self.swap.queue_out(seq.block_table, host)
+        self.pool.free(seq)
+        seq.host_blocks = host
+        seq.status = SeqStatus.SWAPPED
+        self.swapped.append(seq)
+        self.swapped.sort(key=lambda s: (s.params.priority, s.arrival))
+        return True
+
+    def remove_swapped(self, seq: Sequence) -> None:
+        """Drop a swapped sequence (aborted) and give its host blocks back."""
+        self.swapped.remove(seq)
+        self.swap.give_back(seq.host_blocks)
+        seq.host_blocks = []
+
     def requeue_all(self) -> None:
-        """Move every running sequence back to waiting (the device lost its KV)."""
+        """Move every running and swapped sequence back to waiting (the device lost its KV and its host copies)."""
         for seq in list(self.running):
-            self.preempt(seq)
+            self.running.remove(seq)
+            self.pool.free(seq)
+            seq.num_computed = 0
+            self.add(seq)
+        for seq in self.swapped:
+            seq.host_blocks = []
+            seq.num_computed = 0
+            self.add(seq)
+        self.swapped.clear()
+        self.swap.forget()
         self.pool.reset_cache()
 
     def schedule(self) -> ScheduledStep:
@@ -127,12 +166,29 @@ class Scheduler:
                 step.seqs.append(seq)
                 step.num_new.append(k)
                 budget -= k
-        while budget > 0 and self._waiting and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and self.swapped and len(self.running) < self.config.max_num_seqs:
+            if not self._swap_in(self.swapped[0], budget, step):
+                break
+            budget -= step.num_new[-1]
+        while budget > 0 and self._waiting and not self.swapped and len(self.running) < self.config.max_num_seqs:
             seq = self._waiting[0][2]
             if not self._admit(seq, budget, step):
                 break
             budget -= step.num_new[-1]
         return step
+
+    def _swap_in(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:
+        """Resume the head of the swapped queue into fresh device blocks; False if they do not fit."""
+        k = min(seq.num_tokens - seq.num_computed, budget)
+        watermark = 1 if self.running else 0
+        if self.pool.blocks_needed(seq, seq.num_computed + k) > self.pool.num_available - watermark:
+            return False
+        self.swapped.pop(0)
+        self.pool.allocate(seq, seq.num_computed + k)
+        self.swap.queue_in(seq.host_blocks, seq.block_table[: len(seq.host_blocks)])
+        seq.host_blocks = []
+        self._start(seq, k, step)
+        return True
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, step: ScheduledStep) -> bool:
         """Allocate seq's blocks for num_tokens, preempting the lowest-priority unscheduled others.
@@ -163,10 +219,14 @@ class Scheduler:
             return False
         heapq.heappop(self._waiting)
         self.pool.allocate(seq, seq.num_computed + k)
+        self._start(seq, k, step)
+        return True
+
+    def _start(self, seq: Sequence, k: int, step: ScheduledStep) -> None:
+        """Make seq running, in a new slot, with k tokens in this step."""
         seq.status = SeqStatus.RUNNING
         seq.slot_idx = self._next_slot
         self._next_slot += 1
         self.running.append(seq)
         step.seqs.append(seq)
         step.num_new.append(k)
-        return True

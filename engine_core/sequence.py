@@ -13,6 +13,7 @@ class SeqStatus(enum.IntEnum):
     WAITING = 0  # queued; no KV blocks (or preempted: blocks freed, tokens kept)
     RUNNING = 1  # admitted: holds KV blocks, scheduled every step
     FINISHED = 2  # stopped; its blocks are freed when it is retired
+    SWAPPED = 3  # preempted by swap: its KV waits in host blocks
 
 
 @dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its field values
@@ -33,6 +34,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
     finish_reason: str | None = None
     error: str | None = None
     slot_idx: int = -1  # stable row order within a batch (the seed's slot index)

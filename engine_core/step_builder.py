@@ -10,6 +10,7 @@ from metrale.ipc.plan import FEED_HOST, StepPlan
 
 from .pipeline import RowMask
 from .sequence import Sequence
+from .swap import SwapSpace
 
 MAX_BAN_IDS = 64
 
@@ -76,8 +77,11 @@ class StepBuilder:
     """Builds StepPlans. Keeps a few buffer sets in rotation: a plan stays intact while later ones are built
     (a device may read a launched plan while the next is launched ahead of it)."""
 
-    def __init__(self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, depth: int = 3):
+    def __init__(
+        self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, swap: SwapSpace | None = None, depth: int = 3
+    ):
         self.block_size = block_size
+        self.swap = swap or SwapSpace(0)
         self.max_blocks = -(-max_model_len // block_size) + 1
         self.max_tokens = max_tokens
         self.max_rows = max_rows
@@ -132,6 +136,7 @@ class StepBuilder:
             else:
                 b.hist_prompt_len[r] = 0
             b.hist_start[r + 1] = h
+        swap_out, swap_in = self.swap.take_copies()
         return StepPlan(
             input_ids=b.input_ids[:T],
             positions=b.positions[:T],
@@ -156,6 +161,8 @@ class StepBuilder:
             hist_tokens=b.hist_tokens[:h],
             hist_start=b.hist_start[: R + 1],
             hist_prompt_len=b.hist_prompt_len[:R],
+            swap_out=swap_out,
+            swap_in=swap_in,
         )
 
     @staticmethod

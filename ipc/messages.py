@@ -84,6 +84,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_blocks_free: int = 0
     prefix_cache_hit_rate: float = 0.0
     preemptions: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
     steps: int = 0
     generated_tokens: int = 0
 

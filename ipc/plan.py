@@ -59,6 +59,7 @@ class ModelInfo:
     block_size: int
     dtype: str
     fed_ahead_policy: FedAheadPolicy = FedAheadPolicy.REWIND
+    num_swap_blocks: int = 0  # host blocks for swapping KV out (0: swap preemption unavailable)
 
 
 @dataclass(slots=True)
@@ -91,6 +92,9 @@ class StepPlan:
     hist_tokens: np.ndarray  # int32[H]
     hist_start: np.ndarray  # int32[R+1]
     hist_prompt_len: np.ndarray  # int32[R]: the first n history tokens of the row are its prompt
+    # KV copies before the forward: first swap_out (device block, host block), then swap_in (host, device).
+    swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
+    swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
 
     @property
     def num_rows(self) -> int:

@@ -50,11 +50,14 @@ def run_workload(
     max_ticks: int = 20_000,
     max_model_len: int = 1024,
     kill_at_tick: int | None = None,
+    preemption_mode: str = "recompute",
+    num_swap_blocks: int = 0,
     recover: bool = True,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each."""
     dev = FakeDevice(
-        num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len
+        num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len,
+        num_swap_blocks=num_swap_blocks,
     )
     eng = EngineCore(
         dev,
@@ -64,6 +67,7 @@ def run_workload(
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=prefix_caching,
             recover_from_device_loss=recover,
+            preemption_mode=preemption_mode,
         ),
         special_tokens=TOKS,
         faults=lane_faults,
@@ -102,4 +106,5 @@ def run_workload(
     eng.pool.check_invariant()
     assert eng.pool.num_used == 0, "blocks still referenced after every request finished"
     assert dev.in_flight == 0, "a launched step was never awaited"
+    assert eng.scheduler.swap.num_free == eng.scheduler.swap.num_blocks, "host swap blocks leaked"
     return run

@@ -46,15 +46,23 @@ workloads = st.lists(requests(), min_size=1, max_size=12)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=workloads, small_pool=st.integers(14, 40), seqs=st.sampled_from([2, 4, 8]))
-def test_pipelined_streams_equal_synchronous_for_any_workload(reqs, small_pool, seqs):
-    """Arrivals, stops, aborts, think budgets, min_tokens, seeds and a dry pool: same streams, no leak."""
+@given(
+    reqs=workloads,
+    small_pool=st.integers(14, 40),
+    seqs=st.sampled_from([2, 4, 8]),
+    mode=st.sampled_from(["recompute", "swap"]),
+    swap_blocks=st.integers(0, 40),
+)
+def test_pipelined_streams_equal_synchronous_for_any_workload(reqs, small_pool, seqs, mode, swap_blocks):
+    """Arrivals, stops, aborts, think budgets, min_tokens, seeds, a dry pool with preemption by swap or
+    recompute: the same streams as the synchronous loop with room to spare, and no block leaked."""
     reference = run_workload(reqs, pipeline=False, max_num_seqs=seqs)
     piped = run_workload(reqs, pipeline=True, max_num_seqs=seqs)
     assert piped.streams == reference.streams
     assert piped.finish == reference.finish
-    small_sync = run_workload(reqs, pipeline=False, num_kv_blocks=small_pool, max_num_seqs=seqs)
-    small_piped = run_workload(reqs, pipeline=True, num_kv_blocks=small_pool, max_num_seqs=seqs)
+    small = dict(num_kv_blocks=small_pool, max_num_seqs=seqs, preemption_mode=mode, num_swap_blocks=swap_blocks)
+    small_sync = run_workload(reqs, pipeline=False, **small)
+    small_piped = run_workload(reqs, pipeline=True, **small)
     assert small_piped.streams == small_sync.streams == reference.streams
     assert small_piped.finish == small_sync.finish == reference.finish
 

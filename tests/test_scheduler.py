@@ -54,6 +54,29 @@ def test_small_pool_preempts_and_completes_every_request_identically():
     assert all(tight.finish[str(i)] == "length" for i in range(32))
 
 
+def test_swap_mode_moves_blocks_to_host_and_back_with_identical_outputs():
+    """Swap preemption: the same 32 requests on the same small pool, KV parked on the host and brought back."""
+    reqs = [Req([4 + i, 5, 6], greedy(40), arrive_tick=0) for i in range(32)]
+    roomy = run_workload(reqs, pipeline=True, num_kv_blocks=1024, max_num_seqs=32)
+    swapped = run_workload(
+        reqs, pipeline=True, num_kv_blocks=8 * 11, max_num_seqs=32, preemption_mode="swap", num_swap_blocks=400
+    )
+    stats = swapped.engine.stats()
+    assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
+    assert swapped.streams == roomy.streams
+    assert swapped.engine.scheduler.swap.num_free == 400  # every host block back
+
+
+def test_full_swap_space_falls_back_to_recompute():
+    reqs = [Req([4 + i, 5, 6], greedy(40), arrive_tick=0) for i in range(32)]
+    roomy = run_workload(reqs, pipeline=True, num_kv_blocks=1024, max_num_seqs=32)
+    tight = run_workload(reqs, pipeline=True, num_kv_blocks=8 * 11, max_num_seqs=32, preemption_mode="swap", num_swap_blocks=12)
+    stats = tight.engine.stats()
+    assert stats.swapped_out_blocks > 0
+    assert stats.preemptions > stats.swapped_out_blocks // 11  # some preemptions had to recompute
+    assert tight.streams == roomy.streams
+
+
 def test_fcfs_and_priority_order_admission():
     """With room for one sequence at a time, a lower priority value runs first; equals run FCFS."""
     dev = FakeDevice(num_kv_blocks=64, block_size=4)
