@@ -1,8 +1,13 @@
 """The engine-core process: requests from the frontend in, one EngineOutputs per tick out.
 
 The loop, top to bottom: take what the frontend sent (without waiting while there is work), run one
-tick, send its outputs; when the worker died, wait for the supervisor's new one and requeue. Idle, it
-blocks on the input socket (never spins an idle core). Socket contract: frontend/server.py's docstring.
+tick, send its outputs; when the worker died, wait for the supervisor's new one. Idle, it blocks on the
+input socket (never spins an idle core). Socket contract: frontend/server.py's docstring.
+
+A dead worker (`DeviceLost`) is always noticed the same way; `--on-worker-fault` decides what happens to the
+requests it was running: `recover` requeues them with their committed tokens (the new worker recomputes their
+KV and their streams go on unchanged), `fail` ends each with one `worker_fault` error. Either way the engine
+core then waits for the supervisor's replacement and serves on; requests still waiting are kept.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 import psutil
@@ -69,15 +75,17 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
 
 
 def engine_options(args: EngineCoreArgs) -> EngineOptions:
+    """The engine's knobs. A lost device is always left to this process (see the module docstring)."""
     e = args.serve.engine
     return EngineOptions(
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
         max_waiting=e.max_waiting,
         enable_prefix_caching=e.enable_prefix_caching,
+        preemption_mode=e.preemption_mode,
         pipeline=e.pipeline,
         seed=e.seed,
-        recover_from_device_loss=args.serve.on_worker_fault == "recover",
+        recover_from_device_loss=True,
     )
 
 
@@ -97,6 +105,8 @@ class EngineCoreProcess:
         self.device = device
         self.parent = os.getppid()
         self.stopping = False
+        self.waiting_for_worker = False  # SIGTERM then exits at once (nothing is running)
+        self._recovered_at: float | None = None  # when the last replacement worker was ready (for its log line)
         info = self.device.wait_ready(args.ready_timeout_s)
         self.engine = EngineCore(self.device, engine_options(args), special_tokens=SpecialTokens(**args.special_tokens))
         self._send(EngineReady(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
@@ -113,8 +123,9 @@ class EngineCoreProcess:
             outputs = self.engine.step()
             if outputs:
                 self._send(EngineOutputs(outputs=outputs))
+                self._note_first_outputs()
             if self.engine.device_lost:
-                self._await_new_worker()
+                self._replace_worker(self.engine.device_lost)
 
     def _take_inputs(self, block: bool) -> None:
         """Handle every message waiting; when idle, wait (in slices) for the first."""
@@ -155,17 +166,41 @@ class EngineCoreProcess:
     def _refuse(self, request_id: str, error: str) -> None:
         self._send(EngineOutputs(outputs=[RequestOutputDelta(request_id, [], "error", None, error)]))
 
-    def _await_new_worker(self) -> None:
-        """The worker died: wait for the supervisor's replacement, then recompute what was running."""
-        log.warning("worker lost (%s); waiting for a new one", self.engine.device_lost)
+    def _replace_worker(self, lost: str) -> None:
+        """The worker died: settle its requests by the policy, wait for the supervisor's new one, serve on."""
+        t_lost = time.monotonic()
+        if self.args.serve.on_worker_fault == "fail":
+            for seq in self.engine.scheduler.running:
+                seq.finish("error", f"worker_fault: the GPU worker died ({lost}); the request was stopped")
+        self.engine.recover()  # nothing runs on the dead worker: requeue (or, failed, free) what it held
+        failed = self.engine.drain()  # nothing is in flight any more: this only collects the errors
+        if failed:
+            self._send(EngineOutputs(outputs=failed))
+        log.warning("worker lost (%s); %d requests wait for a new one", lost, self.engine.scheduler.num_waiting)
+        self.waiting_for_worker = True
         try:
-            self.device.wait_ready(self.args.ready_timeout_s)
-        except DeviceError as e:
-            log.error("no new worker: %s", e)
-            self.stopping = True
+            while not self.stopping:
+                try:
+                    self.device.wait_ready(self.args.ready_timeout_s)
+                    break
+                except DeviceError as e:  # the supervisor decides on restarts; we wait for the next one
+                    log.error("no new worker yet: %s", e)
+                    self.stopping = os.getppid() != self.parent
+        finally:
+            self.waiting_for_worker = False
+        if self.stopping:
             return
-        self.engine.recover()
-        log.info("new worker ready; %d requests requeued", self.engine.scheduler.num_waiting)
+        self.engine.recover()  # the pool's cache was reset; requests that came in meanwhile are queued
+        self._recovered_at = time.monotonic()
+        log.info("new worker ready %.3f s after the loss (ready at monotonic %.6f)", self._recovered_at - t_lost,
+                 self._recovered_at)
+
+    def _note_first_outputs(self) -> None:
+        """Log when the first tokens after a worker replacement went out (the recompute's cost)."""
+        if self._recovered_at is not None:
+            now = time.monotonic()
+            log.info("first tokens %.3f s after the new worker was ready (at monotonic %.6f)", now - self._recovered_at, now)
+            self._recovered_at = None
 
     def _send(self, msg: EngineOutput) -> None:
         self.outbox.send(self.encoder.encode(msg))
@@ -186,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
 
     def stop(*_):
-        if proc is None:
-            raise SystemExit(0)  # still starting: unwind, the finally below removes the ring
+        if proc is None or proc.waiting_for_worker:
+            raise SystemExit(0)  # starting, or waiting for a worker: unwind, the finally below removes the ring
         proc.stopping = True
 
     signal.signal(signal.SIGTERM, stop)

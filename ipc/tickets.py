@@ -37,7 +37,7 @@ from .plan import StepPlan, StepResult
 SEGMENT_PREFIX = "metrale-"
 SHM_DIR = "/dev/shm"
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 1
+VERSION = 2
 _sched_yield = getattr(os, "sched_yield", lambda: None)
 SPIN_IS_SAFE = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
@@ -50,15 +50,15 @@ _CTRL_BYTES = 256  # two 128-byte halves: engine-written and worker-written (no 
 
 # Header int64 indices.
 _H_MAGIC, _H_VERSION, _H_OWNER_PID, _H_SLOT_BYTES = 0, 1, 2, 3
-_H_GEOMETRY = 4  # the eight RingGeometry fields, in order
+_H_GEOMETRY = 4  # the nine RingGeometry fields, in order
 _H_WORKER = 16  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_ns (worker-written)
 # Control block int64 indices (relative to the slot's first int64).
-_C_PLAN_SEQ, _C_T, _C_R, _C_B, _C_K, _C_H = 0, 1, 2, 3, 4, 5
+_C_PLAN_SEQ, _C_T, _C_R, _C_B, _C_K, _C_H, _C_SO, _C_SI = 0, 1, 2, 3, 4, 5, 6, 7
 _C_RESULT_SEQ, _C_STATUS, _C_RES_R, _C_RES_N, _C_RES_FLAGS, _C_ERR_LEN, _C_EXEC_NS = range(16, 23)
 _HAS_LOGPROBS, _HAS_TOP = 1, 2
 
 # Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
-# RB rows × block-table width, RK rows × ban width, H history tokens.
+# RB rows × block-table width, RK rows × ban width, H history tokens, SO / SI swap pairs × 2.
 _PLAN_FIELDS = (
     ("input_ids", np.int32, "T"),
     ("positions", np.int32, "T"),
@@ -83,11 +83,14 @@ _PLAN_FIELDS = (
     ("hist_tokens", np.int32, "H"),
     ("hist_start", np.int32, "R1"),
     ("hist_prompt_len", np.int32, "R"),
+    ("swap_out", np.int32, "SO"),
+    ("swap_in", np.int32, "SI"),
 )
 assert tuple(f[0] for f in _PLAN_FIELDS) == tuple(f.name for f in dataclasses.fields(StepPlan)), (
     "StepPlan changed: update the ticket layout"
 )
 _PLAN_NAMES = tuple(f[0] for f in _PLAN_FIELDS)
+_N_GEOMETRY = 9  # RingGeometry's fields in the header
 
 # StepResult arrays: tokens and logprobs per row, top-N per row (RN), the error message (E).
 _RESULT_FIELDS = (
@@ -111,6 +114,7 @@ class RingGeometry:
     max_hist_tokens: int = 65536
     max_logprobs: int = 20
     error_msg_bytes: int = 4096
+    max_swaps: int = 4096  # block copies per step, each way
 
     def capacity(self, kind: str) -> int:
         """Elements a region of this length kind holds."""
@@ -123,6 +127,8 @@ class RingGeometry:
             "H": self.max_hist_tokens,
             "RN": self.max_rows * self.max_logprobs,
             "E": self.error_msg_bytes,
+            "SO": 2 * self.max_swaps,
+            "SI": 2 * self.max_swaps,
         }[kind]
 
 
@@ -183,7 +189,7 @@ class TicketRing:
         self._q = base.view(np.int64)  # header + control blocks as int64s (aligned)
         if int(self._q[_H_MAGIC]) != MAGIC or int(self._q[_H_VERSION]) != VERSION:
             raise ValueError(f"{name}: not a metrale ticket ring of version {VERSION}")
-        self.geometry = RingGeometry(*(int(v) for v in self._q[_H_GEOMETRY : _H_GEOMETRY + 8]))
+        self.geometry = RingGeometry(*(int(v) for v in self._q[_H_GEOMETRY : _H_GEOMETRY + _N_GEOMETRY]))
         self.num_slots = self.geometry.num_slots
         slot_bytes = int(self._q[_H_SLOT_BYTES])
         self._ctrl = [(_HEADER_BYTES + s * slot_bytes) // 8 for s in range(self.num_slots)]
@@ -211,7 +217,7 @@ class TicketRing:
             os.fchmod(shm._fd, 0o600)  # the default already, but umask-independent and explicit
             q = np.frombuffer(shm.buf, dtype=np.int64, count=_HEADER_BYTES // 8)
             q[_H_MAGIC], q[_H_VERSION], q[_H_OWNER_PID], q[_H_SLOT_BYTES] = MAGIC, VERSION, os.getpid(), slot_bytes
-            q[_H_GEOMETRY : _H_GEOMETRY + 8] = dataclasses.astuple(geometry)
+            q[_H_GEOMETRY : _H_GEOMETRY + _N_GEOMETRY] = dataclasses.astuple(geometry)
             del q
             return cls(shm, name, owner=True)
         except BaseException:
@@ -250,7 +256,7 @@ class TicketRing:
         for name, view in zip(_PLAN_NAMES, self._plan_views(slot, counts)):
             view[...] = getattr(plan, name)
         c = self._ctrl[slot]
-        self._q[c + _C_T : c + _C_H + 1] = counts
+        self._q[c + _C_T : c + _C_SI + 1] = counts
 
     def publish_plan(self, slot: int, seq: int) -> None:
         """Make the plan written in a slot visible as ticket seq (after write_plan)."""
@@ -264,18 +270,21 @@ class TicketRing:
         """The slot's plan as zero-copy views, valid until the engine reuses the slot (do not keep them)."""
         c = self._ctrl[slot]
         q = self._seqs
-        return StepPlan(*self._plan_views(slot, (q[c + _C_T], q[c + _C_R], q[c + _C_B], q[c + _C_K], q[c + _C_H])))
+        counts = (q[c + _C_T], q[c + _C_R], q[c + _C_B], q[c + _C_K], q[c + _C_H], q[c + _C_SO], q[c + _C_SI])
+        return StepPlan(*self._plan_views(slot, counts))
 
-    def _plan_views(self, slot: int, counts: tuple[int, int, int, int, int]) -> list[np.ndarray]:
+    def _plan_views(self, slot: int, counts: tuple[int, ...]) -> list[np.ndarray]:
         """Views of a slot's plan regions for these counts, in field order; cached while counts repeat."""
         cached_counts, cached = self._plan_cache[slot]
         if cached_counts == counts:
             return cached
-        t, r, b, k, h = counts
-        lengths = _lengths(t, r, b, k, h)
+        t, r, b, k, h, so, si = counts
+        lengths = _lengths(t, r, b, k, h, so, si)
         views = [region[: lengths[kind]] for (_, _, kind), region in zip(_PLAN_FIELDS, self._plan_regions[slot])]
         views[5] = views[5].reshape(r, b)  # block_tables
         views[18] = views[18].reshape(r, k)  # ban_ids
+        views[23] = views[23].reshape(so, 2)  # swap_out
+        views[24] = views[24].reshape(si, 2)  # swap_in
         self._plan_cache[slot] = (counts, views)
         return views
 
@@ -393,10 +402,13 @@ class TicketRing:
 
     # ---- validation -----------------------------------------------------------------------
 
-    def _plan_counts(self, plan: StepPlan) -> tuple[int, int, int, int, int]:
-        """(T, R, B, K, H) of a plan, checked against its own arrays and the ring's capacity."""
+    def _plan_counts(self, plan: StepPlan) -> tuple[int, ...]:
+        """(T, R, B, K, H, SO, SI) of a plan, checked against its own arrays and the ring's capacity."""
         g = self.geometry
         t, r, h = len(plan.input_ids), len(plan.seq_lens), len(plan.hist_tokens)
+        so, si = len(plan.swap_out), len(plan.swap_in)
+        if so > g.max_swaps or si > g.max_swaps:
+            raise ValueError(f"plan has {max(so, si)} block copies, the ticket ring holds at most {g.max_swaps}")
         b = _width(plan.block_tables, r, "block_tables")
         k = _width(plan.ban_ids, r, "ban_ids")
         if t > g.max_tokens or r > g.max_rows or b > g.max_blocks_per_row or k > g.max_ban_ids or h > g.max_hist_tokens:
@@ -409,11 +421,11 @@ class TicketRing:
             ):
                 if value > limit:
                     raise ValueError(f"plan has {value} {what}, the ticket ring holds at most {limit}")
-        shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,)}
+        shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2)}
         for name, _, kind in _PLAN_FIELDS:
             if getattr(plan, name).shape != shapes[kind]:
                 raise ValueError(f"plan.{name} has shape {getattr(plan, name).shape}, expected {shapes[kind]}")
-        return t, r, b, k, h
+        return t, r, b, k, h, so, si
 
     def _result_counts(self, result: StepResult) -> tuple[int, int, int]:
         """(R, N, flags) of a result, checked against its own arrays and the ring's capacity."""
@@ -513,9 +525,9 @@ def _regions(base: np.ndarray, slot_at: int, offsets: dict[str, int], g: RingGeo
     return out
 
 
-def _lengths(t: int, r: int, b: int, k: int, h: int) -> dict[str, int]:
+def _lengths(t: int, r: int, b: int, k: int, h: int, so: int, si: int) -> dict[str, int]:
     """Element count of each length kind for a plan's counts."""
-    return {"T": t, "R": r, "R1": r + 1, "RB": r * b, "RK": r * k, "H": h}
+    return {"T": t, "R": r, "R1": r + 1, "RB": r * b, "RK": r * k, "H": h, "SO": 2 * so, "SI": 2 * si}
 
 
 def _width(array: np.ndarray, rows: int, name: str) -> int:

@@ -32,6 +32,8 @@ def main() -> None:
 @click.option("--kv-cache-memory", default=None, type=float, help="bytes of KV cache (e.g. 2e9).")
 @click.option("--max-waiting", default=4096, show_default=True)
 @click.option("--no-prefix-caching", is_flag=True)
+@click.option("--preemption-mode", default="recompute", type=click.Choice(["recompute", "swap"]), show_default=True)
+@click.option("--swap-space", default=4.0, show_default=True, help="GiB of host memory for swapped-out KV.")
 @click.option("--no-pipeline", is_flag=True, help="run the synchronous loop instead of the pipelined decode lane.")
 @click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True)
 @click.option("--max-frame-bytes", default=1 << 20, show_default=True)
@@ -52,6 +54,8 @@ def serve(**o) -> None:
         max_num_batched_tokens=o["max_num_batched_tokens"],
         max_waiting=o["max_waiting"],
         enable_prefix_caching=not o["no_prefix_caching"],
+        preemption_mode=o["preemption_mode"],
+        swap_space_gb=o["swap_space"],
         pipeline=not o["no_pipeline"],
         seed=o["seed"],
     )

@@ -21,6 +21,8 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 2048
     max_waiting: int = 4096
     enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # or "swap": preempted KV goes to host memory while it fits
+    swap_space_gb: float = 4.0  # host memory for swapped KV, per worker
     pipeline: bool = True
     seed: int | None = None
     show_progress: bool = True
@@ -32,6 +34,10 @@ class EngineArgs(msgspec.Struct, kw_only=True):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap (got {self.preemption_mode!r})")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0 (got {self.swap_space_gb})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 (got {self.num_kv_blocks})")
 

@@ -168,6 +168,7 @@ def engine_options(args: EngineArgs) -> EngineOptions:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
         enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
         pipeline=args.pipeline,
         seed=args.seed,
     )

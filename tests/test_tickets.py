@@ -58,9 +58,9 @@ def ring():
 PLAN_FIELDS = {name: (dtype, kind) for name, dtype, kind in tickets._PLAN_FIELDS}
 
 
-def random_plan(rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int) -> StepPlan:
+def random_plan(rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int, so: int = 3, si: int = 2) -> StepPlan:
     """A plan of the given counts whose every array holds random values of its dtype."""
-    shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,)}
+    shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2)}
     arrays = {}
     for name, (dtype, kind) in PLAN_FIELDS.items():
         shape = shapes[kind]
