@@ -59,6 +59,7 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     max_model_len: int
     special_tokens: dict[str, int | None] = {}
     ready_timeout_s: float = 600.0
+    served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
 
 
 def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
@@ -71,21 +72,6 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
         max_blocks_per_row=-(-args.max_model_len // e.block_size) + 1,
         max_ban_ids=MAX_BAN_IDS,
         max_hist_tokens=max(65536, e.max_num_seqs * args.max_model_len),
-    )
-
-
-def engine_options(args: EngineCoreArgs) -> EngineOptions:
-    """The engine's knobs. A lost device is always left to this process (see the module docstring)."""
-    e = args.serve.engine
-    return EngineOptions(
-        max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens,
-        max_waiting=e.max_waiting,
-        enable_prefix_caching=e.enable_prefix_caching,
-        preemption_mode=e.preemption_mode,
-        pipeline=e.pipeline,
-        seed=e.seed,
-        recover_from_device_loss=True,
     )
 
 
@@ -107,8 +93,10 @@ class EngineCoreProcess:
         self.stopping = False
         self.waiting_for_worker = False  # SIGTERM then exits at once (nothing is running)
         self._recovered_at: float | None = None  # when the last replacement worker was ready (for its log line)
+        self._unproven = True  # the current worker has not served a step yet
         info = self.device.wait_ready(args.ready_timeout_s)
-        self.engine = EngineCore(self.device, engine_options(args), special_tokens=SpecialTokens(**args.special_tokens))
+        options = EngineOptions.from_args(args.serve.engine, recover_from_device_loss=args.serve.on_worker_fault == "recover")
+        self.engine = EngineCore(self.device, options, special_tokens=SpecialTokens(**args.special_tokens))
         self._send(EngineReady(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                                num_kv_blocks=info.num_kv_blocks, block_size=info.block_size))
         log.info("engine core ready: %s, %d KV blocks of %d", info.name, info.num_kv_blocks, info.block_size)
@@ -123,7 +111,8 @@ class EngineCoreProcess:
             outputs = self.engine.step()
             if outputs:
                 self._send(EngineOutputs(outputs=outputs))
-                self._note_first_outputs()
+                if self._unproven or self._recovered_at is not None:
+                    self._note_worker_progress()
             if self.engine.device_lost:
                 self._replace_worker(self.engine.device_lost)
 
@@ -190,17 +179,25 @@ class EngineCoreProcess:
             self.waiting_for_worker = False
         if self.stopping:
             return
-        self.engine.recover()  # the pool's cache was reset; requests that came in meanwhile are queued
+        self._unproven = True
         self._recovered_at = time.monotonic()
         log.info("new worker ready %.3f s after the loss (ready at monotonic %.6f)", self._recovered_at - t_lost,
                  self._recovered_at)
 
-    def _note_first_outputs(self) -> None:
-        """Log when the first tokens after a worker replacement went out (the recompute's cost)."""
+    def _note_worker_progress(self) -> None:
+        """After a worker's first outputs: log the recompute's cost, tell the supervisor the worker serves."""
+        now = time.monotonic()
         if self._recovered_at is not None:
-            now = time.monotonic()
             log.info("first tokens %.3f s after the new worker was ready (at monotonic %.6f)", now - self._recovered_at, now)
             self._recovered_at = None
+        stats = self.device.worker_stats()
+        if self._unproven and stats.steps > 0 and stats.worker_pid == self.device.pid:
+            self._unproven = False
+            if self.args.served_path:
+                tmp = f"{self.args.served_path}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(str(stats.worker_pid))
+                os.replace(tmp, self.args.served_path)
 
     def _send(self, msg: EngineOutput) -> None:
         self.outbox.send(self.encoder.encode(msg))

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from metrale.config import EngineArgs
 from metrale.ipc.messages import EngineStats, RequestOutputDelta
 from metrale.ipc.plan import Device, DeviceError
 from metrale.ipc.sampling import SamplingParams
@@ -42,6 +43,20 @@ class EngineOptions:
     seed: int | None = None  # draws the seeds of requests that bring none
     recover_from_device_loss: bool = False  # requeue (True) or fail (False) the requests of a dead worker
     preemption_mode: str = "recompute"  # or "swap" (needs the device's swap space: ModelInfo.num_swap_blocks)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
+        """The engine core's share of EngineArgs."""
+        return cls(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting,
+            enable_prefix_caching=args.enable_prefix_caching,
+            pipeline=args.pipeline,
+            seed=args.seed,
+            recover_from_device_loss=recover_from_device_loss,
+            preemption_mode=args.preemption_mode,
+        )
 
 
 class EngineCore:

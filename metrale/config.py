@@ -42,6 +42,20 @@ class EngineArgs(msgspec.Struct, kw_only=True):
             raise ValueError(f"num_kv_blocks must be >= 1 (got {self.num_kv_blocks})")
 
 
+    def runner_kwargs(self, model_dir: str) -> dict:
+        """The model runner's keyword arguments (in-process for LLM, as JSON for a worker process)."""
+        return {
+            "model_dir": model_dir,
+            "dtype": self.dtype,
+            "device": self.device,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_memory": self.kv_cache_memory,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "show_progress": self.show_progress,
+        }
+
+
 class ServeConfig(msgspec.Struct, kw_only=True):
     """`metrale serve`: the engine plus where and how the three processes talk."""
 

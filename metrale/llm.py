@@ -68,18 +68,9 @@ class LLM:
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.runner = ModelRunner(
-            self.model_dir,
-            dtype=args.dtype,
-            device=args.device,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            show_progress=args.show_progress,
-        )
+        self.runner = ModelRunner(**args.runner_kwargs(self.model_dir))
         self.device = LocalDevice(self.runner, threaded=args.pipeline)
-        self.engine = EngineCore(self.device, engine_options(args), special_tokens=special_tokens_of(self.tokenizer))
+        self.engine = EngineCore(self.device, EngineOptions.from_args(args), special_tokens=special_tokens_of(self.tokenizer))
         self._ids = itertools.count()
 
     def generate(
@@ -159,19 +150,6 @@ class LLM:
         elif prompts and isinstance(prompts[0], int):
             prompts = [list(prompts)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-
-
-def engine_options(args: EngineArgs) -> EngineOptions:
-    """The engine core's share of EngineArgs."""
-    return EngineOptions(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_waiting=args.max_waiting,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        pipeline=args.pipeline,
-        seed=args.seed,
-    )
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:

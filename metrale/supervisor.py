@@ -4,6 +4,13 @@ Each child is `python -m <module>` with its configuration as JSON on the command
 own session, so a terminal's Ctrl-C reaches only the supervisor, which then shuts down in order:
 frontend (stop taking requests), engine core (which tells its worker to exit), worker; then every
 shared-memory segment an engine core owned is swept and the run directory removed.
+
+Restarts. A dead worker is restarted on the same ring (the engine core requeues what it was running); a dead
+engine core is restarted with a fresh worker (its ring is swept; the frontend resubmits every live request);
+a dead frontend is restarted on the same addresses. A child that dies "in a row" — without having done any
+work since its start (for the worker: served no step), and within RestartPolicy.window_s of it — waits
+longer before each restart; after RestartPolicy.max_in_a_row such deaths it is not restarted again and the
+server reports itself unhealthy (Health.healthy false, last_fault set) instead of looping.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -32,9 +39,26 @@ from metrale.ipc.messages import Health, ProcessHealth
 
 log = logging.getLogger("metrale.supervisor")
 
-CRASH_WINDOW_S = 30.0  # a worker that dies again within this window backs off
-MAX_CRASHES_IN_A_ROW = 5  # then the server reports itself unhealthy and stops restarting it
 WATCH_INTERVAL_S = 0.05
+NEVER = float("inf")
+
+
+@dataclass(slots=True)
+class RestartPolicy:
+    """When a dead child is started again: at once, after a backoff, or never (the server is then unhealthy)."""
+
+    window_s: float = 30.0  # a child that lived longer than this did not crash "in a row"
+    max_in_a_row: int = 5  # this many deaths in a row: give up
+    backoff_s: float = 0.5  # the wait before the second restart in a row; it doubles after each death
+    max_backoff_s: float = 10.0
+
+    def delay(self, in_a_row: int) -> float | None:
+        """Seconds to wait before the next start after this many deaths in a row; None: do not restart."""
+        if in_a_row >= self.max_in_a_row:
+            return None
+        if in_a_row <= 1:
+            return 0.0
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (in_a_row - 2))
 
 
 @dataclass(slots=True)
@@ -44,18 +68,23 @@ class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen | None = None
-    started: float = 0.0
+    started: float = 0.0  # on the supervisor's clock
     restarts: int = 0
-    crashes: deque = field(default_factory=lambda: deque(maxlen=MAX_CRASHES_IN_A_ROW))
-    restart_at: float | None = None  # backoff: when to start it again
+    in_a_row: int = 0  # deaths without work done in between (RestartPolicy)
+    restart_at: float | None = None  # set when it died: when to start it again (NEVER: given up)
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, env: dict[str, str]) -> None:
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    def start(self, env: dict[str, str], now: float) -> None:
+        """Start (or restart) the process."""
         self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.started = time.monotonic()
+        self.started = now
         self.restart_at = None
 
     def stop(self, grace_s: float) -> None:
@@ -81,11 +110,15 @@ def free_port(host: str) -> int:
 class Supervisor:
     """Owns the three processes of one `metrale serve`."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(
+        self, config: ServeConfig, policy: RestartPolicy | None = None, clock: Callable[[], float] = time.monotonic
+    ):
         from metrale.frontend.tokenizer import Tokenizer
         from metrale.llm import resolve_model_dir, special_tokens_of
 
         self.config = config
+        self.policy = policy or RestartPolicy()
+        self.clock = clock
         self.model_dir = resolve_model_dir(config.engine.model)
         tokenizer = Tokenizer.from_dir(self.model_dir)
         self.special_tokens = dataclasses.asdict(special_tokens_of(tokenizer))
@@ -100,8 +133,9 @@ class Supervisor:
         self.frontend = Child("frontend", self._frontend_argv())
         self.engine = Child("engine_core", [])
         self.worker = Child("gpu_worker", [])
+        self.ring_name = ""  # the current engine core's ticket ring (the worker serves it)
         self.engine_pids: set[int] = set()
-        self.healthy = True
+        self.healthy = True  # False once a child is given up on
         self.last_fault: str | None = None
         self._stop = threading.Event()
 
@@ -110,6 +144,15 @@ class Supervisor:
     @property
     def client_address(self) -> str:
         return f"tcp://{self.config.host}:{self.config.port}"
+
+    @property
+    def health_path(self) -> Path:
+        return self.run_dir / "health.msgpack"
+
+    @property
+    def served_path(self) -> Path:
+        """The engine core writes here the pid of each worker once it has served a step."""
+        return self.run_dir / "worker-served"
 
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.run_dir / name}"
@@ -125,8 +168,7 @@ class Supervisor:
             "http_host": self.config.host,
             "http_port": self.config.http_port,
         }
-        health = str(self.run_dir / "health.msgpack")
-        return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), health]
+        return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), str(self.health_path)]
 
     def _engine_argv(self, token: str) -> list[str]:
         from metrale.engine_core.core import EngineCoreArgs
@@ -138,28 +180,19 @@ class Supervisor:
             ring_token=token,
             max_model_len=self.max_model_len,
             special_tokens=self.special_tokens,
+            served_path=str(self.served_path),
         )
         return [sys.executable, "-m", "metrale.engine_core.core", "--args", msgspec.json.encode(args).decode()]
 
     def _worker_argv(self, ring: str) -> list[str]:
-        e = self.config.engine
-        kwargs = {
-            "model_dir": self.model_dir,
-            "dtype": e.dtype,
-            "device": e.device,
-            "num_kv_blocks": e.num_kv_blocks,
-            "kv_cache_memory": e.kv_cache_memory,
-            "block_size": e.block_size,
-            "max_num_seqs": e.max_num_seqs,
-            "show_progress": e.show_progress,
-        }
+        kwargs = self.config.engine.runner_kwargs(self.model_dir)
         return [sys.executable, "-m", "metrale.gpu_worker.worker", "--ring", ring, "--runner-kwargs", json.dumps(kwargs)]
 
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self, ready_timeout_s: float = 600.0) -> None:
         """Start the three and wait until a request can be served; RuntimeError if a child dies first."""
-        self.frontend.start(self.env)
+        self.frontend.start(self.env, self.clock())
         self._start_engine()
         self._write_health()
         self._wait_until_serving(ready_timeout_s)
@@ -167,11 +200,13 @@ class Supervisor:
     def _start_engine(self) -> None:
         """A fresh engine core and, on its ring, a fresh worker."""
         token = secrets.token_hex(4)
+        now = self.clock()
         self.engine.argv = self._engine_argv(token)
-        self.engine.start(self.env)
+        self.engine.start(self.env, now)
         self.engine_pids.add(self.engine.proc.pid)
-        self.worker.argv = self._worker_argv(f"metrale-{self.engine.proc.pid}-{token}")
-        self.worker.start(self.env)
+        self.ring_name = f"metrale-{self.engine.proc.pid}-{token}"
+        self.worker.argv = self._worker_argv(self.ring_name)
+        self.worker.start(self.env, now)
 
     def _wait_until_serving(self, timeout_s: float) -> None:
         """Ask the frontend for stats until the engine core answers through it."""
@@ -196,43 +231,59 @@ class Supervisor:
             self.check_children()
 
     def check_children(self) -> None:
-        """One pass of the watch: restart what died (with backoff for a crashing worker)."""
-        now = time.monotonic()
-        if not self.engine.alive:
-            self._record_fault(self.engine, now)
-            log.warning("engine core died; restarting it with a fresh worker")
-            self.worker.stop(grace_s=2.0)
+        """One pass of the watch: note who died, restart whoever is due, publish health."""
+        now = self.clock()
+        if self._died(self.engine, now):
+            self.worker.stop(grace_s=2.0)  # it served the dead engine's ring; a fresh one comes with the next
+            self.worker.restart_at = None
             self._sweep()
+        elif not self.worker.alive and self.engine.alive:  # worker first: a worker gone with its engine is not its fault
+            self._died(self.worker, now)
+        self._died(self.frontend, now)
+        if self._due(self.engine, now):
             self.engine.restarts += 1
             self.worker.restarts += 1
             self._start_engine()
-        elif not self.worker.alive:
-            if self.worker.restart_at is None:
-                self._record_fault(self.worker, now)
-                if len(self.worker.crashes) == MAX_CRASHES_IN_A_ROW and now - self.worker.crashes[0] < CRASH_WINDOW_S * MAX_CRASHES_IN_A_ROW:
-                    self.healthy = False
-                    log.error("the worker crashed %d times in a row; not restarting it", MAX_CRASHES_IN_A_ROW)
-                    self.worker.restart_at = float("inf")
-                else:
-                    recent = len([t for t in self.worker.crashes if now - t < CRASH_WINDOW_S])
-                    delay = 0.0 if recent <= 1 else min(5.0, 0.25 * 2 ** (recent - 2))
-                    self.worker.restart_at = now + delay
-            if now >= self.worker.restart_at:
-                self.worker.restarts += 1
-                self.worker.start(self.env)
-                log.warning("worker restarted (restart %d)", self.worker.restarts)
-        if not self.frontend.alive:
-            self._record_fault(self.frontend, now)
+            log.warning("engine core restarted with a fresh worker (restart %d)", self.engine.restarts)
+        elif self.engine.alive and self._due(self.worker, now):
+            self.worker.restarts += 1
+            self.worker.start(self.env, now)
+            log.warning("worker restarted (restart %d)", self.worker.restarts)
+        if self._due(self.frontend, now):
             self.frontend.restarts += 1
-            self.frontend.start(self.env)
-            log.warning("frontend restarted on %s", self.client_address)
+            self.frontend.start(self.env, now)
+            log.warning("frontend restarted on %s (restart %d)", self.client_address, self.frontend.restarts)
         self._write_health()
 
-    def _record_fault(self, child: Child, now: float) -> None:
-        code = child.proc.returncode if child.proc is not None else None
-        self.last_fault = f"{child.name} (pid {child.proc.pid if child.proc else '?'}) exited with code {code}"
-        child.crashes.append(now)
-        log.warning(self.last_fault)
+    def _died(self, child: Child, now: float) -> bool:
+        """True when child has just been found dead: record the fault and schedule (or refuse) its restart."""
+        if child.proc is None or child.alive or child.restart_at is not None:
+            return False
+        worked = now - child.started >= self.policy.window_s or (child is self.worker and self._worker_served())
+        child.in_a_row = 1 if worked else child.in_a_row + 1
+        self.last_fault = f"{child.name} (pid {child.pid}) exited with code {child.proc.returncode}"
+        delay = self.policy.delay(child.in_a_row)
+        if delay is None:
+            self.healthy = False
+            child.restart_at = NEVER
+            self.last_fault += f"; it died {child.in_a_row} times in a row and is not restarted again"
+            log.error(self.last_fault)
+        else:
+            child.restart_at = now + delay
+            log.warning("%s; restarting it in %.2f s", self.last_fault, delay)
+        return True
+
+    @staticmethod
+    def _due(child: Child, now: float) -> bool:
+        """Whether a dead child's restart time has come."""
+        return child.restart_at is not None and now >= child.restart_at
+
+    def _worker_served(self) -> bool:
+        """Whether the dead worker had served a step (the engine core notes each worker that has)."""
+        try:
+            return int(self.served_path.read_text()) == self.worker.pid
+        except (OSError, ValueError):
+            return False
 
     def stop(self) -> None:
         """Shut down in order and leave nothing behind. Idempotent."""
@@ -247,16 +298,18 @@ class Supervisor:
         """Remove the shared memory of every engine core that is gone."""
         from metrale.ipc.tickets import sweep_segments
 
-        gone = {pid for pid in self.engine_pids if not (self.engine.alive and self.engine.proc.pid == pid)}
+        gone = {pid for pid in self.engine_pids if not (self.engine.alive and self.engine.pid == pid)}
         for name in sweep_segments(gone):
             log.info("removed %s", name)
+        self.engine_pids -= gone
 
     def health(self) -> Health:
-        now = time.monotonic()
+        """Each process's pid, uptime and restarts, and the last fault."""
+        now = self.clock()
         procs = [
             ProcessHealth(
                 name=c.name,
-                pid=c.proc.pid if c.proc else 0,
+                pid=c.pid,
                 uptime_s=now - c.started if c.alive else 0.0,
                 restarts=c.restarts,
                 alive=c.alive,
@@ -267,10 +320,9 @@ class Supervisor:
 
     def _write_health(self) -> None:
         """Publish health for the frontend (atomic replace; the frontend reads it on a Health query)."""
-        path = self.run_dir / "health.msgpack"
-        tmp = path.with_suffix(".tmp")
+        tmp = self.health_path.with_suffix(".tmp")
         tmp.write_bytes(msgspec.msgpack.encode(self.health()))
-        os.replace(tmp, path)
+        os.replace(tmp, self.health_path)
 
 
 def _max_model_len(model_dir: str) -> int:
