@@ -95,7 +95,8 @@ class EngineCoreProcess:
         self._recovered_at: float | None = None  # when the last replacement worker was ready (for its log line)
         self._unproven = True  # the current worker has not served a step yet
         info = self.device.wait_ready(args.ready_timeout_s)
-        options = EngineOptions.from_args(args.serve.engine, recover_from_device_loss=args.serve.on_worker_fault == "recover")
+        # A lost device is always left to this process, which applies --on-worker-fault (_replace_worker).
+        options = EngineOptions.from_args(args.serve.engine, recover_from_device_loss=True)
         self.engine = EngineCore(self.device, options, special_tokens=SpecialTokens(**args.special_tokens))
         self._send(EngineReady(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                                num_kv_blocks=info.num_kv_blocks, block_size=info.block_size))
@@ -150,7 +151,10 @@ class EngineCoreProcess:
             for rid in msg.request_ids:
                 self.engine.abort(rid)
         elif isinstance(msg, StatsRequest):
-            self._send(StatsResponse(id=msg.id, stats=self.engine.stats()))
+            stats = self.engine.stats()
+            worker = self.device.worker_stats()
+            stats.worker_busy_s, stats.worker_idle_s = worker.busy_ns / 1e9, worker.idle_ns / 1e9
+            self._send(StatsResponse(id=msg.id, stats=stats))
 
     def _refuse(self, request_id: str, error: str) -> None:
         self._send(EngineOutputs(outputs=[RequestOutputDelta(request_id, [], "error", None, error)]))

@@ -37,6 +37,10 @@ before a frontend restart) with an AbortRequest, once. While it has seen no Engi
 ``StatsRequest{id: "<prefix>-ready"}`` every ``ready_probe_s``; a StatsResponse to it means an engine core is
 already running (the frontend was restarted) and the frontend adopts it.
 
+In-process clients: the HTTP API (http_api.py, started on the same loop when ``http_port`` is set) submits through
+``generate_local`` / ``abort_local``: the same validation, tokenization, AddRequest, detokenization and abort
+path as a Generate frame, with every answer handed to a callback instead of the ROUTER.
+
 Client disconnects: a ROUTER is not told which peer left, so the server sends with ROUTER_MANDATORY and treats a
 send that fails (peer gone, or so far behind that its queue is full) as a disconnect: that client's requests are
 aborted. Every streamed delta is such a probe; when the socket monitor reports a disconnect, clients with live
@@ -87,7 +91,8 @@ from metrale.ipc.messages import (
 )
 from metrale.ipc.sampling import SamplingParams
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import Decoder, IncrementalDetokenizer
+from .metrics import Metrics
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -115,6 +120,9 @@ class FrontendConfig:
     heartbeat_s: float = 5.0  # ZMTP PINGs; a peer silent for 3 intervals is disconnected (0 disables)
     engine_reply_timeout_s: float = 10.0  # StatsQuery answered with Error "internal" after this
     ready_probe_s: float = 2.0
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None  # serve the OpenAI-compatible HTTP API here too (0: any free port)
+    served_model_name: str | None = None  # the HTTP API's model id; default the model folder's name
 
 
 @dataclass(slots=True)
@@ -124,9 +132,13 @@ class RequestState:
     client: bytes
     client_id: str
     params: SamplingParams
+    arrival: float = 0.0
     prompt_ids: list[int] = field(default_factory=list)
     detok: IncrementalDetokenizer | None = None  # None while the prompt is being tokenized
     engine_id: str = ""  # "" until submitted to an engine core
+    sink: LocalSink | None = None  # an in-process client's callback; None: answers go to the ROUTER
+    decoder: Decoder | None = None  # detokenize with this instead of the server's tokenizer
+    last_token_at: float | None = None  # when its last tokens came (None before the first)
 
 
 @dataclass(slots=True)
@@ -136,6 +148,7 @@ class ClientState:
     envelope: tuple[bytes, ...]
     fd: int | None
     requests: dict[str, RequestState] = field(default_factory=dict)
+    local: bool = False  # an in-process client (never probed over the ROUTER)
 
 
 @dataclass(slots=True)
@@ -146,6 +159,7 @@ class PendingStats:
     envelope: tuple[bytes, ...]
     client_id: str
     timer: asyncio.TimerHandle
+    future: asyncio.Future | None = None  # an in-process caller's (engine_stats); then client is unused
 
 
 class Rejected(Exception):
@@ -164,6 +178,8 @@ class _IdOnly(msgspec.Struct):
 
 
 HealthSource = Callable[[], Health]
+LocalSink = Callable[[Delta | Error], None]
+_LOCAL_PREFIX = b"\x00local-"  # ROUTER ids are 5 bytes from libzmq or never start with 0: no collision
 
 
 class FrontendServer:
@@ -198,6 +214,8 @@ class FrontendServer:
         self._max_model_len = config.max_model_len or _model_max_len(config.model_dir, self.tokenizer)
         self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
         self._engine_decoder = msgspec.msgpack.Decoder(EngineOutput)
+        self.metrics = Metrics()
+        self.http_endpoint: str | None = None  # "http://host:port" once the HTTP API listens
         self._encoder = msgspec.msgpack.Encoder()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -218,8 +236,14 @@ class FrontendServer:
         ctx = zmq.asyncio.Context()
         tasks: list[asyncio.Task] = []
         stop: asyncio.Task | None = None
+        http = None
         try:
             self._open_sockets(ctx)
+            if self.config.http_port is not None:
+                from .http_api import HttpApi  # aiohttp is imported only by a server that serves HTTP
+
+                http = HttpApi(self)
+                self.http_endpoint = await http.start(self.config.http_host, self.config.http_port)
             self.bound.set()
             tasks = [
                 asyncio.create_task(self._serve_clients(), name="frontend-clients"),
@@ -239,6 +263,8 @@ class FrontendServer:
             if self._outbox_timer is not None:
                 self._outbox_timer.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if http is not None:
+                await http.stop()
             self._close_sockets()
             ctx.term()
             self.bound.set()  # a waiter must not hang when binding failed
@@ -327,30 +353,39 @@ class FrontendServer:
 
     def _on_generate(self, client: bytes, envelope: tuple[bytes, ...], fd: int | None, msg: Generate) -> None:
         """Validate and register a request; tokenize it (off the loop when long) and admit it."""
-        state = self._clients.get(client)
-        if state is not None and msg.id in state.requests:
-            message = f"duplicate id {msg.id!r}: a request with it is running"
-            self._reject(client, envelope, msg.id, "bad_request", message)
-            return
         try:
-            self._check_shape(msg)
-            msg.sampling.validate(self._vocab_size)
+            req = self._register(client, envelope, fd, msg)
         except Rejected as exc:
             self._reject(client, envelope, msg.id, exc.code, exc.message)
             return
+        self._tokenize_then_admit(req, msg)
+
+    def _register(self, client: bytes, envelope: tuple[bytes, ...], fd: int | None, msg: Generate,
+                  local: bool = False) -> RequestState:
+        """Check a Generate and file it under its client; Rejected when it cannot run."""
+        state = self._clients.get(client)
+        if state is not None and msg.id in state.requests:
+            raise Rejected("bad_request", f"duplicate id {msg.id!r}: a request with it is running")
+        self._check_shape(msg)
+        try:
+            msg.sampling.validate(self._vocab_size)
         except ValueError as exc:
-            self._reject(client, envelope, msg.id, "bad_request", f"sampling.{exc}")
-            return
+            raise Rejected("bad_request", f"sampling.{exc}") from None
         if state is None:
-            state = self._clients[client] = ClientState(envelope=envelope, fd=fd)
+            state = self._clients[client] = ClientState(envelope=envelope, fd=fd, local=local)
         state.fd = fd if fd is not None else state.fd
-        req = state.requests[msg.id] = RequestState(client=client, client_id=msg.id, params=msg.sampling)
+        req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock())
+        state.requests[msg.id] = req
+        return req
+
+    def _tokenize_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool = True) -> None:
+        """Admit a registered request: its token ids, or its prompt tokenized (off the loop when long)."""
         if msg.token_ids is not None:
             self._admit(req, msg.token_ids)
         elif len(msg.prompt) <= _SYNC_ENCODE_CHARS:
-            self._admit(req, self.tokenizer.encode(msg.prompt))
+            self._admit(req, self.tokenizer.encode(msg.prompt, add_special_tokens=add_special_tokens))
         else:  # a long prompt takes long to tokenize: the loop keeps streaming meanwhile
-            task = asyncio.create_task(self._encode_then_admit(req, msg.prompt))
+            task = asyncio.create_task(self._encode_then_admit(req, msg.prompt, add_special_tokens))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -363,10 +398,10 @@ class FrontendServer:
             if bad:
                 raise Rejected("bad_request", f"token_ids must be in [0, {self._vocab_size}) (got {bad[:5]})")
 
-    async def _encode_then_admit(self, req: RequestState, prompt: str) -> None:
+    async def _encode_then_admit(self, req: RequestState, prompt: str, add_special_tokens: bool = True) -> None:
         """Tokenize a long prompt on the tokenizer's threads, then admit the request."""
         try:
-            ids = await self.tokenizer.encode_async(prompt)
+            ids = await self.tokenizer.encode_async(prompt, add_special_tokens=add_special_tokens)
         except Exception as exc:  # the tokenizer failing on one prompt fails that request only
             log.exception("frontend: tokenizing request %r failed", req.client_id)
             if self._is_live(req):
@@ -387,7 +422,7 @@ class FrontendServer:
             self._send_final(req, Error(id=req.client_id, code="too_long", message=message))
             return
         req.prompt_ids = prompt_ids
-        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, req.params)
+        req.detok = IncrementalDetokenizer(req.decoder or self.tokenizer, prompt_ids, req.params)
         if self._engine_up:
             self._submit(req)
 
@@ -420,8 +455,13 @@ class FrontendServer:
     def _stats_timed_out(self, internal: str) -> None:
         """The engine core did not answer a StatsRequest in time."""
         pending = self._pending_stats.pop(internal, None)
-        if pending is not None:
-            message = "the engine core did not answer"
+        message = "the engine core did not answer"
+        if pending is None:
+            return
+        if pending.future is not None:
+            if not pending.future.done():
+                pending.future.set_exception(TimeoutError(message))
+        else:
             self._reject(pending.client, pending.envelope, pending.client_id, "internal", message)
 
     def _health(self, request_id: str) -> Health:
@@ -436,6 +476,72 @@ class FrontendServer:
         uptime = self.clock() - self._started
         me = ProcessHealth(name="frontend", pid=os.getpid(), uptime_s=uptime, restarts=0, alive=True)
         return Health(id=request_id, healthy=self._engine_up and fault is None, processes=[me], last_fault=fault)
+
+    # ---- in-process clients (the HTTP API) -------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """The engine core's vocabulary size (the tokenizer's until an engine core says)."""
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Longest sequence (prompt + output) the engine core takes."""
+        return self._max_model_len
+
+    def open_local(self) -> bytes:
+        """A fresh key under which one in-process caller (an HTTP request) files its requests."""
+        return _LOCAL_PREFIX + str(next(self._ids)).encode()
+
+    def generate_local(
+        self,
+        key: bytes,
+        request_id: str,
+        sink: LocalSink,
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        add_special_tokens: bool = True,
+        decoder: Decoder | None = None,
+    ) -> None:
+        """Start a request exactly as a Generate frame would; its Deltas (or its one Error) go to sink.
+
+        sink is called on the event loop; the last message is a Delta with a finish_reason or an Error. A decoder
+        replaces the tokenizer for detokenizing (e.g. one that keeps reasoning tags in the text).
+        """
+        msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params)
+        try:
+            req = self._register(key, (), None, msg, local=True)
+        except Rejected as exc:
+            sink(Error(id=request_id, code=exc.code, message=exc.message))
+            return
+        req.sink, req.decoder = sink, decoder
+        self._tokenize_then_admit(req, msg, add_special_tokens)
+
+    def abort_local(self, key: bytes) -> None:
+        """Abort every live request filed under key (its caller went away); its sinks hear nothing more."""
+        self._drop_client(key, "closed")
+
+    async def engine_stats(self, timeout_s: float | None = None) -> EngineStats:
+        """The engine core's counters; Rejected("busy") before one is up, TimeoutError when it does not answer."""
+        if not self._engine_up:
+            raise Rejected("busy", "the engine core is not ready")
+        internal = f"{self._prefix}-s{next(self._ids)}"
+        future = self._loop.create_future()
+        wait_s = self.config.engine_reply_timeout_s if timeout_s is None else timeout_s
+        timer = self._loop.call_later(wait_s, self._stats_timed_out, internal)
+        self._pending_stats[internal] = PendingStats(b"", (), "", timer, future)
+        self._send_engine(StatsRequest(id=internal))
+        try:
+            return await future
+        finally:  # the caller may have been cancelled
+            if self._pending_stats.pop(internal, None) is not None:
+                timer.cancel()
+
+    def health(self) -> Health:
+        """Each process's health, as a HealthQuery is answered."""
+        return self._health("")
 
     # ---- engine core → server --------------------------------------------------------
 
@@ -475,6 +581,8 @@ class FrontendServer:
         before = len(req.detok.output_ids)
         text, stopped = req.detok.push(out.new_token_ids)
         accepted = req.detok.output_ids[before:]
+        if accepted:
+            self._tokens_came(req, len(accepted))
         wants_logprobs = out.logprobs is not None and req.params.logprobs is not None
         logprobs = out.logprobs[: len(accepted)] if wants_logprobs else None
         if stopped:
@@ -487,7 +595,16 @@ class FrontendServer:
             self._finish(req, reason, text, accepted, logprobs)
         else:
             delta = Delta(id=req.client_id, text=text, token_ids=accepted, logprobs=logprobs)
-            self._send(req.client, self._clients[req.client].envelope, delta)
+            self._deliver(req, delta, self._clients[req.client].envelope)
+
+    def _tokens_came(self, req: RequestState, count: int) -> None:
+        """Time to first token, or the gap per token since the request's last tokens."""
+        now = self.clock()
+        if req.last_token_at is None:
+            self.metrics.first_token(now - req.arrival)
+        else:
+            self.metrics.next_tokens((now - req.last_token_at) / count)
+        req.last_token_at = now
 
     def _on_orphan(self, out: RequestOutputDelta, aborts: list[str]) -> None:
         """Output for an engine id with no live request: abort it once (the engine core may not know it ended)."""
@@ -504,8 +621,13 @@ class FrontendServer:
                 self._engine_came_up()
             return
         pending = self._pending_stats.pop(msg.id, None)
-        if pending is not None:
-            pending.timer.cancel()
+        if pending is None:
+            return
+        pending.timer.cancel()
+        if pending.future is not None:
+            if not pending.future.done():
+                pending.future.set_result(msg.stats)
+        else:
             self._send(pending.client, pending.envelope, Stats(id=pending.client_id, stats=msg.stats))
 
     def _on_engine_ready(self, msg: EngineReady) -> None:
@@ -604,7 +726,23 @@ class FrontendServer:
         """Forget a request, then send its final message (its client may be forgotten with it)."""
         envelope = self._clients[req.client].envelope
         self._forget(req)
-        self._send(req.client, envelope, msg)
+        self._count_finished(req, msg.finish_reason if isinstance(msg, Delta) else "error")
+        self._deliver(req, msg, envelope)
+
+    def _deliver(self, req: RequestState, msg: Delta | Error, envelope: tuple[bytes, ...]) -> None:
+        """Hand a request's message to its in-process sink, or send it to its ROUTER peer."""
+        if req.sink is None:
+            self._send(req.client, envelope, msg)
+            return
+        try:
+            req.sink(msg)
+        except Exception:  # a failing in-process caller must not stop the other requests
+            log.exception("frontend: an in-process sink failed for request %r", req.client_id)
+
+    def _count_finished(self, req: RequestState, reason: str) -> None:
+        """Metrics of one finished request."""
+        completion = len(req.detok.output_ids) if req.detok is not None else 0
+        self.metrics.finished(reason, len(req.prompt_ids), completion, self.clock() - req.arrival)
 
     def _forget(self, req: RequestState) -> None:
         """Remove a request from every index (its client entry too when it was the last one)."""
@@ -638,6 +776,7 @@ class FrontendServer:
             return
         engine_ids = []
         for req in state.requests.values():
+            self._count_finished(req, "abort")
             self._by_engine_id.pop(req.engine_id, None)
             if req.engine_id:
                 engine_ids.append(req.engine_id)
@@ -656,7 +795,7 @@ class FrontendServer:
     def _probe_clients(self, fd: int) -> None:
         """Send an empty Delta to each client with live requests on connection fd (all when fd is unknown)."""
         for client, state in list(self._clients.items()):
-            if state.fd is None or state.fd == fd:
+            if not state.local and (state.fd is None or state.fd == fd):
                 some_id = next(iter(state.requests))
                 self._send(client, state.envelope, Delta(id=some_id))
 

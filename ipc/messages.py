@@ -88,6 +88,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     swapped_in_blocks: int = 0
     steps: int = 0
     generated_tokens: int = 0
+    worker_busy_s: float = 0.0  # the worker's time executing steps, since it started
+    worker_idle_s: float = 0.0  # the worker's time waiting for the engine core's next plan
 
 
 class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):

@@ -1,0 +1,138 @@
+"""Metrics: the frontend's Prometheus counters and histograms, and the engine's and supervisor's gauges.
+
+The frontend sees every request from admission to its last token, so request counts, token counts and
+latencies are measured here, for ZMQ and HTTP clients alike. What only the engine core knows (queue lengths, KV
+blocks, prefix-cache hits, preemptions, steps) comes from its StatsResponse, asked for when /metrics is scraped,
+and what only the supervisor knows (restarts) from the health source. Both are kept as the last snapshot and
+turned into metric families by a collector when the registry is rendered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from metrale.ipc.messages import EngineStats, Health
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# Latency buckets in seconds: from a fast decode step to a long queue wait.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    """One frontend's metrics, in a registry of its own (so two servers in one process do not collide)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("metrale_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)  # present (at 0) before the first request
+        self.prompt_tokens = Counter("metrale_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("metrale_generation_tokens", "Tokens generated for finished requests.",
+                                         registry=r)
+        self.ttft = Histogram("metrale_time_to_first_token_seconds",
+                              "From admission to a request's first token.", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("metrale_inter_token_latency_seconds",
+                             "Gap between a request's consecutive outputs, per token.", buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("metrale_e2e_request_latency_seconds", "From admission to a request's end.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.engine = EngineCollector()
+        r.register(self.engine)
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first tokens came `seconds` after it was admitted."""
+        self.ttft.observe(seconds)
+
+    def next_tokens(self, seconds_per_token: float) -> None:
+        """Later tokens of a request came, `seconds_per_token` apart on average."""
+        self.itl.observe(seconds_per_token)
+
+    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int, seconds: float) -> None:
+        """A request ended (stop, length, abort or error)."""
+        self.requests.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.e2e.observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class EngineCollector:
+    """Metric families from the last engine-core stats and health snapshot."""
+
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
+        self.health: Health | None = None
+
+    def update(self, stats: EngineStats | None = None, health: Health | None = None) -> None:
+        """Keep the newest snapshots (None keeps the one before)."""
+        if stats is not None:
+            self.stats = stats
+        if health is not None:
+            self.health = health
+
+    def describe(self) -> list[Metric]:
+        """Nothing up front: the families depend on what the snapshots hold (prometheus_client calls this)."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Gauges and counters of the snapshots."""
+        if self.stats is not None:
+            yield from _engine_families(self.stats)
+        if self.health is not None:
+            yield from _health_families(self.health)
+
+
+def _engine_families(s: EngineStats) -> Iterator[Metric]:
+    """The engine core's counters as metric families."""
+    yield _gauge("metrale_num_requests_running", "Requests in the running batch.", s.running)
+    yield _gauge("metrale_num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+    yield _gauge("metrale_num_requests_swapped", "Requests swapped out to host memory.", s.swapped)
+    usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+    yield _gauge("metrale_kv_cache_usage_ratio", "Fraction of KV blocks in use by live requests.", usage)
+    blocks = GaugeMetricFamily("metrale_kv_cache_blocks", "KV blocks by state.", labels=["state"])
+    for state, value in (("used", s.kv_blocks_used), ("cached", s.kv_blocks_cached), ("free", s.kv_blocks_free)):
+        blocks.add_metric([state], value)
+    yield blocks
+    yield _gauge("metrale_prefix_cache_hit_rate", "Fraction of looked-up prompt blocks found in the prefix cache.",
+                 s.prefix_cache_hit_rate)
+    yield CounterMetricFamily("metrale_preemptions", "Preemptions since the engine core started.",
+                              value=s.preemptions)
+    yield CounterMetricFamily("metrale_engine_steps", "Steps since the engine core started.", value=s.steps)
+    yield CounterMetricFamily("metrale_engine_generated_tokens", "Tokens the engine core generated since it started.",
+                              value=s.generated_tokens)
+    # The worker's busy and idle time, when the engine core reports them (getattr: older engine cores do not).
+    busy, idle = getattr(s, "worker_busy_s", None), getattr(s, "worker_idle_s", None)
+    if busy is not None and idle is not None:
+        yield _gauge("metrale_worker_idle_ratio", "Fraction of time the worker waited for a step.",
+                     idle / (busy + idle) if busy + idle > 0 else 0.0)
+        yield _gauge("metrale_step_time_seconds", "Mean worker time per step.", busy / s.steps if s.steps else 0.0)
+
+
+def _health_families(h: Health) -> Iterator[Metric]:
+    """Each process's liveness and restart count."""
+    up = GaugeMetricFamily("metrale_process_up", "1 when the process is alive.", labels=["process"])
+    restarts = CounterMetricFamily("metrale_process_restarts", "Restarts of each process by the supervisor.",
+                                   labels=["process"])
+    for p in h.processes:
+        up.add_metric([p.name], 1.0 if p.alive else 0.0)
+        restarts.add_metric([p.name], p.restarts)
+    yield up
+    yield restarts
+    yield _gauge("metrale_healthy", "1 when every process is alive and no fault is pending.", 1.0 if h.healthy else 0.0)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    """A single-valued gauge family."""
+    return GaugeMetricFamily(name, documentation, value=value)
