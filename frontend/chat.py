@@ -24,8 +24,9 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .detokenizer import Decoder
-from .tokenizer import Tokenizer
+# Scanning for tags and reading configs are the detokenizer's and the tokenizer's own helpers (one copy each).
+from .detokenizer import Decoder, _earliest_stop, _held_suffix
+from .tokenizer import Tokenizer, _read_json, _token_content
 
 THINK_START, THINK_END = "<think>", "</think>"
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -147,12 +148,10 @@ def _cut_after_final_message(text: str, chat: list[dict]) -> str:
 
 def special_token_variables(model_dir: str | Path, tokenizer: Tokenizer) -> dict[str, object]:
     """bos_token, eos_token, unk_token, pad_token (and additional_special_tokens) as tokenizer_config.json names them."""
-    path = Path(model_dir) / "tokenizer_config.json"
-    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    cfg = cfg if isinstance(cfg, dict) else {}
+    cfg = _read_json(Path(model_dir) / "tokenizer_config.json")
     out: dict[str, object] = {}
     for name in _SPECIAL_NAMES:
-        value = _token_text(cfg.get(name))
+        value = _token_content(cfg.get(name))
         if value is not None:
             out[name] = value
     backend = tokenizer.backend
@@ -162,17 +161,8 @@ def special_token_variables(model_dir: str | Path, tokenizer: Tokenizer) -> dict
         out["eos_token"] = backend.id_to_token(tokenizer.eos_token_ids[0])
     extra = cfg.get("additional_special_tokens")
     if isinstance(extra, list):
-        out["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
+        out["additional_special_tokens"] = [t for t in map(_token_content, extra) if t is not None]
     return out
-
-
-def _token_text(value: object) -> str | None:
-    """A special-token entry (a string or an AddedToken object) as its text."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
 
 
 # ---- the jinja2 environment transformers renders with ------------------------------------
@@ -283,13 +273,13 @@ class ReasoningSplitter:
         content: list[str] = []
         buf = self._held + text
         while True:
-            at, tag = _earliest_tag(buf, self._tags)
+            at, tag = _earliest_stop(buf, self._tags)
             if at < 0:
                 break
             (reasoning if self.in_reasoning else content).append(buf[:at])
             self.in_reasoning = tag == self._tags[0]
             buf = buf[at + len(tag) :]
-        keep = _tag_prefix_suffix(buf, self._tags)
+        keep = _held_suffix(buf, self._tags)
         self._held = buf[len(buf) - keep :] if keep else ""
         (reasoning if self.in_reasoning else content).append(buf[: len(buf) - keep])
         return "".join(reasoning), "".join(content)
@@ -306,22 +296,3 @@ def split_reasoning(text: str, tags: ReasoningTags, in_reasoning: bool = False) 
     r1, c1 = splitter.push(text)
     r2, c2 = splitter.flush()
     return r1 + r2, c1 + c2
-
-
-def _earliest_tag(text: str, tags: tuple[str, str]) -> tuple[int, str]:
-    """Index and spelling of the first tag in text, or (-1, "")."""
-    best, which = -1, ""
-    for tag in tags:
-        i = text.find(tag)
-        if i >= 0 and (best < 0 or i < best):
-            best, which = i, tag
-    return best, which
-
-
-def _tag_prefix_suffix(text: str, tags: tuple[str, str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a tag."""
-    for n in range(min(len(text), max(map(len, tags)) - 1), 0, -1):
-        tail = text[-n:]
-        if any(tag.startswith(tail) for tag in tags):
-            return n
-    return 0

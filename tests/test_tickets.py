@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from metrale.ipc import tickets
+from metrale.ipc import ticket_layout
 from metrale.ipc.doorbell import BellListener, bell_path
 from metrale.ipc.plan import StepPlan, StepResult
 from metrale.ipc.tickets import (
@@ -55,7 +55,7 @@ def ring():
 
 
 # name -> (dtype, length kind) of every StepPlan field, as the ring lays them out.
-PLAN_FIELDS = {name: (dtype, kind) for name, dtype, kind in tickets._PLAN_FIELDS}
+PLAN_FIELDS = {name: (dtype, kind) for name, dtype, kind in ticket_layout.PLAN_FIELDS}
 
 
 def random_plan(rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int, so: int = 3, si: int = 2) -> StepPlan:

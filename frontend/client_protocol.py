@@ -1,0 +1,136 @@
+"""What the sync and async clients share: the frames they send, how they read answers, their errors and results.
+
+Both speak ZMQ DEALER → the server's ROUTER, one msgpack frame per message (docs/protocol.md), and route the
+answers to waiting requests by id; only how they wait differs (a thread and queues vs the caller's event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+from metrale.ipc.messages import Abort, Delta, Error, Generate, Health, ServerMessage, Stats, TokenLogprob
+from metrale.ipc.sampling import SamplingParams
+
+log = logging.getLogger("metrale.frontend.client")
+
+DEFAULT_PORT = 7410
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class RequestError(Exception):
+    """The server answered a request with Error{code, message}."""
+
+    def __init__(self, code: str, message: str, request_id: str = "") -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class ClientClosed(RuntimeError):
+    """The client was closed while a request was waiting for its answer."""
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole request's output, as `complete()` returns it."""
+
+    id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, delta: Delta) -> None:
+        """Fold one streamed delta into the completion."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.prompt_tokens = delta.prompt_tokens or 0
+            self.completion_tokens = delta.completion_tokens or 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ServerMessage)
+
+
+def server_address(host: str, port: int, address: str | None) -> str:
+    """The endpoint to connect to: address when given, else tcp://host:port."""
+    return address or f"tcp://{host}:{port}"
+
+
+def new_id() -> str:
+    """A fresh request id."""
+    return uuid.uuid4().hex
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """One client message as its frame."""
+    return _encoder.encode(msg)
+
+
+def generate_frame(
+    request_id: str, prompt: str | None, token_ids: list[int] | None, params: SamplingParams | None
+) -> bytes:
+    """The Generate frame for one request."""
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("give exactly one of prompt and token_ids")
+    msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params or SamplingParams())
+    return _encoder.encode(msg)
+
+
+def abort_frame(request_id: str) -> bytes:
+    """The Abort frame for one request."""
+    return _encoder.encode(Abort(id=request_id))
+
+
+def decode_answer(data: bytes) -> ServerMessage | None:
+    """One server frame as its message; None (logged) when it does not decode."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError:
+        log.warning("metrale client: undecodable frame from the server dropped")
+        return None
+
+
+def check_new_id(closed: bool, waiters: dict, request_id: str) -> None:
+    """ClientClosed when the client is closed, ValueError when request_id is already running on it."""
+    if closed:
+        raise ClientClosed("the client is closed")
+    if request_id in waiters:
+        raise ValueError(f"request id {request_id!r} is already running on this client")
+
+
+def is_noise(msg: Delta | Error) -> bool:
+    """A frame that says nothing about a running request's output.
+
+    An empty non-final Delta is the server checking that the client is still there; an Error "unknown_id" only
+    ever answers an Abort (of a request that had already finished), never a Generate.
+    """
+    if isinstance(msg, Error):
+        return msg.code == "unknown_id"
+    return msg.finish_reason is None and not msg.text and not msg.token_ids and not msg.logprobs
+
+
+def query_answer(reply: Stats | Health | Error, request_id: str) -> Stats | Health:
+    """A one-answer query's reply; RequestError when the server answered Error."""
+    if isinstance(reply, Error):
+        raise RequestError(reply.code, reply.message, request_id)
+    return reply
+
+
+def timeout_error(address: str, request_id: str, timeout: float) -> TimeoutError:
+    """The error for a server that went silent."""
+    return TimeoutError(
+        f"no answer from the metrale server at {address} for request {request_id!r} within {timeout:g} s "
+        "(is `metrale serve` running and listening there?)"
+    )

@@ -1,0 +1,163 @@
+"""POST /v1/chat/completions: messages rendered by the model's chat template, n choices streamed or whole, the
+reasoning of a reasoning model split from its content, logprobs in the chat API's per-token shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from metrale.ipc.messages import Delta, TokenLogprob
+
+from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningTags, tag_keeping_decoder
+from .http_errors import ApiError, json_response
+from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
+from .http_reply import Reply, TokenTexts, stream
+from .http_run import Choice, Run
+
+if TYPE_CHECKING:
+    from .server import FrontendServer
+
+
+class ChatRequest(SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    # metrale (and vLLM) extras
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict] | None = None
+
+
+class ChatCompletions:
+    """The /v1/chat/completions handler over one FrontendServer, with the model's template and reasoning tags."""
+
+    def __init__(self, server: FrontendServer, model: ServedModel, texts: TokenTexts) -> None:
+        self.server = server
+        self.model = model
+        self.texts = texts
+        tokenizer = server.tokenizer
+        try:
+            self.template = ChatTemplate.load(model.dir, tokenizer)
+            self.template_error = None
+        except ChatTemplateError as exc:  # a broken template fails chat requests, not the server
+            self.template, self.template_error = None, str(exc)
+        self.reasoning = ReasoningTags.of(tokenizer, tokenizer.chat_template)
+        self.decoder = tag_keeping_decoder(tokenizer, self.reasoning)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        body = await decode_body(request, ChatRequest)
+        self.model.check(body.model)
+        _refuse_unsupported(body)
+        prompt = self._render(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = self.server.max_model_len or 16  # the engine core stops at max_model_len
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size)
+        check_count(body.n)
+        decoder = self.decoder if params.skip_special_tokens else None
+        opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)
+        run = Run(self.server)
+        try:
+            choices = []
+            for j in range(body.n):
+                splitter = ReasoningSplitter(self.reasoning, opens_reasoning) if self.reasoning else None
+                choices.append(Choice(index=j, prompt_index=0, splitter=splitter))
+                run.start(j, seeded(params, j), prompt=prompt, add_special_tokens=False, decoder=decoder)
+            await run.wait_first("messages")
+            reply = Reply("chatcmpl", "chat.completion", self.model.id, body.stream_options)
+            if body.stream:
+                return await stream(request, run, choices, reply, self._chunk)
+            await run.collect(choices)
+            return json_response(reply.completion(choices, [self._choice(c) for c in choices]))
+        finally:
+            run.close()
+
+    def _render(self, body: ChatRequest) -> str:
+        """The chat prompt; 400 when the model has no template or the messages do not render."""
+        if self.template is None:
+            why = self.template_error or ("the model has no chat template (no chat_template in tokenizer_config.json "
+                                          "and no chat_template.jinja); use /v1/completions")
+            raise ApiError(400, why, param="messages", code="chat_template_missing")
+        try:
+            return self.template.render(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message, tools=body.tools,
+                                        documents=body.documents, extra=body.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+
+    def _chunk(self, c: Choice, msg: Delta) -> list[dict]:
+        """A chat stream's choice entry for one Delta (the first one carries the role; none when it says nothing)."""
+        reasoning, content = c.splitter.push(msg.text) if c.splitter else ("", msg.text)
+        if msg.finish_reason is not None and c.splitter:
+            r, t = c.splitter.flush()
+            reasoning, content = reasoning + r, content + t
+        delta: dict = {}
+        if not c.started:
+            c.started = True
+            delta = {"role": "assistant", "content": ""}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if not delta and msg.finish_reason is None and not msg.logprobs:
+            return []
+        entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": msg.finish_reason}
+        if msg.logprobs:
+            entry["logprobs"] = {"content": self._logprobs(msg.logprobs)}
+        return [entry]
+
+    def _choice(self, c: Choice) -> dict:
+        """One choice of a whole chat completion."""
+        text = "".join(c.text)
+        message: dict = {"role": "assistant"}
+        if c.splitter is not None:
+            reasoning, content = c.splitter.push(text)
+            r, t = c.splitter.flush()
+            message["reasoning_content"] = (reasoning + r) or None
+            message["content"] = content + t
+        else:
+            message["content"] = text
+        message["tool_calls"] = []
+        entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
+        if c.logprobs:
+            entry["logprobs"] = {"content": self._logprobs(c.logprobs)}
+        return entry
+
+    def _logprobs(self, items: list[TokenLogprob]) -> list[dict]:
+        """Logprobs in the chat API's per-token shape."""
+        out = []
+        for t in items:
+            top = [self._logprob_entry(i, lp) for i, lp in zip(t.top_ids, t.top_logprobs)]
+            out.append({**self._logprob_entry(t.token_id, t.logprob), "top_logprobs": top})
+        return out
+
+    def _logprob_entry(self, token_id: int, logprob: float) -> dict:
+        """{token, logprob, bytes} of one token."""
+        text = self.texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _refuse_unsupported(body: ChatRequest) -> None:
+    """400 for chat options this server does not implement."""
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise ApiError(400, f"response_format {kind!r} is not supported (only 'text')", param="response_format",
+                       code="unsupported_value")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported (tool calls are not parsed)",
+                       param="tool_choice", code="unsupported_value")
+    refuse_logit_bias(body)

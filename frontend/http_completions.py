@@ -1,0 +1,156 @@
+"""POST /v1/completions: prompts (text or token ids) × n choices, streamed or whole, with echo and logprobs in
+the completions API's columnar shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from metrale.ipc.messages import Delta, TokenLogprob
+
+from .http_errors import ApiError, json_response
+from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
+from .http_reply import Reply, TokenTexts, stream
+from .http_run import Choice, Run
+
+if TYPE_CHECKING:
+    from .server import FrontendServer
+
+Prompt = tuple[str | None, list[int] | None]  # (text, None) or (None, token ids)
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: str | list
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class Completions:
+    """The /v1/completions handler over one FrontendServer."""
+
+    def __init__(self, server: FrontendServer, model: ServedModel, texts: TokenTexts) -> None:
+        self.server = server
+        self.model = model
+        self.texts = texts
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        body = await decode_body(request, CompletionRequest)
+        self.model.check(body.model)
+        _refuse_unsupported(body)
+        prompts = _prompts(body.prompt)
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
+        params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size)
+        check_count(len(prompts) * body.n)
+        run = Run(self.server)
+        try:
+            choices = []
+            for p, (text, ids) in enumerate(prompts):
+                for j in range(body.n):
+                    choices.append(Choice(index=len(choices), prompt_index=p))
+                    run.start(len(choices) - 1, seeded(params, j), prompt=text, token_ids=ids)
+            await run.wait_first("prompt")
+            echo = [self._echo(text, ids) for text, ids in prompts] if body.echo else None
+            reply = Reply("cmpl", "text_completion", self.model.id, body.stream_options)
+            if body.stream:
+                return await stream(request, run, choices, reply, self._chunk, _echo_chunks(choices, echo))
+            await run.collect(choices)
+            return json_response(reply.completion(choices, [self._choice(c, echo) for c in choices]))
+        finally:
+            run.close()
+
+    def _echo(self, text: str | None, ids: list[int] | None) -> str:
+        """A prompt's text, to put in front of its choices (echo)."""
+        return text if text is not None else self.server.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _chunk(self, c: Choice, msg: Delta) -> list[dict]:
+        """A completion stream's choice entries for one Delta (none when it says nothing)."""
+        if not msg.text and msg.finish_reason is None and not msg.logprobs:
+            return []
+        entry = _text_choice(c.index, msg.text, msg.finish_reason)
+        if msg.logprobs:
+            entry["logprobs"] = self._logprobs(msg.logprobs, c.text_offset)
+        c.text_offset += len(msg.text)
+        return [entry]
+
+    def _choice(self, c: Choice, echo: list[str] | None) -> dict:
+        """One choice of a whole completion."""
+        prefix = echo[c.prompt_index] if echo else ""
+        entry = _text_choice(c.index, prefix + "".join(c.text), c.finish_reason)
+        if c.logprobs:
+            entry["logprobs"] = self._logprobs(c.logprobs, len(prefix))
+        return entry
+
+    def _logprobs(self, items: list[TokenLogprob], offset: int) -> dict:
+        """Logprobs in the completions API's columnar shape."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for t in items:
+            text = self.texts(t.token_id)
+            tokens.append(text)
+            token_logprobs.append(t.logprob)
+            alternatives = {self.texts(i): lp for i, lp in zip(t.top_ids, t.top_logprobs)}
+            alternatives.setdefault(text, t.logprob)
+            top.append(alternatives)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _echo_chunks(choices: list[Choice], echo: list[str] | None) -> list[list[dict]]:
+    """The stream's first chunks under echo: each choice's prompt (its text offsets then count from its end)."""
+    if echo is None:
+        return []
+    chunks = []
+    for c in choices:
+        c.text_offset = len(echo[c.prompt_index])
+        chunks.append([_text_choice(c.index, echo[c.prompt_index])])
+    return chunks
+
+
+def _text_choice(index: int, text: str, finish_reason: str | None = None) -> dict:
+    """A completions choice entry."""
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _prompts(prompt: str | list) -> list[Prompt]:
+    """The prompts of a completions request: a string, a list of strings, token ids, or a list of those."""
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if all(_is_token(t) for t in prompt):
+        return [(None, list(prompt))]
+    out: list[Prompt] = []
+    for item in prompt:
+        if isinstance(item, str):
+            out.append((item, None))
+        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+            out.append((None, item))
+        else:
+            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                           "lists of token ids", param="prompt", code="invalid_value")
+    return out
+
+
+def _is_token(value: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _refuse_unsupported(body: CompletionRequest) -> None:
+    """400 for completions options this server does not implement."""
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, "best_of other than n is not supported", param="best_of", code="unsupported_value")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo",
+                       code="unsupported_value")
+    refuse_logit_bias(body)

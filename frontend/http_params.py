@@ -1,0 +1,117 @@
+"""From an HTTP request's JSON to the engine's terms: the body fields both endpoints share, the model they name,
+and the SamplingParams each choice runs with. Every refusal is a 400 (404 for a model) naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from metrale.ipc.sampling import SamplingParams
+
+from .http_errors import ApiError
+
+MAX_CHOICES = 128  # prompts × n of one request
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """stream_options: whether a stream reports usage at its end."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share: OpenAI's sampling parameters and metrale's extras (vLLM's names)."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # metrale extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    max_thinking_tokens: int | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    adaptive_sampling: bool | None = None
+    priority: int | None = None
+
+
+# Simple sampling fields copied as they are when given.
+_PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
+                "min_tokens", "max_thinking_tokens", "ignore_eos", "repetition_penalty", "skip_special_tokens",
+                "adaptive_sampling", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The one model the HTTP API serves: the id clients name it by, and its folder (accepted as a name too)."""
+
+    id: str
+    dir: str
+
+    def check(self, model: str | None) -> None:
+        """404 unless model names this server's model (or is left out)."""
+        if model is not None and model not in (self.id, str(self.dir)):
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.id!r}",
+                           param="model", code="model_not_found")
+
+
+async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
+    """The JSON body as `kind`; 400 naming the field when it does not fit."""
+    data = await request.read()
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        param = message.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in message else None
+        raise ApiError(400, message, param=param, code="invalid_value") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    """The request's SamplingParams; 400 naming the field when one is out of range."""
+    kw = {name: getattr(body, name) for name in _PASSTHROUGH if getattr(body, name) is not None}
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop,
+                            stop_token_ids=list(body.stop_token_ids or []), **kw)
+    try:
+        params.validate(vocab_size)
+    except ValueError as exc:
+        message = str(exc)
+        raise ApiError(400, message, param=message.split(" ", 1)[0], code="invalid_value") from None
+    return params
+
+
+def seeded(params: SamplingParams, j: int) -> SamplingParams:
+    """The params of a request's j-th choice: with a seed, seed + j (so n choices differ yet repeat)."""
+    if j == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
+
+
+def check_count(count: int) -> None:
+    """400 unless 1 <= n (times the prompts) <= MAX_CHOICES."""
+    if not 1 <= count <= MAX_CHOICES:
+        raise ApiError(400, f"n (times the number of prompts) must be in [1, {MAX_CHOICES}] (got {count})",
+                       param="n", code="invalid_value")
+
+
+def refuse_logit_bias(body: SamplingFields) -> None:
+    """400 for logit_bias, which neither endpoint implements."""
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")

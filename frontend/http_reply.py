@@ -1,0 +1,118 @@
+"""What an HTTP request's choices become: the OpenAI response envelope, streamed as SSE events or sent whole,
+with usage counted over the choices.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from metrale.ipc.messages import Delta, Error
+
+from .http_errors import ApiError
+from .http_params import StreamOptions
+from .http_run import Choice, Run
+from .tokenizer import Tokenizer
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+
+ChunkOf = Callable[[Choice, Delta], list[dict]]  # a stream's choice entries for one Delta
+
+
+@dataclass(slots=True)
+class Reply:
+    """The envelope every object of one response shares: id, object, created, model, usage."""
+
+    prefix: str
+    object: str
+    model: str
+    stream_options: StreamOptions | None
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether the stream ends with a usage chunk (and every chunk carries usage: null)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def chunk(self, choices: list[dict]) -> dict:
+        """One streamed object."""
+        out = {"id": self.id, "object": _chunk_object(self.object), "created": self.created, "model": self.model,
+               "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, choices: list[Choice]) -> dict:
+        """The last streamed object when include_usage: no choices, the usage."""
+        return {**self.chunk([]), "usage": usage(choices)}
+
+    def completion(self, choices: list[Choice], entries: list[dict]) -> dict:
+        """A whole (non-streamed) response."""
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": entries, "usage": usage(choices)}
+
+    @staticmethod
+    def event(obj: dict) -> bytes:
+        """One SSE event."""
+        return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+async def stream(request: web.Request, run: Run, choices: list[Choice], reply: Reply, chunk_of: ChunkOf,
+                 first: Sequence[list[dict]] = ()) -> web.StreamResponse:
+    """Send the `first` chunks, then each output as an SSE event as it comes; then usage (when asked) and [DONE]."""
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    await response.prepare(request)
+    for parts in first:
+        await response.write(reply.event(reply.chunk(parts)))
+    async for msg in run.messages():
+        if isinstance(msg, Error):
+            await response.write(reply.event(ApiError.from_engine(msg).body()))
+            continue
+        choice = choices[int(msg.id)]
+        choice.fold(msg)
+        parts = chunk_of(choice, msg)
+        if parts:
+            await response.write(reply.event(reply.chunk(parts)))
+    if reply.include_usage:
+        await response.write(reply.event(reply.usage_chunk(choices)))
+    await response.write(_DONE)
+    await response.write_eof()
+    return response
+
+
+def usage(choices: list[Choice]) -> dict:
+    """Token counts: each distinct prompt once, every choice's completion."""
+    prompt = sum({c.prompt_index: c.prompt_tokens for c in choices}.values())
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class TokenTexts:
+    """Each token's own text (special tokens spelled out), decoded once: what logprobs name tokens by."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        """The text of one token."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def _chunk_object(obj: str) -> str:
+    """The object name of a streamed piece (OpenAI names completion chunks like whole completions)."""
+    return "chat.completion.chunk" if obj == "chat.completion" else obj

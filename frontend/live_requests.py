@@ -1,0 +1,274 @@
+"""LiveRequests: every request the frontend is running, filed by client and by engine id, through its life.
+
+A request is registered (checked, filed under its client), tokenized (off the event loop when its prompt is
+long), admitted (its prompt length checked, a detokenizer started) and submitted to the engine core under an
+engine id (a fresh one each time an engine core comes up). Its outputs are detokenized (stop strings included)
+and handed on as Deltas; its final message, whether a Delta with a finish_reason or an Error, also forgets it.
+A client that goes away has its requests aborted. Answers go to an in-process sink when the request has one,
+else to its ROUTER peer through the server's send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from metrale.ipc.messages import AddRequest, Delta, Error, Generate, RequestOutputDelta
+from metrale.ipc.sampling import SamplingParams
+
+from .detokenizer import Decoder, IncrementalDetokenizer
+from .engine_link import EngineLink, engine_error
+from .frame_checks import Rejected, check_generate
+from .metrics import Metrics
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("metrale.frontend.server")
+
+_SYNC_ENCODE_CHARS = 8192  # longer prompts are tokenized off the event loop (~1 ms per 1,500 characters)
+
+LocalSink = Callable[[Delta | Error], None]
+RouterSend = Callable[[bytes, tuple[bytes, ...], msgspec.Struct], bool]  # False: that client is gone
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One live request: who asked, under which engine id, and its detokenizer."""
+
+    client: bytes
+    client_id: str
+    params: SamplingParams
+    arrival: float = 0.0
+    prompt_ids: list[int] = field(default_factory=list)
+    detok: IncrementalDetokenizer | None = None  # None while the prompt is being tokenized
+    engine_id: str = ""  # "" until submitted to an engine core
+    sink: LocalSink | None = None  # an in-process client's callback; None: answers go to the ROUTER
+    decoder: Decoder | None = None  # detokenize with this instead of the server's tokenizer
+    last_token_at: float | None = None  # when its last tokens came (None before the first)
+
+
+@dataclass(slots=True)
+class ClientState:
+    """A connected client with live requests: its reply envelope, connection fd and requests by its own id."""
+
+    envelope: tuple[bytes, ...]
+    fd: int | None
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    local: bool = False  # an in-process client (never probed over the ROUTER)
+
+
+class LiveRequests:
+    """The live requests by client and by engine id; every step of a request's life goes through here."""
+
+    def __init__(self, tokenizer: Tokenizer, link: EngineLink, metrics: Metrics, clock: Callable[[], float],
+                 send: RouterSend, vocab_size: int, max_model_len: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.link = link
+        self.metrics = metrics
+        self.clock = clock
+        self._send = send
+        self.vocab_size = vocab_size  # what requests are checked against (the engine core's once it says)
+        self.max_model_len = max_model_len
+        self.clients: dict[bytes, ClientState] = {}  # a client is here while it has live requests
+        self._by_engine_id: dict[str, RequestState] = {}
+        self.background: set[asyncio.Task] = set()  # long prompts being tokenized
+
+    # ---- admission -------------------------------------------------------------------
+
+    def register(self, client: bytes, envelope: tuple[bytes, ...], fd: int | None, msg: Generate,
+                 local: bool = False) -> RequestState:
+        """Check a Generate and file it under its client; Rejected when it cannot run."""
+        state = self.clients.get(client)
+        if state is not None and msg.id in state.requests:
+            raise Rejected("bad_request", f"duplicate id {msg.id!r}: a request with it is running")
+        check_generate(msg, self.vocab_size)
+        if state is None:
+            state = self.clients[client] = ClientState(envelope=envelope, fd=fd, local=local)
+        state.fd = fd if fd is not None else state.fd
+        req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock())
+        state.requests[msg.id] = req
+        return req
+
+    def tokenize_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool = True) -> None:
+        """Admit a registered request: its token ids, or its prompt tokenized (off the loop when long)."""
+        if msg.token_ids is not None:
+            self._admit(req, msg.token_ids)
+        elif len(msg.prompt) <= _SYNC_ENCODE_CHARS:
+            self._admit(req, self.tokenizer.encode(msg.prompt, add_special_tokens=add_special_tokens))
+        else:  # a long prompt takes long to tokenize: the loop keeps streaming meanwhile
+            task = asyncio.create_task(self._encode_then_admit(req, msg.prompt, add_special_tokens))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+
+    async def _encode_then_admit(self, req: RequestState, prompt: str, add_special_tokens: bool = True) -> None:
+        """Tokenize a long prompt on the tokenizer's threads, then admit the request."""
+        try:
+            ids = await self.tokenizer.encode_async(prompt, add_special_tokens=add_special_tokens)
+        except Exception as exc:  # the tokenizer failing on one prompt fails that request only
+            log.exception("frontend: tokenizing request %r failed", req.client_id)
+            if self._is_live(req):
+                self.send_final(req, Error(id=req.client_id, code="internal", message=f"tokenizer failed: {exc}"))
+            return
+        self._admit(req, ids)
+
+    def _admit(self, req: RequestState, prompt_ids: list[int]) -> None:
+        """Check the prompt's length; start detokenizing and submit to the engine core when one is up."""
+        if not self._is_live(req):  # aborted or disconnected while its prompt was being tokenized
+            return
+        if not prompt_ids:
+            self.send_final(req, Error(id=req.client_id, code="bad_request", message="the prompt is empty"))
+            return
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+            message = (f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
+                       "(the prompt and at least one new token must fit)")
+            self.send_final(req, Error(id=req.client_id, code="too_long", message=message))
+            return
+        req.prompt_ids = prompt_ids
+        req.detok = IncrementalDetokenizer(req.decoder or self.tokenizer, prompt_ids, req.params)
+        if self.link.up:
+            self._submit(req)
+
+    def _is_live(self, req: RequestState) -> bool:
+        """True while req is its client's running request with its id."""
+        state = self.clients.get(req.client)
+        return state is not None and state.requests.get(req.client_id) is req
+
+    def find(self, client: bytes, client_id: str) -> RequestState | None:
+        """A client's live request with this id, if any."""
+        state = self.clients.get(client)
+        return state.requests.get(client_id) if state is not None else None
+
+    # ---- the engine core -------------------------------------------------------------
+
+    def _submit(self, req: RequestState) -> None:
+        """Send a request to the engine core under a fresh engine id."""
+        if req.engine_id:
+            self._by_engine_id.pop(req.engine_id, None)
+        req.engine_id = self.link.new_request_id()
+        self._by_engine_id[req.engine_id] = req
+        add = AddRequest(
+            request_id=req.engine_id,
+            prompt_token_ids=req.prompt_ids,
+            params=req.params,
+            output_token_ids=list(req.detok.output_ids),
+        )
+        self.link.send(add)
+
+    def resubmit_all(self) -> None:
+        """Submit every live request under a new engine id, aborting the id it had (a fresh engine core is up)."""
+        self.link.abort([req.engine_id for req in self._each() if req.engine_id])
+        for req in self._each():
+            if req.detok is not None:  # else it is submitted once its prompt is tokenized
+                self._submit(req)
+
+    def _each(self) -> Iterator[RequestState]:
+        """Every live request."""
+        for state in self.clients.values():
+            yield from state.requests.values()
+
+    def on_output(self, out: RequestOutputDelta, aborts: list[str]) -> None:
+        """Detokenize one request's new tokens and stream them; collect engine ids to abort."""
+        req = self._by_engine_id.get(out.request_id)
+        if req is None:
+            self.link.on_orphan(out, aborts)
+            return
+        if out.finish_reason == "error":
+            code, message = engine_error(out.error)
+            self.send_final(req, Error(id=req.client_id, code=code, message=message))
+            return
+        before = len(req.detok.output_ids)
+        text, stopped = req.detok.push(out.new_token_ids)
+        accepted = req.detok.output_ids[before:]
+        if accepted:
+            self._tokens_came(req, len(accepted))
+        wants_logprobs = out.logprobs is not None and req.params.logprobs is not None
+        logprobs = out.logprobs[: len(accepted)] if wants_logprobs else None
+        if stopped:
+            self._finish(req, "stop", text, accepted, logprobs)
+            if out.finish_reason is None:
+                aborts.append(out.request_id)
+        elif out.finish_reason is not None:
+            text += req.detok.flush()
+            reason = "stop" if req.detok.stopped else out.finish_reason
+            self._finish(req, reason, text, accepted, logprobs)
+        else:
+            delta = Delta(id=req.client_id, text=text, token_ids=accepted, logprobs=logprobs)
+            self._deliver(req, delta, self.clients[req.client].envelope)
+
+    def _tokens_came(self, req: RequestState, count: int) -> None:
+        """Time to first token, or the gap per token since the request's last tokens."""
+        now = self.clock()
+        if req.last_token_at is None:
+            self.metrics.first_token(now - req.arrival)
+        else:
+            self.metrics.next_tokens((now - req.last_token_at) / count)
+        req.last_token_at = now
+
+    # ---- endings ---------------------------------------------------------------------
+
+    def abort(self, req: RequestState) -> None:
+        """End a live request with finish_reason "abort" and tell the engine core to drop it."""
+        text = req.detok.flush() if req.detok is not None else ""
+        self._finish(req, "abort", text, [], None)
+        self.link.abort([req.engine_id] if req.engine_id else [])
+
+    def _finish(self, req: RequestState, reason: str, text: str, token_ids: list[int], logprobs) -> None:
+        """Send a request's final Delta and forget it."""
+        final = Delta(
+            id=req.client_id,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=reason,
+            logprobs=logprobs,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.detok.output_ids) if req.detok is not None else 0,
+        )
+        self.send_final(req, final)
+
+    def send_final(self, req: RequestState, msg: Delta | Error) -> None:
+        """Forget a request, then send its final message (its client may be forgotten with it)."""
+        envelope = self.clients[req.client].envelope
+        self._forget(req)
+        self._count_finished(req, msg.finish_reason if isinstance(msg, Delta) else "error")
+        self._deliver(req, msg, envelope)
+
+    def _deliver(self, req: RequestState, msg: Delta | Error, envelope: tuple[bytes, ...]) -> None:
+        """Hand a request's message to its in-process sink, or send it to its ROUTER peer."""
+        if req.sink is None:
+            self._send(req.client, envelope, msg)
+            return
+        try:
+            req.sink(msg)
+        except Exception:  # a failing in-process caller must not stop the other requests
+            log.exception("frontend: an in-process sink failed for request %r", req.client_id)
+
+    def _count_finished(self, req: RequestState, reason: str) -> None:
+        """Metrics of one finished request."""
+        completion = len(req.detok.output_ids) if req.detok is not None else 0
+        self.metrics.finished(reason, len(req.prompt_ids), completion, self.clock() - req.arrival)
+
+    def _forget(self, req: RequestState) -> None:
+        """Remove a request from every index (its client entry too when it was the last one)."""
+        self._by_engine_id.pop(req.engine_id, None)
+        state = self.clients.get(req.client)
+        if state is not None:
+            state.requests.pop(req.client_id, None)
+            if not state.requests:
+                del self.clients[req.client]
+
+    def drop_client(self, client: bytes, why: str) -> None:
+        """Abort every live request of a client that is gone."""
+        state = self.clients.pop(client, None)
+        if state is None:
+            return
+        engine_ids = []
+        for req in state.requests.values():
+            self._count_finished(req, "abort")
+            self._by_engine_id.pop(req.engine_id, None)
+            if req.engine_id:
+                engine_ids.append(req.engine_id)
+        log.info("frontend: client %s %s; aborting %d request(s)", client.hex(), why, len(state.requests))
+        self.link.abort(engine_ids)

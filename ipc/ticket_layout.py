@@ -1,0 +1,194 @@
+"""The ticket ring's byte layout: where every field of a plan and a result lives in the shared segment.
+
+A segment is a 4 KiB header page, then num_slots slots of equal size. The header holds int64s: magic,
+version, owner pid, slot size, the RingGeometry that sized the slots, and the worker's counters. A slot is
+a 256-byte control block (counts and sequence numbers, engine-written half then worker-written half, so
+the two sides never share a cache line) followed by one fixed-capacity region per StepPlan and StepResult
+array, each 64-byte aligned and sized for the geometry's worst case. TicketRing (tickets.py) maps this
+layout onto an open segment; this module only computes it and checks that a plan or result fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import StepPlan, StepResult
+
+MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
+VERSION = 2
+
+STATUS_OK = 0
+STATUS_ERROR = 1
+
+ALIGN = 64
+HEADER_BYTES = 4096
+CTRL_BYTES = 256  # two 128-byte halves: engine-written and worker-written (no false sharing)
+
+# Header int64 indices.
+H_MAGIC, H_VERSION, H_OWNER_PID, H_SLOT_BYTES = 0, 1, 2, 3
+H_GEOMETRY = 4  # the nine RingGeometry fields, in order
+N_GEOMETRY = 9  # RingGeometry's fields in the header
+H_WORKER = 16  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_ns (worker-written)
+# Control block int64 indices (relative to the slot's first int64).
+C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI = 0, 1, 2, 3, 4, 5, 6, 7
+C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS = range(16, 23)
+HAS_LOGPROBS, HAS_TOP = 1, 2
+
+# Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
+# RB rows × block-table width, RK rows × ban width, H history tokens, SO / SI swap pairs × 2.
+PLAN_FIELDS = (
+    ("input_ids", np.int32, "T"),
+    ("positions", np.int32, "T"),
+    ("slot_mapping", np.int64, "T"),
+    ("query_start", np.int32, "R1"),
+    ("seq_lens", np.int32, "R"),
+    ("block_tables", np.int32, "RB"),
+    ("sample", np.bool_, "R"),
+    ("feed_from_row", np.int32, "R"),
+    ("temperature", np.float32, "R"),
+    ("top_k", np.int32, "R"),
+    ("top_p", np.float32, "R"),
+    ("min_p", np.float32, "R"),
+    ("repetition_penalty", np.float32, "R"),
+    ("presence_penalty", np.float32, "R"),
+    ("frequency_penalty", np.float32, "R"),
+    ("seeds", np.int64, "R"),
+    ("mask_kind", np.uint8, "R"),
+    ("force_token", np.int32, "R"),
+    ("ban_ids", np.int32, "RK"),
+    ("num_logprobs", np.int32, "R"),
+    ("hist_tokens", np.int32, "H"),
+    ("hist_start", np.int32, "R1"),
+    ("hist_prompt_len", np.int32, "R"),
+    ("swap_out", np.int32, "SO"),
+    ("swap_in", np.int32, "SI"),
+)
+assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fields(StepPlan)), (
+    "StepPlan changed: update the ticket layout"
+)
+PLAN_NAMES = tuple(f[0] for f in PLAN_FIELDS)
+
+# StepResult arrays: tokens and logprobs per row, top-N per row (RN), the error message (E).
+RESULT_FIELDS = (
+    ("tokens", np.int32, "R"),
+    ("logprobs", np.float32, "R"),
+    ("top_ids", np.int32, "RN"),
+    ("top_logprobs", np.float32, "RN"),
+    ("error", np.uint8, "E"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RingGeometry:
+    """The ring's shape: how many slots, and the capacity of every plan and result region."""
+
+    num_slots: int = 4
+    max_tokens: int = 8192
+    max_rows: int = 256
+    max_blocks_per_row: int = 512
+    max_ban_ids: int = 16
+    max_hist_tokens: int = 65536
+    max_logprobs: int = 20
+    error_msg_bytes: int = 4096
+    max_swaps: int = 4096  # block copies per step, each way
+
+    def capacity(self, kind: str) -> int:
+        """Elements a region of this length kind holds."""
+        return {
+            "T": self.max_tokens,
+            "R": self.max_rows,
+            "R1": self.max_rows + 1,
+            "RB": self.max_rows * self.max_blocks_per_row,
+            "RK": self.max_rows * self.max_ban_ids,
+            "H": self.max_hist_tokens,
+            "RN": self.max_rows * self.max_logprobs,
+            "E": self.error_msg_bytes,
+            "SO": 2 * self.max_swaps,
+            "SI": 2 * self.max_swaps,
+        }[kind]
+
+
+def check_geometry(g: RingGeometry) -> None:
+    """ValueError unless every capacity is positive."""
+    for f in dataclasses.fields(g):
+        if getattr(g, f.name) < 1:
+            raise ValueError(f"RingGeometry.{f.name} must be >= 1, got {getattr(g, f.name)}")
+
+
+def region_offsets(g: RingGeometry) -> dict[str, int]:
+    """Byte offset of every region inside a slot (aligned to 64), and the slot size under "_end"."""
+    offsets, at = {}, CTRL_BYTES
+    for name, dtype, kind in PLAN_FIELDS + RESULT_FIELDS:
+        offsets[name] = at
+        at += -(-g.capacity(kind) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+    offsets["_end"] = -(-at // 4096) * 4096
+    return offsets
+
+
+def regions(base: np.ndarray, slot_at: int, offsets: dict[str, int], g: RingGeometry, fields) -> list[np.ndarray]:
+    """Full-capacity 1-D arrays of one slot's regions, in field order."""
+    out = []
+    for name, dtype, kind in fields:
+        start = slot_at + offsets[name]
+        out.append(base[start : start + g.capacity(kind) * np.dtype(dtype).itemsize].view(dtype))
+    return out
+
+
+def region_lengths(t: int, r: int, b: int, k: int, h: int, so: int, si: int) -> dict[str, int]:
+    """Element count of each length kind for a plan's counts."""
+    return {"T": t, "R": r, "R1": r + 1, "RB": r * b, "RK": r * k, "H": h, "SO": 2 * so, "SI": 2 * si}
+
+
+def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
+    """(T, R, B, K, H, SO, SI) of a plan, checked against its own arrays and the ring's capacity."""
+    t, r, h = len(plan.input_ids), len(plan.seq_lens), len(plan.hist_tokens)
+    so, si = len(plan.swap_out), len(plan.swap_in)
+    if so > g.max_swaps or si > g.max_swaps:
+        raise ValueError(f"plan has {max(so, si)} block copies, the ticket ring holds at most {g.max_swaps}")
+    b = _width(plan.block_tables, r, "block_tables")
+    k = _width(plan.ban_ids, r, "ban_ids")
+    if t > g.max_tokens or r > g.max_rows or b > g.max_blocks_per_row or k > g.max_ban_ids or h > g.max_hist_tokens:
+        for value, limit, what in (
+            (t, g.max_tokens, "tokens"),
+            (r, g.max_rows, "rows"),
+            (b, g.max_blocks_per_row, "blocks per row"),
+            (k, g.max_ban_ids, "banned ids per row"),
+            (h, g.max_hist_tokens, "history tokens"),
+        ):
+            if value > limit:
+                raise ValueError(f"plan has {value} {what}, the ticket ring holds at most {limit}")
+    shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2)}
+    for name, _, kind in PLAN_FIELDS:
+        if getattr(plan, name).shape != shapes[kind]:
+            raise ValueError(f"plan.{name} has shape {getattr(plan, name).shape}, expected {shapes[kind]}")
+    return t, r, b, k, h, so, si
+
+
+def result_counts(result: StepResult, g: RingGeometry) -> tuple[int, int, int]:
+    """(R, N, flags) of a result, checked against its own arrays and the ring's capacity."""
+    r = len(result.tokens)
+    if r > g.max_rows:
+        raise ValueError(f"result has {r} rows, the ticket ring holds at most {g.max_rows}")
+    flags, n = 0, 0
+    if result.logprobs is not None:
+        if len(result.logprobs) != r:
+            raise ValueError(f"result.logprobs has {len(result.logprobs)} rows, expected {r}")
+        flags |= HAS_LOGPROBS
+    if result.top_ids is not None:
+        n = _width(result.top_ids, r, "top_ids")
+        if result.top_logprobs is None or result.top_logprobs.shape != result.top_ids.shape:
+            raise ValueError("result.top_logprobs must have the shape of result.top_ids")
+        if n > g.max_logprobs:
+            raise ValueError(f"result has {n} top logprobs per row, the ticket ring holds at most {g.max_logprobs}")
+        flags |= HAS_TOP
+    return r, n, flags
+
+
+def _width(array: np.ndarray, rows: int, name: str) -> int:
+    """The column count of a 2-D per-row array; ValueError if it is not [rows, width]."""
+    if array.ndim != 2 or array.shape[0] != rows:
+        raise ValueError(f"{name} must have shape [{rows}, width], got {array.shape}")
+    return array.shape[1]
