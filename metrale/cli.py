@@ -109,14 +109,35 @@ def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: fl
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7410, show_default=True)
-def status(host: str, port: int) -> None:
-    """Print each process's pid, uptime and restarts, and the engine's counters."""
-    from metrale.frontend.client import Client
+@click.option("--json", "as_json", is_flag=True, help="print health and stats as one JSON object.")
+def status(host: str, port: int, as_json: bool) -> None:
+    """Print each process's pid, uptime and restarts, the last fault, and the engine's counters."""
+    from metrale.frontend.client import Client, RequestError
 
     with Client(host, port, timeout=5.0) as client:
-        health = client.health()
-        stats = client.stats()
-    click.echo(msgspec.json.encode({"health": health, "stats": stats}).decode())
+        try:
+            health = client.health()
+        except TimeoutError as e:
+            raise click.ClickException(str(e))
+        try:
+            stats = client.stats()
+        except (TimeoutError, RequestError) as e:  # the engine core may be restarting: health still tells
+            stats, why = None, str(e)
+    if as_json:
+        click.echo(msgspec.json.encode({"health": health, "stats": stats}).decode())
+        return
+    click.echo(f"metrale at {host}:{port}: {'healthy' if health.healthy else 'UNHEALTHY'}")
+    for p in health.processes:
+        state = "alive" if p.alive else "DOWN"
+        click.echo(f"{p.name:<12} pid {p.pid:<8} up {p.uptime_s:9.1f} s  restarts {p.restarts:<3} {state}")
+    click.echo(f"last fault: {health.last_fault or 'none'}")
+    if stats is None:
+        click.echo(f"engine: no counters ({why})")
+    else:
+        click.echo(
+            f"engine: {stats.running} running, {stats.waiting} waiting, KV blocks {stats.kv_blocks_used} used / "
+            f"{stats.kv_blocks_cached} cached / {stats.kv_blocks_total} total, {stats.generated_tokens} tokens generated"
+        )
 
 
 if __name__ == "__main__":

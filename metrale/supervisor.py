@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import psutil
 
 from metrale.config import ServeConfig
 from metrale.ipc.messages import Health, ProcessHealth
@@ -88,9 +89,13 @@ class Child:
         self.restart_at = None
 
     def stop(self, grace_s: float) -> None:
-        """SIGTERM, then SIGKILL after grace_s; reaps the process."""
+        """SIGTERM, then SIGKILL after grace_s; reaps the process and waits for what it started to end too."""
         if self.proc is None:
             return
+        try:  # e.g. multiprocessing's resource tracker, which exits once its parent has
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            descendants = []
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -98,6 +103,9 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        _, alive = psutil.wait_procs(descendants, timeout=grace_s)
+        for p in alive:
+            p.kill()
 
 
 def free_port(host: str) -> int:
@@ -261,7 +269,7 @@ class Supervisor:
             return False
         worked = now - child.started >= self.policy.window_s or (child is self.worker and self._worker_served())
         child.in_a_row = 1 if worked else child.in_a_row + 1
-        self.last_fault = f"{child.name} (pid {child.pid}) exited with code {child.proc.returncode}"
+        self.last_fault = f"{child.name} (pid {child.pid}) {_how_it_ended(child.proc.returncode)}"
         delay = self.policy.delay(child.in_a_row)
         if delay is None:
             self.healthy = False
@@ -323,6 +331,16 @@ class Supervisor:
         tmp = self.health_path.with_suffix(".tmp")
         tmp.write_bytes(msgspec.msgpack.encode(self.health()))
         os.replace(tmp, self.health_path)
+
+
+def _how_it_ended(code: int) -> str:
+    """A process's end in words: "exited with code 3", "was killed by SIGKILL"."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 def _max_model_len(model_dir: str) -> int:

@@ -1,0 +1,339 @@
+"""Faults end to end: SIGKILL the worker, the engine core, the frontend or a client of a real `metrale serve`.
+
+Streams of greedy and seeded requests are compared with the offline engine (metrale.LLM) on the same requests:
+a fault the server recovers from changes no token. The restart policy itself (backoff, giving up) is tested
+on Supervisor.check_children with short-lived stand-in children and an injected clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.config import EngineArgs, ServeConfig
+from metrale.frontend.client import AsyncClient, RequestError
+from metrale.supervisor import Child, RestartPolicy, Supervisor
+
+from serve_fixture import running_server, shm_entries
+
+N = 32
+PROMPTS = [f"def g{i}(y):\n    return y - {i} * " for i in range(N)]
+MAX_TOKENS = 48
+
+
+def params_for(i: int, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    """Half greedy, half seeded sampling."""
+    if i % 2:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=7000 + i, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """What the offline engine gives for the same requests, with no fault."""
+    with LLM(str(model_dir), show_progress=False) as llm:
+        return [r.token_ids for r in llm.generate(PROMPTS, [params_for(i) for i in range(N)])]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(model_dir) as s:
+        yield s
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+async def _run_with_fault(port: int, when, fault, indices=range(N), params=params_for, timeout: float = 120.0):
+    """Stream the requests at once; call fault() as soon as when(seen) holds (seen: tokens per request so far).
+
+    Returns (token ids, finish reason, error) per request: a RequestError or a timeout is returned, not raised."""
+    seen = [0] * N
+    under_way = asyncio.Event()
+
+    async def one(client: AsyncClient, i: int):
+        ids, finish = [], None
+        try:
+            async for d in client.generate(PROMPTS[i], params=params(i)):
+                ids += d.token_ids
+                seen[i] += len(d.token_ids)
+                finish = d.finish_reason or finish
+                if when(seen):
+                    under_way.set()
+        except (RequestError, TimeoutError) as e:
+            return ids, finish, e
+        return ids, finish, None
+
+    async with AsyncClient("127.0.0.1", port, timeout=timeout) as client:
+        tasks = [asyncio.ensure_future(one(client, i)) for i in indices]
+        await asyncio.wait_for(under_way.wait(), 60)
+        fault()
+        return await asyncio.gather(*tasks)
+
+
+def wait_recovered(server, replaced: str, old_pid: int, timeout: float = 60.0) -> dict[str, int]:
+    """Wait until the `replaced` process has a new pid and every process is up; return the pids."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with server.client(timeout=2) as c:
+                health = c.health()
+            pids = {p.name: p.pid for p in health.processes}
+            server.seen_pids.update(pids.values())
+            if pids[replaced] != old_pid and all(p.alive for p in health.processes):
+                return pids
+        except (TimeoutError, RequestError):
+            pass  # the frontend itself may be restarting
+        assert time.monotonic() < deadline, f"{replaced} was not replaced in {timeout} s"
+        time.sleep(0.05)  # polling the supervisor's health; there is no event to wait on across processes
+
+
+def wait_idle(server, timeout: float = 10.0):
+    """Wait until the engine runs nothing and holds no KV block; return its stats."""
+    deadline = time.monotonic() + timeout
+    with server.client(timeout=10) as c:
+        while True:
+            stats = c.stats()
+            if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+                return stats
+            assert time.monotonic() < deadline, f"the engine is not idle: {stats}"
+            time.sleep(0.02)  # polling the engine's counters: aborts and retirements are asynchronous
+
+
+def one_request_works(server) -> None:
+    """A fresh request completes normally."""
+    with server.client(timeout=60) as c:
+        out = c.complete(PROMPTS[1], params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def supervisor_children(server) -> list[psutil.Process]:
+    """The supervisor's direct children (the three it runs, and nothing else)."""
+    return psutil.Process(server.proc.pid).children()
+
+
+# ---- worker and engine-core death ---------------------------------------------------------
+
+
+def test_engine_core_sigkill_under_32_streams_loses_nothing(server, expected):
+    """SIGKILL the engine core mid-stream: a fresh engine and worker take over; every stream completes unchanged."""
+    old = server.children()
+    kill_after = random.Random(os.getpid()).randint(100, 900)  # generated tokens, of 32 * 48
+
+    kill = lambda: os.kill(old["engine_core"], signal.SIGKILL)  # noqa: E731
+    got = asyncio.run(_run_with_fault(server.port, lambda seen: sum(seen) >= kill_after, kill))
+    assert [g[2] for g in got] == [None] * N, f"no client sees an error (killed after {kill_after} tokens)"
+    assert [g[0] for g in got] == expected, f"killed after {kill_after} tokens"
+    assert all(g[1] == "length" for g in got)
+    new = wait_recovered(server, "engine_core", old["engine_core"])
+    assert new["gpu_worker"] != old["gpu_worker"], "a fresh worker comes with the fresh engine core"
+    assert shm_entries({old["engine_core"]}) == [], "the dead engine's ring was swept"
+    with server.client() as c:
+        health = c.health()
+    assert "engine_core" in health.last_fault and health.healthy
+    wait_idle(server)
+
+
+def test_repeated_worker_kills_leak_nothing(server, expected):
+    """Five worker kills in a row, each after the server recovered: no leaked segment, process or KV block."""
+    before = server.children()
+    shm_before = sorted(shm_entries({before["engine_core"]}))
+    with server.client() as c:
+        restarts = {p.name: p.restarts for p in c.health().processes}
+    pids = before
+    for k in range(5):
+        i = 2 * k + 1  # greedy and seeded in turn
+        worker = pids["gpu_worker"]
+
+        kill = lambda worker=worker: os.kill(worker, signal.SIGKILL)  # noqa: E731
+        (ids, finish, error), = asyncio.run(_run_with_fault(server.port, lambda seen, i=i: seen[i] >= 8, kill, indices=[i]))
+        assert error is None and finish == "length" and ids == expected[i], f"kill {k}"
+        pids = wait_recovered(server, "gpu_worker", worker)
+        stats = wait_idle(server)
+        assert stats.kv_blocks_free + stats.kv_blocks_cached == stats.kv_blocks_total
+        assert len(supervisor_children(server)) == 3, "no process left over"
+        assert sorted(shm_entries({pids["engine_core"]})) == shm_before, "no segment left over"
+    with server.client() as c:
+        health = c.health()
+    after = {p.name: p.restarts for p in health.processes}
+    assert after["gpu_worker"] == restarts["gpu_worker"] + 5
+    assert after["engine_core"] == restarts["engine_core"] and pids["engine_core"] == before["engine_core"]
+    assert health.healthy, "kills spaced by recovery are not a crash loop"
+
+
+def test_status_command_shows_restarts_and_the_last_fault(server):
+    """`metrale status` prints each process's pid, uptime and restarts, and the last fault."""
+    old = server.children()
+    with server.client() as c:
+        restarts = {p.name: p.restarts for p in c.health().processes}
+    os.kill(old["gpu_worker"], signal.SIGKILL)
+    new = wait_recovered(server, "gpu_worker", old["gpu_worker"])
+    out = subprocess.run(
+        [sys.executable, "-m", "metrale.cli", "status", "--port", str(server.port)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    for name, pid in new.items():
+        line = next(line for line in out.splitlines() if line.split()[:1] == [name])
+        assert f"pid {pid}" in line and "up " in line
+        assert f"restarts {restarts[name] + (name == 'gpu_worker')}" in line
+    assert f"last fault: gpu_worker (pid {old['gpu_worker']}) was killed by SIGKILL" in out
+
+
+def test_client_killed_mid_stream_has_its_request_aborted(server):
+    """SIGKILL a client process mid-stream: the server aborts its request and frees its blocks."""
+    script = (
+        "import sys\n"
+        "from metrale.frontend.client import Client\n"
+        "from metrale import SamplingParams\n"
+        f"with Client('127.0.0.1', {server.port}) as c:\n"
+        "    for d in c.generate('once upon a time', params=SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)):\n"
+        "        print(len(d.token_ids), flush=True)\n"
+    )
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(5):  # a few deltas: the request runs
+            assert client.stdout.readline(), "the client's stream ended early"
+        with server.client() as c:
+            assert c.stats().running == 1
+        client.kill()
+        client.wait(10)
+        killed = time.monotonic()
+        wait_idle(server, timeout=5.0)
+        assert time.monotonic() - killed < 2.0, "aborted within a short bound"
+    finally:
+        client.kill()
+        client.wait(10)
+        client.stdout.close()
+
+
+def test_frontend_sigkill_gives_in_flight_requests_a_timeout_and_serves_again(server):
+    """SIGKILL the frontend: the supervisor restarts it on the same port; what was in flight times out clearly."""
+    old = server.children()
+    long = lambda i: params_for(i, max_tokens=400)  # noqa: E731
+
+    kill = lambda: os.kill(old["frontend"], signal.SIGKILL)  # noqa: E731
+    got = asyncio.run(_run_with_fault(server.port, lambda seen: sum(seen) >= 20, kill, range(4), long, timeout=3.0))
+    assert all(isinstance(g[2], TimeoutError) for g in got), [g[2] for g in got]
+    assert all("no answer from the metrale server" in str(g[2]) for g in got)
+    wait_recovered(server, "frontend", old["frontend"])
+    one_request_works(server)
+    wait_idle(server)  # the new frontend aborts the orphaned requests when their tokens arrive
+
+
+def test_fail_mode_gives_each_inflight_request_one_worker_fault(model_dir, expected):
+    """--on-worker-fault fail: every in-flight request ends with one worker_fault error; new ones then succeed."""
+    with running_server(model_dir, "--on-worker-fault", "fail") as s:
+        old = s.children()
+        long = lambda i: params_for(i, max_tokens=400)  # noqa: E731
+
+        kill = lambda: os.kill(old["gpu_worker"], signal.SIGKILL)  # noqa: E731
+        every_stream_under_way = lambda seen: all(n >= 2 for n in seen[:8])  # noqa: E731
+        got = asyncio.run(_run_with_fault(s.port, every_stream_under_way, kill, range(8), long))
+        for ids, finish, error in got:
+            assert isinstance(error, RequestError) and error.code == "worker_fault", error
+            assert "worker died" in error.message and finish is None
+        wait_recovered(s, "gpu_worker", old["gpu_worker"])
+        wait_idle(s)
+        with s.client() as c:
+            out = c.complete(PROMPTS[1], params=params_for(1))
+        assert out.token_ids == expected[1] and out.finish_reason == "length"
+
+
+# ---- the restart policy, on stand-in children -----------------------------------------------
+
+
+class FakeClock:
+    """The supervisor's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def supervisor(model_dir):
+    """A Supervisor whose children are stand-ins: frontend and engine sleep, the worker exits at once."""
+    clock = FakeClock()
+    config = ServeConfig(engine=EngineArgs(model=str(model_dir)), port=0)
+    sup = Supervisor(config, policy=RestartPolicy(window_s=30.0, max_in_a_row=4, backoff_s=0.5), clock=clock)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    sup.frontend = Child("frontend", sleeper)
+    sup.engine = Child("engine_core", sleeper)
+    sup.worker = Child("gpu_worker", ["sh", "-c", "exit 3"])
+    try:
+        for child in (sup.frontend, sup.engine, sup.worker):
+            child.start(sup.env, clock())
+        yield sup, clock
+    finally:
+        sup.stop()
+
+
+def _worker_dies(sup) -> None:
+    """Wait for the stand-in worker to exit (it does at once), then run one pass of the watch."""
+    sup.worker.proc.wait(10)
+    sup.check_children()
+
+
+def test_a_crash_looping_worker_backs_off_then_the_server_reports_unhealthy(supervisor):
+    sup, clock = supervisor
+    _worker_dies(sup)
+    assert sup.worker.restarts == 1 and sup.worker.restart_at is None, "the first death: restarted at once"
+    for in_a_row, backoff in ((2, 0.5), (3, 1.0)):
+        _worker_dies(sup)
+        assert sup.worker.in_a_row == in_a_row
+        assert sup.worker.restart_at == pytest.approx(clock.now + backoff)
+        restarts = sup.worker.restarts
+        clock.now += backoff / 2
+        sup.check_children()
+        assert sup.worker.restarts == restarts, "not before its backoff"
+        clock.now += backoff / 2
+        sup.check_children()
+        assert sup.worker.restarts == restarts + 1
+    _worker_dies(sup)  # the fourth in a row: given up
+    health = sup.health()
+    assert not health.healthy and not sup.healthy
+    assert "gpu_worker" in health.last_fault and "not restarted again" in health.last_fault
+    restarts = sup.worker.restarts
+    clock.now += 3600
+    sup.check_children()
+    assert sup.worker.restarts == restarts, "no more restarts: it does not loop"
+    assert sup.engine.alive and sup.frontend.alive and sup.engine.restarts == 0
+
+
+def test_a_worker_that_ran_for_a_while_is_restarted_at_once(supervisor):
+    sup, clock = supervisor
+    for _ in range(6):  # more than max_in_a_row deaths, each after a long life: never a crash loop
+        clock.now += 31.0
+        _worker_dies(sup)
+        assert sup.worker.in_a_row == 1 and sup.worker.restart_at is None
+    assert sup.worker.restarts == 6 and sup.healthy
+    assert sup.health().last_fault.startswith("gpu_worker")
+
+
+def test_health_file_tracks_restarts_and_the_last_fault(supervisor):
+    import msgspec
+
+    from metrale.ipc.messages import Health
+
+    sup, _ = supervisor
+    _worker_dies(sup)
+    health = msgspec.msgpack.decode(sup.health_path.read_bytes(), type=Health)
+    worker = next(p for p in health.processes if p.name == "gpu_worker")
+    assert worker.restarts == 1 and worker.pid == sup.worker.pid
+    assert health.last_fault.startswith("gpu_worker") and "exited with code 3" in health.last_fault
