@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from metrale.ipc.plan import FEED_HOST, MASK_BAN, MASK_FORCE, MASK_GREEDY, MASK_NONE, Ticket
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, MASK_NONE, Ticket
 
 from .sequence import Sequence
 
@@ -150,20 +150,3 @@ def fed_sources(n: int) -> list[int]:
     """Feed every row of a step launched ahead from the same row of the step before it."""
     return list(range(n))
 
-
-__all__ = [
-    "FEED_HOST",
-    "Inflight",
-    "NO_MASK",
-    "Pipeline",
-    "PipelineFaults",
-    "RowMask",
-    "Settled",
-    "SpecialTokens",
-    "ahead_allowed",
-    "fed_sources",
-    "init_row_state",
-    "mask_may_change",
-    "row_mask",
-    "update_row_state",
-]
