@@ -91,7 +91,7 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
         return RowMask(MASK_FORCE, toks.think_end)
     kind = MASK_NONE
     ban: tuple[int, ...] = ()
-    if seq.num_output + ahead < p.min_tokens:
+    if p.min_tokens and seq.num_output + ahead < p.min_tokens:
         kind |= MASK_BAN
         ban = tuple(dict.fromkeys((*eos_ids, *p.stop_token_ids)))
     if p.adaptive_sampling and (seq.in_fence or seq.in_tool):

@@ -48,6 +48,7 @@ class Sequence:
     in_fence: bool = False
     in_tool: bool = False
     num_preemptions: int = 0
+    sampling_row: tuple = ()  # the step builder's cached layout of params (step_builder.sampling_row)
     # Prefix caching (kv_blocks): how many leading blocks are hashed, and the last one's hash.
     hashed_blocks: int = 0
     prefix_hash: int = 0

@@ -108,26 +108,36 @@ class StepBuilder:
         hist_need = sum(s.num_tokens for s in seqs if s.params.has_penalties)
         if hist_need > len(b.hist_tokens):  # rare: grow, and keep the larger size from now on
             b.hist_tokens = np.zeros(hist_need * 2, np.int32)
+        bs = self.block_size
+        b.ban_ids[:R] = -1
+        floats, ints, seq_lens, samples, kinds, forces = [], [], [], [], [], []
         t = h = 0
-        b.query_start[0] = b.hist_start[0] = 0
+        b.hist_start[0] = 0
         for r, (seq, k, mask) in enumerate(zip(seqs, num_new, masks)):
             start = seq.num_computed
             bt = seq.block_table
             tables[r, : len(bt)] = bt
-            pos = np.arange(start, start + k, dtype=np.int32)
-            b.positions[t : t + k] = pos
-            b.slot_mapping[t : t + k] = tables[r, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
-            if fed:
-                b.input_ids[t] = 0
-                b.feed_from_row[r] = r
+            if k == 1:  # a decode: scalars, no temporary arrays
+                b.positions[t] = start
+                b.slot_mapping[t] = bt[start // bs] * bs + start % bs
+                b.input_ids[t] = 0 if fed else seq.tokens[start]
             else:
+                pos = np.arange(start, start + k, dtype=np.int32)
+                b.positions[t : t + k] = pos
+                b.slot_mapping[t : t + k] = tables[r, pos // bs].astype(np.int64) * bs + pos % bs
                 b.input_ids[t : t + k] = seq.tokens[start : start + k]
-                b.feed_from_row[r] = FEED_HOST
             t += k
-            b.query_start[r + 1] = t
-            b.seq_lens[r] = start + k
-            b.sample[r] = fed or start + k == seq.num_tokens
-            self._fill_sampling(b, r, seq, mask)
+            seq_lens.append(start + k)
+            samples.append(fed or start + k == seq.num_tokens)
+            if not seq.sampling_row:
+                seq.sampling_row = sampling_row(seq)
+            floats.append(seq.sampling_row[0])
+            ints.append(seq.sampling_row[1])
+            kinds.append(mask.kind)
+            forces.append(mask.force_token)
+            if mask.ban:
+                ban = mask.ban[:MAX_BAN_IDS]
+                b.ban_ids[r, : len(ban)] = ban
             if seq.params.has_penalties:
                 n = seq.num_tokens
                 b.hist_tokens[h : h + n] = seq.tokens
@@ -136,6 +146,18 @@ class StepBuilder:
             else:
                 b.hist_prompt_len[r] = 0
             b.hist_start[r + 1] = h
+        b.query_start[0] = 0
+        np.cumsum(num_new, out=b.query_start[1 : R + 1])
+        b.seq_lens[:R] = seq_lens
+        b.sample[:R] = samples
+        b.feed_from_row[:R] = np.arange(R) if fed else FEED_HOST
+        f = np.array(floats, dtype=np.float32).reshape(R, 6)
+        i = np.array(ints, dtype=np.int64).reshape(R, 3)
+        b.temperature[:R], b.top_p[:R], b.min_p[:R] = f[:, 0], f[:, 1], f[:, 2]
+        b.repetition_penalty[:R], b.presence_penalty[:R], b.frequency_penalty[:R] = f[:, 3], f[:, 4], f[:, 5]
+        b.top_k[:R], b.seeds[:R], b.num_logprobs[:R] = i[:, 0], i[:, 1], i[:, 2]
+        b.mask_kind[:R] = kinds
+        b.force_token[:R] = forces
         swap_out, swap_in = self.swap.take_copies()
         return StepPlan(
             input_ids=b.input_ids[:T],
@@ -165,21 +187,11 @@ class StepBuilder:
             swap_in=swap_in,
         )
 
-    @staticmethod
-    def _fill_sampling(b: _Buffers, r: int, seq: Sequence, mask: RowMask) -> None:
-        """Copy a row's sampling parameters and mask into the step arrays."""
-        p = seq.params
-        b.temperature[r] = p.temperature
-        b.top_k[r] = p.top_k if p.top_k > 0 else 0
-        b.top_p[r] = p.top_p
-        b.min_p[r] = p.min_p
-        b.repetition_penalty[r] = p.repetition_penalty
-        b.presence_penalty[r] = p.presence_penalty
-        b.frequency_penalty[r] = p.frequency_penalty
-        b.seeds[r] = seq.seed
-        b.mask_kind[r] = mask.kind
-        b.force_token[r] = mask.force_token
-        ban = mask.ban[:MAX_BAN_IDS]
-        b.ban_ids[r, : len(ban)] = ban
-        b.ban_ids[r, len(ban) :] = -1
-        b.num_logprobs[r] = -1 if p.logprobs is None else p.logprobs
+
+
+def sampling_row(seq: Sequence) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """A sequence's per-row sampling values, as the builder lays them out (computed once per sequence)."""
+    p = seq.params
+    floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+    ints = (p.top_k if p.top_k > 0 else 0, seq.seed, -1 if p.logprobs is None else p.logprobs)
+    return floats, ints
