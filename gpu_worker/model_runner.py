@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention import AttentionMetadata, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.loader import load_model
@@ -91,13 +92,17 @@ class ModelRunner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
         self.model, config = load_model(model_dir, dtype=dtype, device=self.device, show_progress=show_progress)
+        # The native CPU kernels (layers/cpu_kernels.py): decode attention reading keys stored
+        # head-dim-major (see layers/kv_cache.py), the KV write, RMSNorm and the greedy argmax.
+        self._native = self.device.type == "cpu" and cpu_kernels.available()
+        self.model.prepare(native=self._native)
         cfg = self.model.config
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         num_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory)
         self.kv_cache = PagedKVCache(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=self.model.dtype, device=self.device,
+            dtype=self.model.dtype, device=self.device, transposed_keys=self._native,
         )
         self.info = ModelInfo(
             name=self.model_dir.name,
@@ -196,7 +201,7 @@ class ModelRunner:
         self._check(plan)
         input_ids = self._staging.put("input_ids", plan.input_ids)
         positions = self._staging.put("positions", plan.positions)
-        slot_mapping = self._staging.put("slot_mapping", plan.slot_mapping)
+        slot_mapping = self.kv_cache.slot_index(self._staging.put("slot_mapping", plan.slot_mapping))
         meta = build_metadata(
             plan.query_start,
             plan.seq_lens,
@@ -205,6 +210,8 @@ class ModelRunner:
             block_size=self.block_size,
             windows=self.model.windows,
             device=self.device,
+            dtype=self.model.dtype,
+            native=self._native,
         )
         dynamic = None
         if self._dynamic_rope and int(plan.seq_lens.max()) > self.model.config.rope.max_position_embeddings:

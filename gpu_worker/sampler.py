@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.gpu_worker.layers import cpu_kernels
 from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, StepPlan
 
 GREEDY_EPS = 1e-5  # temperatures below this pick greedily (vLLM's _SAMPLING_EPS)
@@ -62,7 +63,13 @@ def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first index among ties); max().indices is ~3x faster than argmax on CPU."""
+    """Each row's argmax (the first index among ties).
+
+    On a CPU where the model runner loaded the native kernels, one vectorised pass per row (about 3x
+    faster than torch's); otherwise max().indices, itself ~3x faster than torch.argmax on CPU.
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and cpu_kernels.loaded():
+        return cpu_kernels.argmax_rows(x.contiguous())
     return x.max(dim=-1).indices
 
 

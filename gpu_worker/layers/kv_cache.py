@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from metrale.gpu_worker.layers import cpu_kernels
+
+
+@dataclass(slots=True)
+class SlotIndex:
+    """A step's slots split once into (block, offset), for writing keys stored head-dim-major."""
+
+    slots: torch.Tensor  # int64 [T]: block * block_size + offset
+    blocks: torch.Tensor | None  # int64 [T] (transposed keys only)
+    offsets: torch.Tensor | None  # int64 [T]
 
 
 class PagedKVCache:
@@ -10,6 +23,12 @@ class PagedKVCache:
 
     A token's slot is block * block_size + offset (the plan's slot_mapping); the engine core owns
     which blocks a sequence holds, the cache only stores them.
+
+    With transposed_keys, each key block is stored [num_kv_heads, head_dim, block_size]: one head
+    dimension of a block's tokens lies contiguous, which is what the native CPU decode kernel reads
+    with plain vector loads (no horizontal sums). `k[layer]` is then a permuted view with the same
+    logical shape as always, so whole-block copies (swap, tests) work on either layout unchanged.
+    On a CPU with the native kernels loaded, that layout is also written by one native call per layer.
     """
 
     def __init__(
@@ -22,6 +41,7 @@ class PagedKVCache:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        transposed_keys: bool = False,
     ):
         """Allocate every layer's blocks, zeroed: padded block-table entries are read (then masked
         out), and masked garbage must still be finite or it would poison the softmax."""
@@ -29,9 +49,17 @@ class PagedKVCache:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.transposed_keys = transposed_keys
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if transposed_keys:
+            key_shape = (num_blocks, num_kv_heads, head_dim, block_size)
+            self.k_blocks = [torch.zeros(key_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.k = [kb.permute(0, 3, 1, 2) for kb in self.k_blocks]
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.k_blocks = self.k
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._native_write = transposed_keys and torch.device(device).type == "cpu" and cpu_kernels.loaded()
         self._scratch_k: torch.Tensor | None = None  # gather's reusable output
         self._scratch_v: torch.Tensor | None = None
 
@@ -41,11 +69,26 @@ class PagedKVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def slot_index(self, slot_mapping: torch.Tensor) -> SlotIndex:
+        """The step's slots as write() takes them (computed once per step, used by every layer)."""
+        if not self.transposed_keys or self._native_write:
+            return SlotIndex(slot_mapping, None, None)
+        return SlotIndex(slot_mapping, torch.div(slot_mapping, self.block_size, rounding_mode="floor"), slot_mapping % self.block_size)
+
+    def write(self, layer: int, slots: SlotIndex | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a step's k, v [T, kv_heads, head_dim] into their slots of layer's blocks."""
-        kc, vc = self.k[layer], self.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
+        if not isinstance(slots, SlotIndex):
+            slots = self.slot_index(slots)
+        if self._native_write:
+            cpu_kernels.write_kv(k, v, self.k_blocks[layer], self.v[layer], slots.slots)
+            return
+        vc = self.v[layer]
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots.slots, v)
+        if self.transposed_keys:
+            self.k_blocks[layer][slots.blocks, :, :, slots.offsets] = k
+        else:
+            kc = self.k[layer]
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, slots.slots, k)
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the given blocks laid end to end: block_ids [..., nb] -> [..., nb * block_size, kv_heads, head_dim].
@@ -59,7 +102,7 @@ class PagedKVCache:
         if self._scratch_k is None or self._scratch_k.shape[0] < n:
             self._scratch_k = torch.empty((n, *kc.shape[1:]), dtype=kc.dtype, device=kc.device)
             self._scratch_v = torch.empty_like(self._scratch_k)
-        k = torch.index_select(kc, 0, flat, out=self._scratch_k[:n])
+        k = torch.index_select(kc, 0, flat, out=self._scratch_k[:n])  # a strided read when transposed
         v = torch.index_select(vc, 0, flat, out=self._scratch_v[:n])
         lead = block_ids.shape[:-1]
         return k.view(*lead, -1, *kc.shape[2:]), v.view(*lead, -1, *vc.shape[2:])

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from metrale.gpu_worker.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -14,10 +17,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.native = False  # use the native CPU kernel (set by the model's prepare())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise in float32 (as HF does, so bf16 rounds at the same points), then scale."""
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise in float32, round to x's dtype, then scale: HF's rounding points, bit for bit.
+
+        With delta, x += delta first, in place (the residual add before the norm, fused when native).
+        torch's fused rms_norm upcasts reduced-precision input internally and rounds once at the end,
+        which gives the same bits as HF's `x.float() ... .to(dtype)` in one op instead of five.
+        """
+        if self.native and x.is_contiguous() and (delta is None or delta.is_contiguous()):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, delta)
+        if delta is not None:
+            x.add_(delta)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)

@@ -108,40 +108,50 @@ def dynamic_inv_freq(cfg: RopeConfig, seq_lens: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin for a step's positions, from a table (or per row, for dynamic NTK past the base length)."""
+    """cos/sin for a step's positions, from a table (or per row, for dynamic NTK past the base length).
+
+    The sine is kept with its first half negated ("signed sine"): rotate_half(x) * sin equals
+    swap_halves(x) * signed_sin bit for bit (a negation is exact), and swapping needs no negation op.
+    """
 
     def __init__(self, cfg: RopeConfig, *, dtype: torch.dtype, device: torch.device):
-        """Precompute the cos/sin table over the model's whole context."""
+        """Precompute the cos/signed-sin table over the model's whole context."""
         self.cfg = cfg
         self.dtype = dtype
         positions = torch.arange(cfg.max_model_len, device=device).float()
         freqs = positions[:, None] * inv_freq(cfg, device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # Cast to the model dtype as transformers does before rotating.
-        self.cos = emb.cos().to(dtype)  # [max_model_len, head_dim]
-        self.sin = emb.sin().to(dtype)
+        # Cast to the model dtype as transformers does before rotating; one [len, 2, head_dim]
+        # table so a step gathers both with one index.
+        self.table = _cos_signed_sin(freqs).to(dtype)
 
     def cos_sin(
         self, positions: torch.Tensor, dynamic_seq_lens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim] cos and sin for the tokens.
+        """[T, 1, head_dim] cos and signed sin for the tokens.
 
         dynamic_seq_lens (int [T], each token's row seq_len) is given only under dynamic NTK when some
         row is past the base length (the caller knows from the host-side plan, so no device sync here).
         """
         if dynamic_seq_lens is not None:
             freqs = positions.float()[:, None] * dynamic_inv_freq(self.cfg, dynamic_seq_lens)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+            rows = _cos_signed_sin(freqs).to(self.dtype)
+        else:
+            rows = self.table[positions]
+        return rows[:, 0:1, :], rows[:, 1:2, :]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) over the last dimension's halves."""
+def _cos_signed_sin(freqs: torch.Tensor) -> torch.Tensor:
+    """float32 [N, 2, head_dim]: cos and signed sin of the angles freqs [N, head_dim/2] (HF's emb = cat(f, f))."""
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)), dim=1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by its tokens' angles: HF's x * cos + rotate_half(x) * sin.
+
+    rotate_half(x) * sin = (-x2, x1) * (s, s) = (x2, x1) * (-s, s); the rounding points are HF's.
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by its tokens' angles."""
-    return (x * cos) + (rotate_half(x) * sin)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    out = x * cos
+    return out.add_(swapped.mul_(signed_sin))

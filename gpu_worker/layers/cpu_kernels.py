@@ -1,0 +1,610 @@
+"""Native CPU kernels for the decode step: paged attention, the KV write, RMSNorm and greedy argmax.
+
+The torch path of decode attention gathers every decode row's blocks into a padded copy and runs
+SDPA on it: per layer it writes and reads the whole live KV twice. `paged_decode` walks each row's
+block table and reads each key and value once, with an online softmax (flash-decoding) in float32:
+no copy, no mask, and the query heads of one KV group share each key load. The other three replace
+several small torch ops each (a decode step is hundreds of them, and each costs its dispatch).
+
+Plain C++ against ATen (parallel_for on torch's own thread pool), compiled on first use with the
+system C++ compiler and cached under $METRALE_CACHE_DIR (default ~/.cache/metrale)/kernels, keyed by
+the source, the flags and torch's version. Without a compiler, or if the build fails, `available()`
+is False and every caller keeps its torch path. METRALE_CPU_KERNELS=torch never builds or uses them;
+=native makes a failed build an error.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_CHOICE = "METRALE_CPU_KERNELS"  # auto (default) | native | torch
+BUILD_TIMEOUT_S = 300
+
+SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define METRALE_AVX512 1
+#endif
+
+namespace {
+
+// Flush denormals to zero (and read them as zero) on this thread while a task runs: a softmax weight
+// far below the row's max is ~1e-38, and arithmetic on denormals is hundreds of times slower.
+struct FlushDenormals {
+#if defined(__SSE__)
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(c10::BFloat16* p, int64_t i, float x) { p[i] = c10::BFloat16(x); }
+inline void store(c10::Half* p, int64_t i, float x) { p[i] = c10::Half(x); }
+
+// e^x for x <= 0: Cephes' expf (range reduction by ln 2, then a degree-6 polynomial), within a few
+// ulp of expf; exactly 0 below -80 (see FlushDenormals).
+inline float exp_nonpositive(float x) {
+  const float y = std::max(x, -80.0f);
+  const float k = std::floor(y * 1.44269504088896341f + 0.5f);
+  const float r = (y - k * 0.693359375f) + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return x < -80.0f ? 0.0f : std::ldexp(p, static_cast<int>(k));
+}
+
+// One row's attention state while its blocks stream past: the scaled queries, and per query head
+// the running max, the running sum of weights and the running sum of weight * value.
+struct RowState {
+  float* qf;   // [heads, dim]
+  float* acc;  // [heads, dim]
+  float* w;    // [heads, block_size]: one block's scores, then its weights
+  float* m;    // [heads]
+  float* l;    // [heads]
+};
+
+struct Shape {
+  int64_t heads, kv_heads, group, dim, block_size;
+};
+
+// Fold tokens [offset, offset + n) of one block into the row's state: keys are stored
+// [kv_heads, dim, block_size], values [block_size, kv_heads, dim]. Portable scalar loops.
+template <typename T>
+void fold_block_generic(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n) {
+  const int64_t bs = sh.block_size, dim = sh.dim;
+  for (int64_t hq = 0; hq < sh.heads; ++hq) {
+    const int64_t h = hq / sh.group;
+    float* w = st.w + hq * bs;
+    const float* q = st.qf + hq * dim;
+    for (int64_t j = 0; j < n; ++j) w[j] = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const T* row = kb + (h * dim + d) * bs + offset;
+      for (int64_t j = 0; j < n; ++j) w[j] += q[d] * load(row, j);
+    }
+    float top = st.m[hq];
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j]);
+    const float alpha = exp_nonpositive(st.m[hq] - top);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      w[j] = exp_nonpositive(w[j] - top);
+      sum += w[j];
+    }
+    st.l[hq] = st.l[hq] * alpha + sum;
+    st.m[hq] = top;
+    float* a = st.acc + hq * dim;
+    for (int64_t d = 0; d < dim; ++d) a[d] *= alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vb + ((offset + j) * sh.kv_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] += w[j] * load(v, d);
+    }
+  }
+}
+
+#if defined(METRALE_AVX512)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp_nonpositive on 16 lanes (scalef applies the 2^k of the range reduction).
+inline __m512 exp16(__m512 x) {
+  const __m512 floor_in = _mm512_set1_ps(-80.0f);
+  const __m512 y = _mm512_max_ps(x, floor_in);
+  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(y, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), y);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 e = _mm512_scalef_ps(p, k);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, floor_in, _CMP_GE_OQ), e);
+}
+
+// The same fold for 16-token blocks, G query heads per KV head, head_dim a multiple of 16: a block's
+// scores for one head are one register (its 16 tokens), built by multiply-adds over the head dim;
+// lanes outside [offset, offset + n) are masked out of the softmax.
+template <typename T, int G>
+void fold_block16(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n) {
+  const int64_t dim = sh.dim, kv_heads = sh.kv_heads;
+  const __mmask16 lanes = static_cast<__mmask16>(((1u << n) - 1u) << offset);
+  const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    __m512 s[G];
+    for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
+    const T* kh = kb + h * dim * 16;
+    const float* qh = st.qf + h * G * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m512 k = load16(kh + d * 16);
+      for (int g = 0; g < G; ++g) s[g] = _mm512_fmadd_ps(_mm512_set1_ps(qh[g * dim + d]), k, s[g]);
+    }
+    float alpha[G];
+    for (int g = 0; g < G; ++g) {
+      const int64_t hq = h * G + g;
+      const __m512 sg = _mm512_mask_blend_ps(lanes, lowest, s[g]);
+      const float top = std::max(st.m[hq], _mm512_reduce_max_ps(sg));
+      alpha[g] = exp_nonpositive(st.m[hq] - top);
+      const __m512 p = exp16(_mm512_sub_ps(sg, _mm512_set1_ps(top)));
+      st.l[hq] = st.l[hq] * alpha[g] + _mm512_reduce_add_ps(p);
+      st.m[hq] = top;
+      _mm512_storeu_ps(st.w + hq * 16, p);
+    }
+    for (int64_t c = 0; c < dim; c += 16) {
+      __m512 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm512_mul_ps(_mm512_loadu_ps(st.acc + (h * G + g) * dim + c), _mm512_set1_ps(alpha[g]));
+      for (int64_t j = offset; j < offset + n; ++j) {
+        const __m512 v = load16(vb + (j * kv_heads + h) * dim + c);
+        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(st.w[(h * G + g) * 16 + j]), v, a[g]);
+      }
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(st.acc + (h * G + g) * dim + c, a[g]);
+    }
+  }
+}
+#endif
+
+// Ask for the next block's keys and values while this one is folded: rows hop between blocks, so the
+// hardware prefetcher (which follows sequential runs) loses the stream at every block boundary.
+inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
+#if defined(__SSE__)
+  const char* kc = static_cast<const char*>(k);
+  const char* vc = static_cast<const char*>(v);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    _mm_prefetch(kc + i, _MM_HINT_T0);
+    _mm_prefetch(vc + i, _MM_HINT_T0);
+  }
+#endif
+}
+
+template <typename T>
+using FoldFn = void (*)(const RowState&, const Shape&, const T*, const T*, int64_t, int64_t);
+
+// The fastest fold this build and shape allow.
+template <typename T>
+FoldFn<T> choose_fold(const Shape& sh) {
+#if defined(METRALE_AVX512)
+  if (sh.block_size == 16 && sh.dim % 16 == 0) {
+    switch (sh.group) {
+      case 1: return fold_block16<T, 1>;
+      case 2: return fold_block16<T, 2>;
+      case 4: return fold_block16<T, 4>;
+      case 8: return fold_block16<T, 8>;
+      default: break;
+    }
+  }
+#endif
+  return fold_block_generic<T>;
+}
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& first_key,
+            double scale, at::Tensor& out) {
+  const Shape sh{q.size(1), k_blocks.size(1), q.size(1) / k_blocks.size(1), q.size(2), k_blocks.size(3)};
+  const int64_t rows = q.size(0), width = block_tables.size(1);
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), block_elems = sh.kv_heads * sh.dim * sh.block_size;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_blocks.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* firsts = first_key.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  const FoldFn<T> fold = choose_fold<T>(sh);
+
+  // One task per row, its blocks in order, with an online softmax (flash-decoding): every key and
+  // value is read once, straight from its block.
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
+    const int64_t heads = sh.heads, dim = sh.dim;
+    std::vector<float> scratch(heads * dim * 2 + heads * sh.block_size + heads * 2);
+    const RowState st{scratch.data(), scratch.data() + heads * dim, scratch.data() + 2 * heads * dim,
+                      scratch.data() + 2 * heads * dim + heads * sh.block_size,
+                      scratch.data() + 2 * heads * dim + heads * sh.block_size + heads};
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const T* src = qp + r * q_row + hq * q_head;
+        for (int64_t d = 0; d < dim; ++d) st.qf[hq * dim + d] = load(src, d) * sc;
+        for (int64_t d = 0; d < dim; ++d) st.acc[hq * dim + d] = 0.0f;
+        st.m[hq] = -FLT_MAX;
+        st.l[hq] = 0.0f;
+      }
+      const int64_t len = lens[r];
+      const int64_t* table = tables + r * width;
+      for (int64_t t = firsts[r]; t < len;) {
+        const int64_t block = table[t / sh.block_size];
+        const int64_t offset = t % sh.block_size;
+        const int64_t n = std::min(sh.block_size - offset, len - t);
+        if (t + n < len) prefetch_block(kp + table[(t + n) / sh.block_size] * block_elems, vp + table[(t + n) / sh.block_size] * block_elems, block_elems * sizeof(T));
+        fold(st, sh, kp + block * block_elems, vp + block * block_elems, offset, n);
+        t += n;
+      }
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const float inv = 1.0f / st.l[hq];
+        T* dst = op + (r * heads + hq) * dim;
+        for (int64_t d = 0; d < dim; ++d) store(dst, d, st.acc[hq * dim + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        const at::Tensor& first_key, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim] with unit last stride");
+  TORCH_CHECK(k_blocks.dim() == 4 && v_cache.dim() == 4 && k_blocks.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous: keys [blocks, kv_heads, head_dim, block_size], values [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_blocks.size(0) == v_cache.size(0) && k_blocks.size(1) == v_cache.size(2) &&
+                  k_blocks.size(2) == v_cache.size(3) && k_blocks.size(3) == v_cache.size(1), "key and value caches do not match");
+  TORCH_CHECK(q.scalar_type() == k_blocks.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(), "q, caches and out must share a dtype");
+  TORCH_CHECK(k_blocks.size(2) == q.size(2) && q.size(1) % k_blocks.size(1) == 0, "head shapes do not match");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                  block_tables.size(0) == q.size(0), "block_tables must be contiguous int64 [rows, width]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
+                  first_key.scalar_type() == at::kLong && first_key.is_contiguous() && first_key.numel() == q.size(0),
+              "seq_lens and first_key must be contiguous int64 [rows]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
+  switch (q.scalar_type()) {
+    case at::kFloat: decode<float>(q, k_blocks, v_cache, block_tables, seq_lens, first_key, scale, out); break;
+    case at::kBFloat16: decode<c10::BFloat16>(q, k_blocks, v_cache, block_tables, seq_lens, first_key, scale, out); break;
+    case at::kHalf: decode<c10::Half>(q, k_blocks, v_cache, block_tables, seq_lens, first_key, scale, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+
+// Store a step's keys (transposed into [kv_heads, dim, block_size] blocks) and values into their slots.
+template <typename T>
+void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_blocks, at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), dim = k.size(2), bs = k_blocks.size(3);
+  const int64_t k_row = k.stride(0), k_head = k.stride(1), v_row = v.stride(0), v_head = v.stride(1);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kb = k_blocks.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t block = sp[t] / bs, offset = sp[t] % bs;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* src_k = kp + t * k_row + h * k_head;
+      T* dst_k = kb + ((block * kv_heads + h) * dim) * bs + offset;
+      for (int64_t d = 0; d < dim; ++d) dst_k[d * bs] = src_k[d];
+      std::memcpy(vc + (sp[t] * kv_heads + h) * dim, vp + t * v_row + h * v_head, dim * sizeof(T));
+    }
+  }
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_blocks, at::Tensor v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k, v must be [tokens, kv_heads, head_dim] with unit last stride");
+  TORCH_CHECK(k_blocks.is_contiguous() && v_cache.is_contiguous() && k_blocks.size(1) == k.size(1) &&
+                  k_blocks.size(2) == k.size(2) && v_cache.size(2) == k.size(1) && v_cache.size(3) == k.size(2),
+              "caches must be contiguous and match k's heads");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k.scalar_type() == k_blocks.scalar_type() &&
+                  k.scalar_type() == v_cache.scalar_type(), "k, v and the caches must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "slots must be contiguous int64 [tokens]");
+  switch (k.scalar_type()) {
+    case at::kFloat: write_kv_impl<float>(k, v, k_blocks, v_cache, slots); break;
+    case at::kBFloat16: write_kv_impl<c10::BFloat16>(k, v, k_blocks, v_cache, slots); break;
+    case at::kHalf: write_kv_impl<c10::Half>(k, v, k_blocks, v_cache, slots); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", k.scalar_type());
+  }
+}
+
+// Hugging Face's RMSNorm with its rounding points, optionally after the residual add it follows:
+// x += delta (rounded to T, as torch's add), then out = T(w * T(x / rms(x))), the norm in float32.
+template <typename T>
+void rms_norm_impl(at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t rows = x.numel() / x.size(-1), n = x.size(-1);
+  T* xp = x.data_ptr<T>();
+  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * n;
+      float sumsq = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        float value = static_cast<float>(xr[i]);
+        if (dp) {
+          const T sum = static_cast<T>(value + static_cast<float>(dp[r * n + i]));
+          xr[i] = sum;
+          value = static_cast<float>(sum);
+        }
+        buf[i] = value;
+      }
+#pragma omp simd reduction(+ : sumsq)
+      for (int64_t i = 0; i < n; ++i) sumsq += buf[i] * buf[i];
+      const float inv = 1.0f / std::sqrt(sumsq / static_cast<float>(n) + e);
+      T* orow = op + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const T normed = static_cast<T>(buf[i] * inv);
+        orow[i] = static_cast<T>(static_cast<float>(wp[i]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+void rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps, at::Tensor out) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() && weight.is_contiguous() &&
+                  weight.numel() == x.size(-1), "x, out contiguous and alike; weight [hidden]");
+  TORCH_CHECK(!delta || (delta->is_contiguous() && delta->sizes() == x.sizes()), "delta must be contiguous and shaped like x");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type() &&
+                  (!delta || delta->scalar_type() == x.scalar_type()), "x, delta, weight and out must share a dtype");
+  const at::Tensor* d = delta ? &*delta : nullptr;
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_impl<float>(x, d, weight, eps, out); break;
+    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(x, d, weight, eps, out); break;
+    case at::kHalf: rms_norm_impl<c10::Half>(x, d, weight, eps, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
+  }
+}
+
+// One row's argmax, the first index among equal maxima (what torch's max(dim).indices gives).
+inline int64_t argmax_row(const float* row, int64_t n) {
+  int64_t i = 0, best_at = 0;
+  float best = -INFINITY;
+#if defined(METRALE_AVX512)
+  if (n >= 16) {
+    // Per lane: the first position of its largest value (strictly greater replaces), then across lanes.
+    __m512 top = _mm512_loadu_ps(row);
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i pos = at;
+    const __m512i step = _mm512_set1_epi32(16);
+    for (i = 16; i + 16 <= n; i += 16) {
+      pos = _mm512_add_epi32(pos, step);
+      const __m512 v = _mm512_loadu_ps(row + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+      top = _mm512_mask_mov_ps(top, gt, v);
+      at = _mm512_mask_mov_epi32(at, gt, pos);
+    }
+    alignas(64) float tops[16];
+    alignas(64) int32_t ats[16];
+    _mm512_store_ps(tops, top);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(ats), at);
+    best = tops[0];
+    best_at = ats[0];
+    for (int l = 1; l < 16; ++l) {
+      if (tops[l] > best || (tops[l] == best && ats[l] < best_at)) {
+        best = tops[l];
+        best_at = ats[l];
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (row[i] > best) {
+      best = row[i];
+      best_at = i;
+    }
+  }
+  return best_at;
+}
+
+void argmax_rows(const at::Tensor& x, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous float32 [rows, n]");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == x.size(0), "out must be int64 [rows]");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "rows longer than 2^31 are not supported");
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+}
+}  // namespace
+
+TORCH_LIBRARY(metrale_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_blocks, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor first_key, float scale, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_blocks, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
+  m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+_state: dict[str, bool | str] = {}  # "loaded": bool, "error": why not
+
+
+def choice() -> str:
+    """What METRALE_CPU_KERNELS asks for: auto, native or torch."""
+    value = os.environ.get(ENV_CHOICE, "auto").strip().lower() or "auto"
+    if value not in ("auto", "native", "torch"):
+        raise ValueError(f"{ENV_CHOICE} must be auto, native or torch (got {value!r})")
+    return value
+
+
+def available() -> bool:
+    """True when the native kernels are loaded (building them on first call, unless the choice is torch).
+
+    Under METRALE_CPU_KERNELS=native a failed build raises RuntimeError instead of returning False.
+    """
+    wanted = choice()
+    if wanted == "torch":
+        return False
+    if "loaded" not in _state:
+        try:
+            torch.ops.load_library(str(_build()))
+            _state["loaded"] = True
+        except Exception as exc:  # no compiler, a failed build, a library that will not load
+            _state["loaded"] = False
+            _state["error"] = f"{type(exc).__name__}: {exc}"
+            log.warning("native CPU kernels unavailable, using torch's ops (%s)", _state["error"])
+    if wanted == "native" and not _state["loaded"]:
+        raise RuntimeError(f"{ENV_CHOICE}=native but the kernels are unavailable: {_state.get('error')}")
+    return bool(_state["loaded"])
+
+
+def loaded() -> bool:
+    """True when the kernels are already loaded in this process (never builds: cheap to ask anywhere)."""
+    return bool(_state.get("loaded"))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    first_key: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query per row over its cached keys first_key[r] <= t < seq_lens[r].
+
+    q [R, heads, head_dim] (any row/head strides); k_blocks [blocks, kv_heads, head_dim, block_size]
+    (PagedKVCache with transposed_keys); v_cache [blocks, block_size, kv_heads, head_dim];
+    block_tables int64 [R, W]; seq_lens, first_key int64 [R]. Returns [R, heads, head_dim] in q's dtype.
+    """
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return torch.ops.metrale_cpu.paged_decode(q, k_blocks, v_cache, block_tables, seq_lens, first_key, scale, out)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, head_dim] at slots (int64 [T]); keys into head-dim-major blocks."""
+    torch.ops.metrale_cpu.write_kv(k, v, k_blocks, v_cache, slots)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's RMSNorm of x (bit for bit in bfloat16); with delta, first x += delta in place (the residual add)."""
+    out = torch.empty_like(x)
+    torch.ops.metrale_cpu.rms_norm(x, delta, weight, eps, out)
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 [S]: each row's argmax of float32 x [S, V], the first index among ties."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    torch.ops.metrale_cpu.argmax_rows(x, out)
+    return out
+
+
+def _build() -> pathlib.Path:
+    """The kernels' shared library, compiled now unless an identical build is cached."""
+    flags = _FLAGS + [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    # -march=native: the build is for this CPU, so its instruction sets are part of the key (a cache
+    # folder shared with an older machine must not hand it instructions it lacks).
+    key = hashlib.sha256("\n".join([SOURCE, *flags, torch.__version__, sys.platform, _cpu_flags()]).encode()).hexdigest()[:16]
+    cache = pathlib.Path(os.environ.get("METRALE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "metrale") / "kernels"
+    lib = cache / f"metrale_cpu_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (a server's worker and a test may start together); the rest wait, then load.
+    with open(cache / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        _compile(flags, lib)
+    return lib
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags as the kernel sees them (/proc/cpuinfo; the machine name elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _compile(flags: list[str], lib: pathlib.Path) -> None:
+    """Compile SOURCE into lib (written to a temp name, then renamed: readers never see half a file)."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    torch_lib = pathlib.Path(torch.__file__).parent / "lib"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        src = pathlib.Path(tmp) / "cpu_kernels.cpp"
+        src.write_text(SOURCE)
+        out = pathlib.Path(tmp) / lib.name
+        cmd = [compiler, *flags, *includes, str(src), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
+        log.info("building the native CPU kernels (once; cached in %s)", lib.parent)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(out, lib)

