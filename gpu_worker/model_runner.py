@@ -22,6 +22,7 @@ from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention import AttentionMetadata, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.loader import load_model
+from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.sampler import Sampler, SamplerOutput
 from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult
 
@@ -87,8 +88,10 @@ class ModelRunner:
         block_size: int = 16,
         max_num_seqs: int = 256,
         show_progress: bool = True,
+        swap_space: int = 0,
     ):
-        """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)."""
+        """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)
+        and swap_space bytes of host blocks for swap preemption."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
         self.model, config = load_model(model_dir, dtype=dtype, device=self.device, show_progress=show_progress)
@@ -104,6 +107,8 @@ class ModelRunner:
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=self.model.dtype, device=self.device, transposed_keys=self._native,
         )
+        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.model.dtype)
+        self.swap = KvSwapSpace(self.kv_cache, KvSwapSpace.blocks_for(swap_space, per_block))
         self.info = ModelInfo(
             name=self.model_dir.name,
             vocab_size=cfg.vocab_size,
@@ -113,6 +118,7 @@ class ModelRunner:
             block_size=block_size,
             dtype=_DTYPE_NAMES[self.model.dtype],
             fed_ahead_policy=FedAheadPolicy.REWIND,
+            num_swap_blocks=self.swap.num_blocks,
         )
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self._staging = _Staging(self.device)
@@ -131,6 +137,7 @@ class ModelRunner:
         self.steps_executed += 1
         prev_sample, self._last_sample = self._last_sample, None  # a failure leaves no feed source
         with torch.inference_mode():
+            self.swap.apply(plan)  # swapped-out blocks leave before this step may reuse them
             prepared = self._prepare(plan)
             self._apply_feeds(plan, prepared.input_ids, prev_sample)
             hidden = self._forward(prepared)
@@ -240,6 +247,8 @@ class ModelRunner:
 
     def _logits_of(self, plan: StepPlan, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """float32 [S, V] logits at the last token of each sampling row."""
+        if len(rows) == plan.num_tokens:  # one token per row, all sampling (a decode step): all of hidden
+            return self.model.compute_logits(hidden)
         last = self._staging.put("last_token", plan.query_start[rows + 1] - 1)
         return self.model.compute_logits(hidden[last])
 

@@ -53,6 +53,7 @@ class EngineArgs(msgspec.Struct, kw_only=True):
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
             "show_progress": self.show_progress,
+            "swap_space": int(self.swap_space_gb * 2**30) if self.preemption_mode == "swap" else 0,
         }
 
 

@@ -17,8 +17,9 @@ class _Plan:
         self.swap_in = np.array(swap_in, dtype=np.int32).reshape(-1, 2)
 
 
-def test_blocks_swapped_out_and_in_come_back_bit_exact():
-    cache = PagedKVCache(2, 8, 4, 2, 8, dtype=torch.float32, device=torch.device("cpu"))
+@pytest.mark.parametrize("transposed_keys", [False, True])
+def test_blocks_swapped_out_and_in_come_back_bit_exact(transposed_keys):
+    cache = PagedKVCache(2, 8, 4, 2, 8, dtype=torch.float32, device=torch.device("cpu"), transposed_keys=transposed_keys)
     for layer in range(2):
         cache.k[layer].normal_()
         cache.v[layer].normal_()
