@@ -69,10 +69,10 @@ class WorkerLoop:
             if not self.wait_for_plan(slot, seq, t0):
                 return
             t1 = time.monotonic_ns()
+            self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
+            ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
             self.run_step(slot, seq)
-            t2 = time.monotonic_ns()
-            self.idle_ns += t1 - t0
-            self.busy_ns += t2 - t1
+            self.busy_ns += time.monotonic_ns() - t1
             self.steps += 1
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
             seq += 1

@@ -38,6 +38,7 @@ def main() -> None:
 @click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True)
 @click.option("--max-frame-bytes", default=1 << 20, show_default=True)
 @click.option("--seed", default=None, type=int)
+@click.option("--worker-threads", default=None, type=int, help="torch threads of the worker on a CPU (default: cores - 1).")
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
     from metrale.supervisor import Supervisor
@@ -58,6 +59,7 @@ def serve(**o) -> None:
         swap_space_gb=o["swap_space"],
         pipeline=not o["no_pipeline"],
         seed=o["seed"],
+        worker_threads=o["worker_threads"],
     )
     try:
         engine.validate()

@@ -26,6 +26,9 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     pipeline: bool = True
     seed: int | None = None
     show_progress: bool = True
+    # torch threads of a serve worker on a CPU; None: one fewer than the cores (the engine core and the
+    # frontend need the last one: a descheduled torch thread stalls every step).
+    worker_threads: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first knob that cannot work."""

@@ -69,7 +69,9 @@ class LLM:
         self.model_dir = resolve_model_dir(args.model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.runner = ModelRunner(**args.runner_kwargs(self.model_dir))
-        self.device = LocalDevice(self.runner, threaded=args.pipeline)
+        # On a CPU the model and the host share one GIL and the same cores: a device thread costs more
+        # than the overlap gains (measured), so steps run inside launch; the lane's logic is unchanged.
+        self.device = LocalDevice(self.runner, threaded=args.pipeline and self.runner.device.type != "cpu")
         self.engine = EngineCore(self.device, EngineOptions.from_args(args), special_tokens=special_tokens_of(self.tokenizer))
         self._ids = itertools.count()
 

@@ -29,13 +29,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import psutil
 
-from metrale.config import ServeConfig
+from metrale.config import EngineArgs, ServeConfig
 from metrale.ipc.messages import Health, ProcessHealth
 
 log = logging.getLogger("metrale.supervisor")
@@ -71,6 +71,7 @@ class Child:
     proc: subprocess.Popen | None = None
     started: float = 0.0  # on the supervisor's clock
     restarts: int = 0
+    env_extra: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's environment
     in_a_row: int = 0  # deaths without work done in between (RestartPolicy)
     restart_at: float | None = None  # set when it died: when to start it again (NEVER: given up)
 
@@ -84,6 +85,7 @@ class Child:
 
     def start(self, env: dict[str, str], now: float) -> None:
         """Start (or restart) the process."""
+        env = {**env, **self.env_extra} if self.env_extra else env
         self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         self.started = now
         self.restart_at = None
@@ -140,7 +142,7 @@ class Supervisor:
         self.env = {**os.environ, "METRALE_SUPERVISOR_PID": str(os.getpid())}
         self.frontend = Child("frontend", self._frontend_argv())
         self.engine = Child("engine_core", [])
-        self.worker = Child("gpu_worker", [])
+        self.worker = Child("gpu_worker", [], env_extra=_worker_env(config.engine))
         self.ring_name = ""  # the current engine core's ticket ring (the worker serves it)
         self.engine_pids: set[int] = set()
         self.healthy = True  # False once a child is given up on
@@ -341,6 +343,14 @@ def _how_it_ended(code: int) -> str:
         return f"was killed by {signal.Signals(-code).name}"
     except ValueError:
         return f"was killed by signal {-code}"
+
+
+def _worker_env(engine: EngineArgs) -> dict[str, str]:
+    """The worker's torch threads on a CPU: --worker-threads, else one fewer than the cores."""
+    if engine.device not in (None, "cpu"):
+        return {}
+    threads = engine.worker_threads or max(1, (os.cpu_count() or 2) - 1)
+    return {"OMP_NUM_THREADS": str(threads)}
 
 
 def _max_model_len(model_dir: str) -> int:
