@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import stat
 import subprocess
@@ -25,23 +24,12 @@ from metrale.ipc.tickets import (
     sweep_segments,
 )
 
+from shm_guard import no_segment_left_behind  # noqa: E402,F401 - an autouse fixture
+
 GEOMETRY = RingGeometry(
     num_slots=3, max_tokens=64, max_rows=8, max_blocks_per_row=6, max_ban_ids=3, max_hist_tokens=40, max_logprobs=5,
     error_msg_bytes=64,
 )  # fmt: skip
-
-
-def our_segments() -> list[str]:
-    """The metrale entries in /dev/shm that this test process owns."""
-    return glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-*"))
-
-
-@pytest.fixture(autouse=True)
-def no_segment_left_behind():
-    """Every test leaves /dev/shm as it found it."""
-    before = set(our_segments())
-    yield
-    assert set(our_segments()) == before
 
 
 @pytest.fixture

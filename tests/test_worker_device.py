@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import socket
@@ -16,7 +15,7 @@ import pytest
 
 from metrale.engine_core.worker_device import WorkerDevice
 from metrale.ipc.plan import DeviceError, StepPlan
-from metrale.ipc.tickets import SEGMENT_PREFIX, SHM_DIR, RingGeometry, sweep_segments
+from metrale.ipc.tickets import SEGMENT_PREFIX, RingGeometry, sweep_segments
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
@@ -24,21 +23,10 @@ if TESTS_DIR not in sys.path:
 
 from fake_runner import BROKEN_FACTORY, FACTORY, FAIL_TOKEN, HANG_TOKEN  # noqa: E402
 
+from shm_guard import no_segment_left_behind  # noqa: E402,F401 - an autouse fixture
+
 GEOMETRY = RingGeometry(num_slots=3, max_tokens=64, max_rows=8, max_blocks_per_row=4, max_ban_ids=2)
 WORKER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))}
-
-
-def our_segments() -> list[str]:
-    """The metrale entries (segments and doorbells) in /dev/shm that this test process owns."""
-    return glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-*"))
-
-
-@pytest.fixture(autouse=True)
-def no_segment_left_behind():
-    """Every test leaves /dev/shm as it found it."""
-    before = set(our_segments())
-    yield
-    assert set(our_segments()) == before
 
 
 @pytest.fixture
