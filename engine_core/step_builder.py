@@ -1,23 +1,35 @@
-"""Turns a scheduled step (sequences, token counts, masks) into a StepPlan in reused numpy buffers."""
+"""Turns a scheduled step (sequences, token counts, masks) into a StepPlan in reused numpy buffers.
+
+Most of a plan's cost is converting Python ints to numpy: a decode step at 32 rows carries ~1,000 block
+table entries that change once every block_size tokens. So each sequence's block table and sampling values
+live in a numpy mirror (converted when they change), and a plan gathers its rows from it with a few
+`take`s; a step whose rows are all decodes computes its token arrays with whole-batch numpy.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import add
 
 import numpy as np
 
 from metrale.ipc.plan import FEED_HOST, StepPlan
 
-from .pipeline import RowMask
+from .pipeline import NO_MASK, RowMask
 from .sequence import Sequence
 from .swap import SwapSpace
 
 MAX_BAN_IDS = 64
+_NUM_FLOATS = 6  # temperature, top_p, min_p, repetition, presence, frequency penalty (sampling_row[0])
 
 
 @dataclass(slots=True)
 class _Buffers:
-    """One set of step arrays at full capacity; a plan is views of their first T / R entries."""
+    """One set of step arrays at full capacity; a plan is views of their first T / R entries.
+
+    The float sampling fields are the rows of one [6, R] array and top_k / num_logprobs of one [2, R]
+    array, so one gather from the mirror fills them all.
+    """
 
     input_ids: np.ndarray
     positions: np.ndarray
@@ -27,18 +39,20 @@ class _Buffers:
     block_tables: np.ndarray  # flat; viewed as [R, B]
     sample: np.ndarray
     feed_from_row: np.ndarray
+    floats: np.ndarray  # [6, max_rows]: the rows below
     temperature: np.ndarray
-    top_k: np.ndarray
     top_p: np.ndarray
     min_p: np.ndarray
     repetition_penalty: np.ndarray
     presence_penalty: np.ndarray
     frequency_penalty: np.ndarray
+    int32s: np.ndarray  # [2, max_rows]: top_k, num_logprobs
+    top_k: np.ndarray
+    num_logprobs: np.ndarray
     seeds: np.ndarray
     mask_kind: np.ndarray
     force_token: np.ndarray
     ban_ids: np.ndarray
-    num_logprobs: np.ndarray
     hist_tokens: np.ndarray
     hist_start: np.ndarray
     hist_prompt_len: np.ndarray
@@ -46,6 +60,8 @@ class _Buffers:
     @classmethod
     def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int) -> "_Buffers":
         i32 = np.int32
+        floats = np.zeros((_NUM_FLOATS, max_rows), np.float32)
+        int32s = np.zeros((2, max_rows), i32)
         return cls(
             input_ids=np.zeros(max_tokens, i32),
             positions=np.zeros(max_tokens, i32),
@@ -55,22 +71,93 @@ class _Buffers:
             block_tables=np.zeros(max_rows * max_blocks, i32),
             sample=np.zeros(max_rows, np.bool_),
             feed_from_row=np.zeros(max_rows, i32),
-            temperature=np.zeros(max_rows, np.float32),
-            top_k=np.zeros(max_rows, i32),
-            top_p=np.zeros(max_rows, np.float32),
-            min_p=np.zeros(max_rows, np.float32),
-            repetition_penalty=np.zeros(max_rows, np.float32),
-            presence_penalty=np.zeros(max_rows, np.float32),
-            frequency_penalty=np.zeros(max_rows, np.float32),
+            floats=floats,
+            temperature=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
+            int32s=int32s,
+            top_k=int32s[0],
+            num_logprobs=int32s[1],
             seeds=np.zeros(max_rows, np.int64),
             mask_kind=np.zeros(max_rows, np.uint8),
             force_token=np.zeros(max_rows, i32),
             ban_ids=np.zeros((max_rows, MAX_BAN_IDS), i32),
-            num_logprobs=np.zeros(max_rows, i32),
             hist_tokens=np.zeros(max_hist, i32),
             hist_start=np.zeros(max_rows + 1, i32),
             hist_prompt_len=np.zeros(max_rows, i32),
         )
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A sequence's row in the mirror, and the block table that row holds now."""
+
+    row: int
+    table: list[int]
+
+
+class _Mirror:
+    """Numpy copies of recent sequences' block tables and sampling values, one row per sequence.
+
+    A table row is rewritten only when the sequence's block_table differs from the copy it was made
+    from (compared as lists: appends, rollbacks, frees and swaps all show); sampling values are written
+    once, when a sequence gets its row — like Sequence.sampling_row, they assume params never change.
+    Capacity is twice the rows of a step: when it runs out, the rows of sequences absent from the step
+    being built are reclaimed (finished sequences are held at most until then).
+    """
+
+    def __init__(self, capacity: int, max_blocks: int):
+        self.tables = np.zeros((capacity, max_blocks), np.int32)
+        self.floats = np.zeros((_NUM_FLOATS, capacity), np.float32)
+        self.int32s = np.zeros((2, capacity), np.int32)  # top_k, num_logprobs
+        self.seeds = np.zeros(capacity, np.int64)
+        self.penalties = np.zeros(capacity, np.bool_)
+        self._entries: dict[Sequence, _Entry] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """Each sequence's mirror row (intp[R]), its block table brought up to date."""
+        entries = self._entries
+        out = []
+        for seq in seqs:
+            e = entries.get(seq)
+            if e is None:
+                e = self._admit(seq, seqs)
+            if e.table != seq.block_table:
+                self._write_table(e, seq.block_table)
+            out.append(e.row)
+        return np.array(out, np.intp)
+
+    def _admit(self, seq: Sequence, step: list[Sequence]) -> _Entry:
+        """Give a sequence a row and write its sampling values; reclaim absent sequences' rows when full."""
+        if not self._free:
+            live = set(step)
+            for gone in [s for s in self._entries if s not in live]:
+                e = self._entries.pop(gone)
+                self._free.append(e.row)
+                self.tables[e.row, : len(e.table)] = 0
+        e = _Entry(self._free.pop(), [])
+        self._entries[seq] = e
+        if not seq.sampling_row:
+            seq.sampling_row = sampling_row(seq)
+        floats, ints = seq.sampling_row
+        # Through float32 / int64 arrays first, as the per-step conversion did, so rounding and casts match.
+        self.floats[:, e.row] = np.array(floats, dtype=np.float32)
+        top_k, seed, num_logprobs = np.array(ints, dtype=np.int64)
+        self.int32s[:, e.row] = top_k, num_logprobs
+        self.seeds[e.row] = seed
+        self.penalties[e.row] = seq.params.has_penalties
+        return e
+
+    def _write_table(self, e: _Entry, table: list[int]) -> None:
+        """Rewrite a row's block table from the sequence's list."""
+        row = self.tables[e.row]
+        row[len(table) : len(e.table)] = 0
+        row[: len(table)] = table
+        e.table = list(table)
 
 
 class StepBuilder:
@@ -90,6 +177,8 @@ class StepBuilder:
             _Buffers.allocate(max_tokens, max_rows, self.max_blocks, self._hist_cap) for _ in range(depth)
         ]
         self._turn = 0
+        self._mirror = _Mirror(2 * max_rows, self.max_blocks)
+        self._arange = np.arange(max_rows + 1, dtype=np.int32)
 
     def build(self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, fed: bool = False) -> StepPlan:
         """A plan running num_new[r] tokens of seqs[r] from its num_computed.
@@ -102,62 +191,17 @@ class StepBuilder:
         R = len(seqs)
         T = sum(num_new)
         assert R <= self.max_rows and T <= self.max_tokens, "step larger than the builder's capacity"
-        width = max(1, max(-(-(s.num_computed + k) // self.block_size) for s, k in zip(seqs, num_new)))
+        starts = [s.num_computed for s in seqs]
+        width = max(1, -(-max(map(add, starts, num_new)) // self.block_size))
+        rows = self._mirror.rows(seqs)
         tables = b.block_tables[: R * width].reshape(R, width)
-        tables.fill(0)
-        hist_need = sum(s.num_tokens for s in seqs if s.params.has_penalties)
-        if hist_need > len(b.hist_tokens):  # rare: grow, and keep the larger size from now on
-            b.hist_tokens = np.zeros(hist_need * 2, np.int32)
-        bs = self.block_size
-        b.ban_ids[:R] = -1
-        floats, ints, seq_lens, samples, kinds, forces = [], [], [], [], [], []
-        t = h = 0
-        b.hist_start[0] = 0
-        for r, (seq, k, mask) in enumerate(zip(seqs, num_new, masks)):
-            start = seq.num_computed
-            bt = seq.block_table
-            tables[r, : len(bt)] = bt
-            if k == 1:  # a decode: scalars, no temporary arrays
-                b.positions[t] = start
-                b.slot_mapping[t] = bt[start // bs] * bs + start % bs
-                b.input_ids[t] = 0 if fed else seq.tokens[start]
-            else:
-                pos = np.arange(start, start + k, dtype=np.int32)
-                b.positions[t : t + k] = pos
-                b.slot_mapping[t : t + k] = tables[r, pos // bs].astype(np.int64) * bs + pos % bs
-                b.input_ids[t : t + k] = seq.tokens[start : start + k]
-            t += k
-            seq_lens.append(start + k)
-            samples.append(fed or start + k == seq.num_tokens)
-            if not seq.sampling_row:
-                seq.sampling_row = sampling_row(seq)
-            floats.append(seq.sampling_row[0])
-            ints.append(seq.sampling_row[1])
-            kinds.append(mask.kind)
-            forces.append(mask.force_token)
-            if mask.ban:
-                ban = mask.ban[:MAX_BAN_IDS]
-                b.ban_ids[r, : len(ban)] = ban
-            if seq.params.has_penalties:
-                n = seq.num_tokens
-                b.hist_tokens[h : h + n] = seq.tokens
-                b.hist_prompt_len[r] = seq.num_prompt
-                h += n
-            else:
-                b.hist_prompt_len[r] = 0
-            b.hist_start[r + 1] = h
-        b.query_start[0] = 0
-        np.cumsum(num_new, out=b.query_start[1 : R + 1])
-        b.seq_lens[:R] = seq_lens
-        b.sample[:R] = samples
-        b.feed_from_row[:R] = np.arange(R) if fed else FEED_HOST
-        f = np.array(floats, dtype=np.float32).reshape(R, 6)
-        i = np.array(ints, dtype=np.int64).reshape(R, 3)
-        b.temperature[:R], b.top_p[:R], b.min_p[:R] = f[:, 0], f[:, 1], f[:, 2]
-        b.repetition_penalty[:R], b.presence_penalty[:R], b.frequency_penalty[:R] = f[:, 3], f[:, 4], f[:, 5]
-        b.top_k[:R], b.seeds[:R], b.num_logprobs[:R] = i[:, 0], i[:, 1], i[:, 2]
-        b.mask_kind[:R] = kinds
-        b.force_token[:R] = forces
+        tables[...] = self._mirror.tables[rows, :width]
+        if num_new.count(1) == R:
+            self._decode_tokens(b, seqs, starts, rows, fed)
+        else:
+            self._mixed_tokens(b, seqs, starts, num_new, tables, fed)
+        self._sampling(b, rows, masks)
+        h = self._history(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
         return StepPlan(
             input_ids=b.input_ids[:T],
@@ -187,6 +231,84 @@ class StepBuilder:
             swap_in=swap_in,
         )
 
+    def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray, fed: bool) -> None:
+        """Token and per-row arrays of a step whose every row runs one token, with whole-batch numpy."""
+        R, bs = len(seqs), self.block_size
+        pos = b.positions[:R]
+        pos[:] = starts
+        slots = b.slot_mapping[:R]
+        np.multiply(self._mirror.tables[rows, pos // bs], bs, out=slots, dtype=np.int64)
+        slots += pos % bs
+        b.input_ids[:R] = 0 if fed else [s.tokens[n] for s, n in zip(seqs, starts)]
+        np.add(pos, 1, out=b.seq_lens[:R])
+        b.sample[:R] = True if fed else [n + 1 == len(s.tokens) for s, n in zip(seqs, starts)]
+        b.query_start[: R + 1] = self._arange[: R + 1]
+        b.feed_from_row[:R] = self._arange[:R] if fed else FEED_HOST
+
+    def _mixed_tokens(
+        self, b: _Buffers, seqs: list[Sequence], starts: list[int], num_new: list[int], tables: np.ndarray, fed: bool
+    ) -> None:
+        """Token and per-row arrays of a step with prefill chunks, row by row."""
+        R, bs = len(seqs), self.block_size
+        t = 0
+        for r, (seq, start, k) in enumerate(zip(seqs, starts, num_new)):
+            if k == 1:  # a decode: scalars, no temporary arrays
+                b.positions[t] = start
+                b.slot_mapping[t] = seq.block_table[start // bs] * bs + start % bs
+                b.input_ids[t] = 0 if fed else seq.tokens[start]
+            else:
+                pos = np.arange(start, start + k, dtype=np.int32)
+                b.positions[t : t + k] = pos
+                b.slot_mapping[t : t + k] = tables[r, pos // bs].astype(np.int64) * bs + pos % bs
+                b.input_ids[t : t + k] = seq.tokens[start : start + k]
+            t += k
+        b.seq_lens[:R] = ends = list(map(add, starts, num_new))
+        b.sample[:R] = True if fed else [end == len(s.tokens) for s, end in zip(seqs, ends)]
+        b.query_start[0] = 0
+        np.cumsum(num_new, out=b.query_start[1 : R + 1])
+        b.feed_from_row[:R] = self._arange[:R] if fed else FEED_HOST
+
+    def _sampling(self, b: _Buffers, rows: np.ndarray, masks: list[RowMask]) -> None:
+        """Each row's sampling values (from the mirror) and mask."""
+        R, m = len(rows), self._mirror
+        m.floats.take(rows, axis=1, out=b.floats[:, :R])
+        m.int32s.take(rows, axis=1, out=b.int32s[:, :R])
+        m.seeds.take(rows, out=b.seeds[:R])
+        b.ban_ids[:R] = -1
+        if masks.count(NO_MASK) == R:  # the usual step: no row constrained
+            b.mask_kind[:R] = NO_MASK.kind
+            b.force_token[:R] = NO_MASK.force_token
+            return
+        b.mask_kind[:R] = [mask.kind for mask in masks]
+        b.force_token[:R] = [mask.force_token for mask in masks]
+        for r, mask in enumerate(masks):
+            if mask.ban:
+                ban = mask.ban[:MAX_BAN_IDS]
+                b.ban_ids[r, : len(ban)] = ban
+
+    def _history(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray) -> int:
+        """Token histories of the rows with penalties; returns their total length."""
+        R = len(seqs)
+        pen = self._mirror.penalties[rows]
+        if not pen.any():
+            b.hist_start[: R + 1] = 0
+            b.hist_prompt_len[:R] = 0
+            return 0
+        need = sum(s.num_tokens for s, p in zip(seqs, pen) if p)
+        if need > len(b.hist_tokens):  # rare: grow, and keep the larger size from now on
+            b.hist_tokens = np.zeros(need * 2, np.int32)
+        h = 0
+        b.hist_start[0] = 0
+        for r, (seq, p) in enumerate(zip(seqs, pen)):
+            if p:
+                n = seq.num_tokens
+                b.hist_tokens[h : h + n] = seq.tokens
+                b.hist_prompt_len[r] = seq.num_prompt
+                h += n
+            else:
+                b.hist_prompt_len[r] = 0
+            b.hist_start[r + 1] = h
+        return h
 
 
 def sampling_row(seq: Sequence) -> tuple[tuple[float, ...], tuple[int, ...]]:

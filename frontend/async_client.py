@@ -1,11 +1,15 @@
 """AsyncClient: the asyncio reference client, on the caller's event loop (zmq.asyncio).
 
-One reader task, started with the first request, routes every answer to its request's queue by id.
+One reader task, started with the first request, routes every answer to its request's queue by id. Every
+AsyncClient of a process shares one zmq context (one ZeroMQ I/O thread, however many clients): a client owns
+only its socket, which close() closes; the context lives as long as the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import AsyncIterator
 
 import zmq
@@ -33,6 +37,18 @@ from .client_protocol import (
     timeout_error,
 )
 
+_shared: tuple[int, zmq.asyncio.Context] | None = None  # (the pid that made it, the context)
+_shared_lock = threading.Lock()
+
+
+def shared_context() -> zmq.asyncio.Context:
+    """This process's zmq context for AsyncClients; a new one after a fork or if someone terminated it."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid() or _shared[1].closed:
+            _shared = (os.getpid(), zmq.asyncio.Context())
+        return _shared[1]
+
 
 class AsyncClient:
     """asyncio client on zmq.asyncio; one reader task routes answers to requests by id."""
@@ -47,8 +63,7 @@ class AsyncClient:
     ) -> None:
         self.address = server_address(host, port, address)
         self.timeout = timeout
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock = shared_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
         self._waiters: dict[str, asyncio.Queue] = {}
@@ -62,7 +77,7 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Stop the reader, close the socket, and fail every request still waiting."""
+        """Stop the reader, close the socket, and fail every request still waiting (the shared context stays)."""
         if self._closed:
             return
         self._closed = True
@@ -73,7 +88,6 @@ class AsyncClient:
             q.put_nowait(ClientClosed("the client was closed"))
         self._waiters.clear()
         self._sock.close(linger=0)
-        self._ctx.term()
 
     async def generate(
         self,

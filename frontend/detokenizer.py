@@ -12,12 +12,19 @@ text before it is emitted, the request is stopped, and no character of the stop 
 The output text is the decode of the output ids in the context of the prompt's last few tokens; for byte-level
 BPE tokenizers that equals `tokenizer.decode(output_ids)`. Pure and synchronous: the server and the offline
 `metrale.LLM` share it.
+
+A caller that does not stream (the offline LLM) hands a request's ids over once, at its end (`finish`). On a
+byte-level tokenizer without stop strings that is a single decode of the window: the per-token windows' texts
+telescope (see `_decodes_bytewise`), so the text is exactly what pushing the ids one by one would have emitted.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from tokenizers import decoders
+
+from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.sampling import SamplingParams
 
 # Prompt tokens decoded before the first output token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
@@ -36,17 +43,17 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "_tok", "_skip", "_stops", "_ids", "_prefix", "_read", "_prefix_text", "_pending", "_pieces",
-        "output_ids", "stopped", "stop_string",
+        "_bytewise", "output_ids", "stopped", "stop_string",
     )
 
     def __init__(self, tokenizer: Decoder, prompt_ids: list[int], params: SamplingParams) -> None:
         self._tok = tokenizer
         self._skip = params.skip_special_tokens
         self._stops: tuple[str, ...] = tuple(s for s in params.stop if s)
-        self._ids: list[int] = _prompt_context(tokenizer, prompt_ids, self._skip)
+        self._ids, self._prefix_text = _prompt_context(tokenizer, prompt_ids, self._skip)
         self._prefix = 0
         self._read = len(self._ids)
-        self._prefix_text = tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        self._bytewise = not self._stops and _decodes_bytewise(tokenizer)  # finish() may decode once
         self._pending = ""  # decoded text not emitted yet: a possible stop-string start
         self._pieces: list[str] = []  # everything emitted, for `text`
         self.output_ids: list[int] = []  # ids accepted (those after a stop string are not)
@@ -57,6 +64,11 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """All text emitted so far."""
         return "".join(self._pieces)
+
+    @property
+    def has_stop_strings(self) -> bool:
+        """True when a push may stop the request, so ids must be pushed as they come."""
+        return bool(self._stops)
 
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
         """Feed new ids; return (text to emit now, whether a stop string ended the request)."""
@@ -76,6 +88,18 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         return self._emit(self._release(self._advance(final=True), final=True))
+
+    def finish(self, token_ids: list[int]) -> str:
+        """Feed a request's last ids and end it: the text push(token_ids) then flush() would emit together.
+
+        Without stop strings on a byte-level tokenizer, one decode however many the ids; else a push per id.
+        """
+        if not self._bytewise:
+            text, _ = self.push(token_ids)
+            return text + self.flush()
+        self._ids.extend(token_ids)
+        self.output_ids.extend(token_ids)
+        return self.flush()
 
     def _advance(self, final: bool) -> str:
         """Text the window gained since the last advance, or "" while it may still be mid-character."""
@@ -109,12 +133,26 @@ class IncrementalDetokenizer:
         return text
 
 
-def _prompt_context(tokenizer: Decoder, prompt_ids: list[int], skip: bool) -> list[int]:
-    """The prompt's last few ids, or none when they end mid-character (their text would not be a prefix)."""
+def _prompt_context(tokenizer: Decoder, prompt_ids: list[int], skip: bool) -> tuple[list[int], str]:
+    """The prompt's last few ids and their text; none when they end mid-character (not a prefix then)."""
     context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
-    if context and tokenizer.decode(context, skip_special_tokens=skip).endswith(_REPLACEMENT):
-        return []
-    return context
+    if context:
+        text = tokenizer.decode(context, skip_special_tokens=skip)
+        if not text.endswith(_REPLACEMENT):
+            return context, text
+    return [], tokenizer.decode([], skip_special_tokens=skip)
+
+
+def _decodes_bytewise(tokenizer: Decoder) -> bool:
+    """Whether decode(ids) is the lossy UTF-8 decoding of the concatenated bytes of the ids' tokens.
+
+    That is metrale's Tokenizer over a byte-level decoder (byte-level BPE: GPT-2, Llama 3, Qwen; special
+    and unknown ids skipped simply add no bytes). Then, for a read offset r at which the window's text does not
+    end in U+FFFD (the bytes end on a whole character), decode(ids[p:]) == decode(ids[p:r]) + decode(ids[r:]),
+    so the per-token deltas telescope and one final advance of the window gives the same text. Other decoders
+    (SentencePiece's byte fallback replaces each byte of a broken sequence; Strip) lack the property.
+    """
+    return isinstance(tokenizer, Tokenizer) and isinstance(tokenizer.backend.decoder, decoders.ByteLevel)
 
 
 def _earliest_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str | None]:

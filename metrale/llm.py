@@ -14,7 +14,7 @@ from metrale.engine_core.engine import EngineCore, EngineOptions
 from metrale.engine_core.pipeline import SpecialTokens
 from metrale.frontend.detokenizer import IncrementalDetokenizer
 from metrale.frontend.tokenizer import Tokenizer
-from metrale.ipc.messages import EngineStats, TokenLogprob
+from metrale.ipc.messages import EngineStats, RequestOutputDelta, TokenLogprob
 from metrale.ipc.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -110,18 +110,15 @@ class LLM:
                 out, detok = outputs[rid], detoks[rid]
                 out.token_ids.extend(delta.new_token_ids)
                 if delta.logprobs:
-                    out.logprobs = (out.logprobs or []) + list(delta.logprobs)
-                text, stopped = detok.push(delta.new_token_ids)
-                out.text += text
-                if stopped:
-                    self.engine.abort(rid)  # a stop string ended it: the engine stops generating
-                    out.token_ids = out.token_ids[: len(detok.output_ids)]
-                    out.finish_reason = "stop"
-                    open_ids.discard(rid)
+                    if out.logprobs is None:
+                        out.logprobs = []
+                    out.logprobs.extend(delta.logprobs)
+                if detok.has_stop_strings:
+                    self._stop_or_finish(rid, out, detok, delta)
                 elif delta.finish_reason:
-                    out.text += detok.flush()
-                    out.finish_reason = delta.finish_reason
-                    out.error = delta.error
+                    # Nothing streams, so its text is made once, from all its ids (the same text).
+                    self._finish(out, detok.finish(out.token_ids), delta)
+                if out.finish_reason is not None:
                     open_ids.discard(rid)
         self._run_until_idle()
         return [outputs[rid] for rid in rids]
@@ -139,6 +136,24 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _stop_or_finish(self, rid: str, out: RequestOutput, detok: IncrementalDetokenizer, delta: RequestOutputDelta) -> None:
+        """Detokenize a delta of a request with stop strings as it comes: one may end the request early."""
+        text, stopped = detok.push(delta.new_token_ids)
+        out.text += text
+        if stopped:
+            self.engine.abort(rid)  # a stop string ended it: the engine stops generating
+            out.token_ids = out.token_ids[: len(detok.output_ids)]
+            out.finish_reason = "stop"
+        elif delta.finish_reason:
+            self._finish(out, out.text + detok.flush(), delta)
+
+    @staticmethod
+    def _finish(out: RequestOutput, text: str, delta: RequestOutputDelta) -> None:
+        """Record how a request ended, with its whole text."""
+        out.text = text
+        out.finish_reason = delta.finish_reason
+        out.error = delta.error
 
     def _run_until_idle(self) -> None:
         """Step until aborted requests are retired and nothing is in flight (their blocks are freed)."""

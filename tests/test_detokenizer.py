@@ -207,3 +207,112 @@ def test_tiny_model_tokenizer_round_trip(tmp_path):
     deltas, _, _ = stream(tok, tok.encode("Q:"), out, SamplingParams())
     assert "".join(deltas) == tok.decode(out)
     assert all("\ufffd" not in d for d in deltas[:-1])
+
+
+# ---- finish(): a request's ids at once, exactly the text of pushing them one by one -------------------------
+
+
+class CountingTokenizer(Tokenizer):
+    """metrale's Tokenizer, counting decode calls."""
+
+    calls = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        CountingTokenizer.calls += 1
+        return Tokenizer.decode(self, ids, skip_special_tokens)
+
+
+def fragment_ids(tok: Tokenizer) -> list[int]:
+    """Ids that are pieces of multi-byte characters (never seen whole in training), and special ids."""
+    pieces = tok.encode("猫 😀 🎉 ẞ ǅ \ufffd", add_special_tokens=False)
+    specials = sorted(tok.special_token_ids)
+    return pieces + specials + [tok.vocab_size + 5]  # one id past the vocabulary: decodes to nothing
+
+
+def random_ids(rng: random.Random, tok: Tokenizer, pool: list[int], n: int) -> list[int]:
+    """n ids, half from the whole vocabulary, half character fragments and special tokens."""
+    return [rng.choice(pool) if rng.random() < 0.5 else rng.randrange(tok.vocab_size) for _ in range(n)]
+
+
+def per_token_text(tok, prompt: list[int], out: list[int], params: SamplingParams) -> str:
+    """The text today's streaming path makes: push one id at a time, then flush."""
+    detok = IncrementalDetokenizer(tok, prompt, params)
+    return "".join(detok.push([t])[0] for t in out) + detok.flush()
+
+
+def check_finish_equals_pushing(tok, seed: int, trials: int = 150) -> None:
+    """finish(all ids), and pushes then finish(the rest), equal push-per-id + flush on random ids."""
+    rng = random.Random(seed)
+    pool = fragment_ids(tok)
+    for _ in range(trials):
+        prompt = random_ids(rng, tok, pool, rng.randrange(0, 9))
+        out = random_ids(rng, tok, pool, rng.randrange(0, 60))
+        params = SamplingParams(skip_special_tokens=rng.random() < 0.5)
+        want = per_token_text(tok, prompt, out, params)
+        detok = IncrementalDetokenizer(tok, prompt, params)
+        assert detok.finish(out) == want == detok.text
+        assert detok.output_ids == out
+        cut = rng.randrange(len(out) + 1)  # part streamed first: finish continues from any window
+        detok = IncrementalDetokenizer(tok, prompt, params)
+        streamed = "".join(detok.push([t])[0] for t in out[:cut])
+        assert streamed + detok.finish(out[cut:]) == want
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_finish_equals_pushing_one_by_one_on_random_ids(tok, seed):
+    check_finish_equals_pushing(tok, seed)
+
+
+def test_finish_equals_pushing_with_an_added_token_outside_the_byte_alphabet(tok_dir, tmp_path):
+    """An added token whose text is not byte-level symbols (its raw UTF-8 is used) keeps the equality."""
+    hf = HfTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    hf.add_tokens(["  été ☕ ", "é"])
+    folder = tmp_path / "added"
+    folder.mkdir()
+    hf.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text((tok_dir / "tokenizer_config.json").read_text())
+    check_finish_equals_pushing(Tokenizer.from_dir(folder), seed=9)
+
+
+def test_finish_decodes_once_on_a_byte_level_tokenizer(tok_dir):
+    """Without stop strings: a couple of decodes for the whole request, however many ids."""
+    counting = CountingTokenizer.from_dir(tok_dir)
+    out = counting.encode("你好世界 😀 the quick brown fox " * 4, add_special_tokens=False)
+    detok = IncrementalDetokenizer(counting, [0, 5], SamplingParams())
+    CountingTokenizer.calls = 0
+    assert detok.finish(out) == counting.decode(out)
+    assert CountingTokenizer.calls <= 3  # the window (and its new prefix), and the check's own decode
+
+
+def test_finish_with_stop_strings_pushes_and_stops(tok):
+    """With stop strings finish is push + flush: it stops at the stop string and accepts no later id."""
+    out = tok.encode("The quick brown fox jumps over", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [0], SamplingParams(stop=["fox"]))
+    assert detok.has_stop_strings
+    assert detok.finish(out) == "The quick brown "
+    assert detok.stopped and len(detok.output_ids) < len(out)
+    assert not IncrementalDetokenizer(tok, [0], SamplingParams(stop=[""])).has_stop_strings
+
+
+def sentencepiece_like() -> Tokenizer:
+    """A Llama-2 style decoder (▁ spaces, byte fallback, leading space stripped) over a hand-made vocabulary."""
+    from tokenizers import Tokenizer as Hf, decoders as dec, models as mod
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for word in ["▁a", "b", "▁the", "c", "▁", "▁fox", "é"]:
+        vocab[word] = len(vocab)
+    hf = Hf(mod.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    hf.add_special_tokens(["<s>", "</s>"])
+    hf.decoder = dec.Sequence([dec.Replace("▁", " "), dec.ByteFallback(), dec.Fuse(), dec.Strip(" ", 1, 0)])
+    return Tokenizer(backend=hf, special_token_ids=frozenset({1, 2}))
+
+
+def test_finish_equals_pushing_on_a_byte_fallback_tokenizer():
+    """Where decode is not bytewise (a broken sequence is one U+FFFD per byte token), finish pushes per id."""
+    sp = sentencepiece_like()
+    e4, b8, ad, b = 3 + 0xE4, 3 + 0xB8, 3 + 0xAD, sp.backend.token_to_id("b")
+    # one decode of the whole window would say "\ufffd" * 4 + "b": the first three bytes were a whole "中"
+    assert per_token_text(sp, [1], [e4, b8, ad, e4, b], SamplingParams()) == "中\ufffd\ufffd\ufffdb"
+    assert IncrementalDetokenizer(sp, [1], SamplingParams()).finish([e4, b8, ad, e4, b]) == "中\ufffd\ufffd\ufffdb"
+    check_finish_equals_pushing(sp, seed=4)

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from metrale import LLM, SamplingParams
+from metrale.frontend.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,39 @@ def test_text_prompts_and_stop_strings(llm):
     assert cut.finish_reason == "stop"
     assert cut.text == out.text[: out.text.index(stop)]
     assert cut.token_ids == out.token_ids[: len(cut.token_ids)]
+
+
+def _pushed_text(tokenizer, prompt: list[int], out: list[int], params: SamplingParams) -> str:
+    """The text of pushing each token to a detokenizer as it came (the streaming path), then flushing."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, params)
+    text = ""
+    for token in out:
+        delta, stopped = detok.push([token])
+        text += delta
+        if stopped:
+            return text
+    return text + detok.flush()
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_text_is_what_pushing_each_token_gives(llm, skip):
+    """Hot random sampling (character fragments, special tokens): the text made once at the end, and the
+    text of requests with stop strings (pushed every step), equal pushing each token as it came."""
+    prompts = _prompts(12, seed=5)
+    params = [
+        SamplingParams(
+            max_tokens=48, temperature=2.0, seed=i, ignore_eos=True, skip_special_tokens=skip,
+            stop=["e", "("] if i % 3 == 0 else [],
+        )
+        for i in range(12)
+    ]
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.text == _pushed_text(llm.tokenizer, prompt, out.token_ids, p)
+    texts = "".join(o.text for o, p in zip(outs, params) if not p.stop)
+    assert "\ufffd" in texts  # broken characters were produced, so the split-character case was exercised
+    specials = llm.tokenizer.special_token_ids
+    assert any(t in specials for o in outs for t in o.token_ids)
 
 
 def test_logprobs_are_returned_per_token(llm):

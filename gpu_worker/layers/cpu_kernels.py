@@ -47,6 +47,7 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -91,6 +92,19 @@ inline float exp_nonpositive(float x) {
   return x < -80.0f ? 0.0f : std::ldexp(p, static_cast<int>(k));
 }
 
+// Ask for the next block's keys and values while this one is folded: rows hop between blocks, so the
+// hardware prefetcher (which follows sequential runs) loses the stream at every block boundary.
+inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
+#if defined(__SSE__)
+  const char* kc = static_cast<const char*>(k);
+  const char* vc = static_cast<const char*>(v);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    _mm_prefetch(kc + i, _MM_HINT_T0);
+    _mm_prefetch(vc + i, _MM_HINT_T0);
+  }
+#endif
+}
+
 // One row's attention state while its blocks stream past: the scaled queries, and per query head
 // the running max, the running sum of weights and the running sum of weight * value.
 struct RowState {
@@ -108,7 +122,9 @@ struct Shape {
 // Fold tokens [offset, offset + n) of one block into the row's state: keys are stored
 // [kv_heads, dim, block_size], values [block_size, kv_heads, dim]. Portable scalar loops.
 template <typename T>
-void fold_block_generic(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n) {
+void fold_block_generic(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n,
+                        const T* nk, const T* nv) {
+  if (nk) prefetch_block(nk, nv, sh.kv_heads * sh.dim * sh.block_size * static_cast<int64_t>(sizeof(T)));
   const int64_t bs = sh.block_size, dim = sh.dim;
   for (int64_t hq = 0; hq < sh.heads; ++hq) {
     const int64_t h = hq / sh.group;
@@ -148,7 +164,7 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// exp_nonpositive on 16 lanes (scalef applies the 2^k of the range reduction).
+// e^x on 16 lanes, exactly 0 below -80 (scalef applies the 2^k of the range reduction; +inf past ~88).
 inline __m512 exp16(__m512 x) {
   const __m512 floor_in = _mm512_set1_ps(-80.0f);
   const __m512 y = _mm512_max_ps(x, floor_in);
@@ -169,60 +185,83 @@ inline __m512 exp16(__m512 x) {
 
 // The same fold for 16-token blocks, G query heads per KV head, head_dim a multiple of 16: a block's
 // scores for one head are one register (its 16 tokens), built by multiply-adds over the head dim;
-// lanes outside [offset, offset + n) are masked out of the softmax.
+// lanes outside [offset, offset + n) are masked out of the softmax. Written for instruction-level
+// parallelism (the fold is bound by FMA latency, not by arithmetic): two accumulators per head for
+// the scores, one exp for every head's rescale factor, and the value pass keeps 8 independent
+// accumulators in flight. The next block (nk, nv; null for none) is prefetched a line or two per
+// score iteration, spread over the fold: a burst of prefetches would stall on the fill buffers.
 template <typename T, int G>
-void fold_block16(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n) {
+void fold_block16(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n,
+                  const T* nk, const T* nv) {
+  constexpr int CB = G >= 8 ? 1 : (G == 4 ? 2 : 4);  // value chunks per pass: G * CB accumulators
+  constexpr int PF = sizeof(T) / 2;  // next-block lines per score iteration: K and V, head by head
   const int64_t dim = sh.dim, kv_heads = sh.kv_heads;
   const __mmask16 lanes = static_cast<__mmask16>(((1u << n) - 1u) << offset);
   const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
   for (int64_t h = 0; h < kv_heads; ++h) {
-    __m512 s[G];
-    for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
+    const char* pk = nk ? reinterpret_cast<const char*>(nk + h * dim * 16) : nullptr;
+    const char* pv = nv ? reinterpret_cast<const char*>(nv) + h * dim * 16 * sizeof(T) : nullptr;
+    __m512 s0[G], s1[G];
+    for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
     const T* kh = kb + h * dim * 16;
     const float* qh = st.qf + h * G * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      const __m512 k = load16(kh + d * 16);
-      for (int g = 0; g < G; ++g) s[g] = _mm512_fmadd_ps(_mm512_set1_ps(qh[g * dim + d]), k, s[g]);
+    for (int64_t d = 0; d < dim; d += 2) {
+      if (pk) {
+        for (int u = 0; u < PF; ++u) {
+          _mm_prefetch(pk + ((d / 2) * PF + u) * 64, _MM_HINT_T0);
+          _mm_prefetch(pv + ((d / 2) * PF + u) * 64, _MM_HINT_T0);
+        }
+      }
+      const __m512 k0 = load16(kh + d * 16), k1 = load16(kh + (d + 1) * 16);
+      for (int g = 0; g < G; ++g) {
+        s0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qh[g * dim + d]), k0, s0[g]);
+        s1[g] = _mm512_fmadd_ps(_mm512_set1_ps(qh[g * dim + d + 1]), k1, s1[g]);
+      }
     }
-    float alpha[G];
+    alignas(64) float shift[16] = {0.0f};
+    float top[G];
+    __m512 sg[G];
     for (int g = 0; g < G; ++g) {
       const int64_t hq = h * G + g;
-      const __m512 sg = _mm512_mask_blend_ps(lanes, lowest, s[g]);
-      const float top = std::max(st.m[hq], _mm512_reduce_max_ps(sg));
-      alpha[g] = exp_nonpositive(st.m[hq] - top);
-      const __m512 p = exp16(_mm512_sub_ps(sg, _mm512_set1_ps(top)));
+      sg[g] = _mm512_mask_blend_ps(lanes, lowest, _mm512_add_ps(s0[g], s1[g]));
+      top[g] = std::max(st.m[hq], _mm512_reduce_max_ps(sg[g]));
+      shift[g] = st.m[hq] - top[g];
+    }
+    alignas(64) float alpha[16];
+    _mm512_store_ps(alpha, exp16(_mm512_load_ps(shift)));
+    for (int g = 0; g < G; ++g) {
+      const int64_t hq = h * G + g;
+      const __m512 p = exp16(_mm512_sub_ps(sg[g], _mm512_set1_ps(top[g])));
       st.l[hq] = st.l[hq] * alpha[g] + _mm512_reduce_add_ps(p);
-      st.m[hq] = top;
+      st.m[hq] = top[g];
       _mm512_storeu_ps(st.w + hq * 16, p);
     }
-    for (int64_t c = 0; c < dim; c += 16) {
-      __m512 a[G];
-      for (int g = 0; g < G; ++g) a[g] = _mm512_mul_ps(_mm512_loadu_ps(st.acc + (h * G + g) * dim + c), _mm512_set1_ps(alpha[g]));
+    for (int64_t c0 = 0; c0 < dim; c0 += 16 * CB) {
+      __m512 a[G][CB];
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < CB; ++u)
+          a[g][u] = c0 + 16 * u < dim ? _mm512_mul_ps(_mm512_loadu_ps(st.acc + (h * G + g) * dim + c0 + 16 * u), _mm512_set1_ps(alpha[g]))
+                                      : _mm512_setzero_ps();
       for (int64_t j = offset; j < offset + n; ++j) {
-        const __m512 v = load16(vb + (j * kv_heads + h) * dim + c);
-        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(st.w[(h * G + g) * 16 + j]), v, a[g]);
+        const T* vj = vb + (j * kv_heads + h) * dim + c0;
+        __m512 wj[G];
+        for (int g = 0; g < G; ++g) wj[g] = _mm512_set1_ps(st.w[(h * G + g) * 16 + j]);
+        for (int u = 0; u < CB; ++u) {
+          if (c0 + 16 * u >= dim) break;
+          const __m512 v = load16(vj + 16 * u);
+          for (int g = 0; g < G; ++g) a[g][u] = _mm512_fmadd_ps(wj[g], v, a[g][u]);
+        }
       }
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(st.acc + (h * G + g) * dim + c, a[g]);
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < CB; ++u)
+          if (c0 + 16 * u < dim) _mm512_storeu_ps(st.acc + (h * G + g) * dim + c0 + 16 * u, a[g][u]);
     }
   }
 }
 #endif
 
-// Ask for the next block's keys and values while this one is folded: rows hop between blocks, so the
-// hardware prefetcher (which follows sequential runs) loses the stream at every block boundary.
-inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
-#if defined(__SSE__)
-  const char* kc = static_cast<const char*>(k);
-  const char* vc = static_cast<const char*>(v);
-  for (int64_t i = 0; i < bytes; i += 64) {
-    _mm_prefetch(kc + i, _MM_HINT_T0);
-    _mm_prefetch(vc + i, _MM_HINT_T0);
-  }
-#endif
-}
-
 template <typename T>
-using FoldFn = void (*)(const RowState&, const Shape&, const T*, const T*, int64_t, int64_t);
+using FoldFn = void (*)(const RowState&, const Shape&, const T*, const T*, int64_t, int64_t, const T*, const T*);
 
 // The fastest fold this build and shape allow.
 template <typename T>
@@ -281,8 +320,18 @@ void decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v
         const int64_t block = table[t / sh.block_size];
         const int64_t offset = t % sh.block_size;
         const int64_t n = std::min(sh.block_size - offset, len - t);
-        if (t + n < len) prefetch_block(kp + table[(t + n) / sh.block_size] * block_elems, vp + table[(t + n) / sh.block_size] * block_elems, block_elems * sizeof(T));
-        fold(st, sh, kp + block * block_elems, vp + block * block_elems, offset, n);
+        // The block after this one: the row's next, else the first of the task's next row.
+        const T* nk = nullptr;
+        const T* nv = nullptr;
+        if (t + n < len) {
+          nk = kp + table[(t + n) / sh.block_size] * block_elems;
+          nv = vp + table[(t + n) / sh.block_size] * block_elems;
+        } else if (r + 1 < end && firsts[r + 1] < lens[r + 1]) {
+          const int64_t next = tables[(r + 1) * width + firsts[r + 1] / sh.block_size];
+          nk = kp + next * block_elems;
+          nv = vp + next * block_elems;
+        }
+        fold(st, sh, kp + block * block_elems, vp + block * block_elems, offset, n, nk, nv);
         t += n;
       }
       for (int64_t hq = 0; hq < heads; ++hq) {
@@ -331,15 +380,26 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_block
   T* kb = k_blocks.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t block = sp[t] / bs, offset = sp[t] % bs;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const T* src_k = kp + t * k_row + h * k_head;
-      T* dst_k = kb + ((block * kv_heads + h) * dim) * bs + offset;
-      for (int64_t d = 0; d < dim; ++d) dst_k[d * bs] = src_k[d];
-      std::memcpy(vc + (sp[t] * kv_heads + h) * dim, vp + t * v_row + h * v_head, dim * sizeof(T));
+  // A token's key touches one cache line per two head dims of each head (the layout is transposed):
+  // ask for the next token's lines before storing this one's, so the misses overlap.
+  const int64_t dims_per_line = std::max<int64_t>(1, 64 / (bs * static_cast<int64_t>(sizeof(T))));
+  auto key_dst = [&](int64_t t, int64_t h) { return kb + ((sp[t] / bs * kv_heads + h) * dim) * bs + sp[t] % bs; };
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const T* next = key_dst(t + 1, h);
+          for (int64_t d = 0; d < dim; d += dims_per_line) __builtin_prefetch(next + d * bs, 1, 3);
+        }
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const T* src_k = kp + t * k_row + h * k_head;
+        T* dst_k = key_dst(t, h);
+        for (int64_t d = 0; d < dim; ++d) dst_k[d * bs] = src_k[d];
+        std::memcpy(vc + (sp[t] * kv_heads + h) * dim, vp + t * v_row + h * v_head, dim * sizeof(T));
+      }
     }
-  }
+  });
 }
 
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_blocks, at::Tensor v_cache, const at::Tensor& slots) {
@@ -411,6 +471,77 @@ void rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Te
   }
 }
 
+// silu(gate) * up for gate_up [rows, 2n] (the stacked MLP projection), with torch's rounding points:
+// silu in float32, rounded to T, times up in float32, rounded to T. One pass instead of two ops.
+inline float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
+
+#if defined(METRALE_AVX512)
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  // Round to nearest even, as c10::BFloat16 does (NaN stays NaN).
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// x rounded to T and back (a no-op for float).
+template <typename T>
+inline __m512 round16(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    alignas(64) T tmp[16];
+    store16(tmp, x);
+    return load16(tmp);
+  }
+}
+#endif
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = out.size(0), n = out.size(1), row_stride = gate_up.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gp + r * row_stride;
+      const T* up = gate + n;
+      T* dst = op + r * n;
+      int64_t i = 0;
+#if defined(METRALE_AVX512)
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 x = load16(gate + i);
+        const __m512 s = round16<T>(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+        store16(dst + i, _mm512_mul_ps(s, load16(up + i)));
+      }
+#endif
+      for (; i < n; ++i) {
+        const T s = static_cast<T>(silu_scalar(load(gate, i)));
+        store(dst, i, static_cast<float>(s) * load(up, i));
+      }
+    }
+  });
+}
+
+void silu_mul(const at::Tensor& gate_up, at::Tensor out) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2n] with unit last stride");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == gate_up.size(0) && out.size(1) * 2 == gate_up.size(1) &&
+                  out.scalar_type() == gate_up.scalar_type(), "out must be contiguous [rows, n] in gate_up's dtype");
+  switch (gate_up.scalar_type()) {
+    case at::kFloat: silu_mul_impl<float>(gate_up, out); break;
+    case at::kBFloat16: silu_mul_impl<c10::BFloat16>(gate_up, out); break;
+    case at::kHalf: silu_mul_impl<c10::Half>(gate_up, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", gate_up.scalar_type());
+  }
+}
+
 // One row's argmax, the first index among equal maxima (what torch's max(dim).indices gives).
 inline int64_t argmax_row(const float* row, int64_t n) {
   int64_t i = 0, best_at = 0;
@@ -473,6 +604,8 @@ TORCH_LIBRARY(metrale_cpu, m) {
   m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
 }
@@ -547,6 +680,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     """HF's RMSNorm of x (bit for bit in bfloat16); with delta, first x += delta in place (the residual add)."""
     out = torch.empty_like(x)
     torch.ops.metrale_cpu.rms_norm(x, delta, weight, eps, out)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2n] = [gate | up], rounded where torch rounds: [T, n]."""
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
+    torch.ops.metrale_cpu.silu_mul(gate_up, out)
     return out
 
 

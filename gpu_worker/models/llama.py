@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention import AttentionMetadata, Window, paged_attention
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.layers.linear import PackedWeight, StackedLinear, pack_weight
@@ -174,15 +175,20 @@ class MLP(nn.Module):
             inter, {"down_proj": cfg.hidden_size}, bias=cfg.mlp_bias, dtype=dtype, device=device
         )
         self.inter = inter
+        self.native = False  # silu * up in one native CPU pass (set by prepare)
 
-    def prepare(self) -> None:
-        """After loading: pack the projections."""
+    def prepare(self, *, native: bool = False) -> None:
+        """After loading: pack the projections; with native, fuse silu * up into one kernel."""
         self.gate_up_proj.pack()
         self.down_proj.pack()
+        self.native = native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native:
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         # silu in place on the projection's own buffer; the product is a fresh contiguous tensor.
         return self.down_proj(torch.mul(F.silu(gate, inplace=True), up))
 
@@ -243,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
                 module.native = native
         for layer in self.model.layers:
             layer.self_attn.prepare()
-            layer.mlp.prepare()
+            layer.mlp.prepare(native=native)
         self._lm_head_packed = pack_weight(self.lm_head.weight)
         tied = self.lm_head.weight is self.model.embed_tokens.weight
         if self._lm_head_packed is not None and not tied:

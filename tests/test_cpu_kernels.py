@@ -1,0 +1,150 @@
+"""The native CPU kernels (gpu_worker/layers/cpu_kernels.py) against plain torch references.
+
+Skipped where the kernels cannot be built (no compiler): every caller then keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metrale.gpu_worker.layers import cpu_kernels
+
+native = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here")
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _reference_decode(q, k_blocks, v_cache, tables, seq_lens, first_key, scale):
+    """Each row's attention over keys first_key[r] <= t < seq_lens[r], by gather + softmax in float32."""
+    bs = k_blocks.shape[3]
+    out = torch.empty_like(q, dtype=torch.float32)
+    group = q.shape[1] // k_blocks.shape[1]
+    for r in range(q.shape[0]):
+        t = torch.arange(int(first_key[r]), int(seq_lens[r]))
+        blocks = tables[r, t // bs]
+        k = k_blocks[blocks, :, :, t % bs].float()  # [n, kv_heads, dim]
+        v = v_cache[blocks, t % bs].float()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[r].float() * scale, k)
+        out[r] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+    return out
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size",
+    [(8, 4, 64, 16), (4, 4, 64, 16), (16, 4, 128, 16), (8, 1, 64, 16), (6, 2, 80, 16), (4, 2, 32, 8), (2, 1, 24, 4)],
+)
+def test_paged_decode_matches_reference(dtype, heads, kv_heads, dim, block_size):
+    """Scattered blocks, unequal lengths, rows starting past key 0 (sliding windows), any group size."""
+    g = torch.Generator().manual_seed(heads * 1000 + dim)
+    num_blocks, rows = 128, 7
+    k_blocks = torch.randn(num_blocks, kv_heads, dim, block_size, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    seq_lens = torch.tensor([1, 5, block_size, block_size + 1, 3 * block_size + 2, 40, 61], dtype=torch.int64)
+    first_key = torch.tensor([0, 0, 3, 0, block_size + 5, 39, 7], dtype=torch.int64)
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = torch.randperm(num_blocks, generator=g)[: rows * width].reshape(rows, width).contiguous()
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    scale = dim**-0.5
+    got = cpu_kernels.paged_decode(q, k_blocks, v_cache, tables, seq_lens, first_key, scale)
+    want = _reference_decode(q, k_blocks, v_cache, tables, seq_lens, first_key, scale)
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@native
+def test_paged_decode_reads_strided_queries():
+    """q may be a view of a wider projection (the model passes q out of the stacked q/k/v)."""
+    g = torch.Generator().manual_seed(7)
+    k_blocks = torch.randn(8, 2, 64, 16, generator=g)
+    v_cache = torch.randn(8, 16, 2, 64, generator=g)
+    wide = torch.randn(3, 6, 64, generator=g)
+    q = wide[:, :4]
+    tables = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int64)
+    seq_lens = torch.tensor([20, 32, 9], dtype=torch.int64)
+    first_key = torch.zeros(3, dtype=torch.int64)
+    got = cpu_kernels.paged_decode(q, k_blocks, v_cache, tables, seq_lens, first_key, 0.125)
+    want = cpu_kernels.paged_decode(q.contiguous(), k_blocks, v_cache, tables, seq_lens, first_key, 0.125)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_keys_transposed_and_values_plain(dtype):
+    """Every token's key lands at [block, head, :, offset] and its value at [block, offset]."""
+    g = torch.Generator().manual_seed(3)
+    blocks, bs, kv_heads, dim, tokens = 16, 16, 4, 64, 37
+    k_blocks = torch.zeros(blocks, kv_heads, dim, bs, dtype=dtype)
+    v_cache = torch.zeros(blocks, bs, kv_heads, dim, dtype=dtype)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    kv = torch.randn(tokens, 2 * kv_heads, dim, generator=g).to(dtype)
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]  # strided views, as the model passes them
+    cpu_kernels.write_kv(k, v, k_blocks, v_cache, slots)
+    assert torch.equal(k_blocks[slots // bs, :, :, slots % bs], k)
+    assert torch.equal(v_cache[slots // bs, slots % bs], v)
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_blocks.permute(0, 3, 1, 2).reshape(blocks * bs, -1)[untouched].any()
+    assert not v_cache.reshape(blocks * bs, -1)[untouched].any()
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_rms_norm_matches_hf_rounding(dtype, with_delta):
+    """bf16 bit for bit with HF's norm (float32 within an ulp); the residual add happens in place first."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(33, 512, generator=g).to(dtype)
+    delta = torch.randn(33, 512, generator=g).to(dtype) if with_delta else None
+    weight = torch.randn(512, generator=g).to(dtype)
+    residual = x + delta if with_delta else x.clone()
+    hidden = residual.float()
+    want = weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = cpu_kernels.rms_norm(x, weight, 1e-6, delta)
+    assert torch.equal(x, residual)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@native
+def test_argmax_rows_first_of_ties():
+    """torch's max(dim).indices: the first index among equal maxima."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 1000, generator=g)
+    x[3, 17] = x[3, 900] = 100.0
+    x[5, -1] = 100.0
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.max(dim=1).indices)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1408, 40, 3])
+def test_silu_mul_matches_torch(dtype, cols):
+    """silu(gate) * up with torch's rounding points: gate's silu rounded to the dtype, then the product."""
+    g = torch.Generator().manual_seed(13)
+    gate_up = (4 * torch.randn(17, 2 * cols, generator=g)).to(dtype)
+    gate, up = gate_up.split(cols, dim=-1)
+    want = torch.mul(F.silu(gate), up)
+    got = cpu_kernels.silu_mul(gate_up)
+    if dtype == torch.bfloat16:
+        # The exp differs from torch's in the last float32 bits: rarely, one bf16 rounding flips.
+        diff = (got.float() - want.float()).abs()
+        assert (diff <= want.float().abs() * 2**-7 + 1e-30).all()
+        assert (got != want).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_kernels_build_where_a_compiler_exists():
+    """A build broken by a source change must fail here, not fall back to torch unnoticed."""
+    import shutil
+
+    if cpu_kernels.choice() == "torch" or not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no compiler, or the torch path was asked for")
+    assert cpu_kernels.available(), cpu_kernels._state.get("error")

@@ -1,0 +1,85 @@
+"""The supervisor's health file: written when what it says changes (or once a second), read with fresh uptimes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import msgspec
+import pytest
+
+from metrale.config import EngineArgs, ServeConfig
+from metrale.ipc.messages import Health, ProcessHealth
+from metrale.supervisor import HEALTH_REFRESH_S, Child, Supervisor, read_health
+
+
+class FakeClock:
+    """The supervisor's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def supervisor(tiny_model_dir):
+    """A Supervisor whose three children are `sleep` stand-ins."""
+    clock = FakeClock()
+    sup = Supervisor(ServeConfig(engine=EngineArgs(model=str(tiny_model_dir("llama"))), port=0), clock=clock)
+    try:
+        for name in ("frontend", "engine", "worker"):
+            child = Child(getattr(sup, name).name, ["sleep", "60"])
+            setattr(sup, name, child)
+            child.start(sup.env, clock())
+        yield sup, clock
+    finally:
+        sup.stop()
+
+
+def written(sup) -> tuple[int, int]:
+    """The health file's identity: each write replaces it with a new inode."""
+    st = os.stat(sup.health_path)
+    return st.st_ino, st.st_mtime_ns
+
+
+def test_health_file_is_rewritten_only_when_it_changes_or_once_a_second(supervisor):
+    sup, clock = supervisor
+    sup.check_children()
+    first = written(sup)
+    for _ in range(5):  # passes of the watch within a second, nothing happening: no write
+        clock.now += HEALTH_REFRESH_S / 10
+        sup.check_children()
+        assert written(sup) == first
+    clock.now += HEALTH_REFRESH_S  # a second on: refreshed
+    sup.check_children()
+    second = written(sup)
+    assert second != first
+    os.kill(sup.worker.pid, signal.SIGKILL)  # a death: published at the next pass
+    sup.worker.proc.wait(10)
+    sup.check_children()
+    assert written(sup) != second
+    health = msgspec.msgpack.decode(sup.health_path.read_bytes(), type=Health)
+    worker = next(p for p in health.processes if p.name == "gpu_worker")
+    assert worker.restarts == 1 and worker.pid == sup.worker.pid and worker.alive
+    assert health.last_fault.startswith("gpu_worker") and "SIGKILL" in health.last_fault
+
+
+def test_read_health_adds_the_file_age_to_live_uptimes(tmp_path):
+    path = tmp_path / "health.msgpack"
+    health = Health(
+        id="",
+        healthy=True,
+        processes=[
+            ProcessHealth(name="frontend", pid=10, uptime_s=5.0, restarts=0, alive=True),
+            ProcessHealth(name="gpu_worker", pid=11, uptime_s=0.0, restarts=2, alive=False),
+        ],
+    )
+    path.write_bytes(msgspec.msgpack.encode(health))
+    written_at = os.stat(path).st_mtime
+    os.utime(path, (written_at - 30.0, written_at - 30.0))  # as if written 30 s ago
+    got = read_health(path)
+    assert 35.0 <= got.processes[0].uptime_s < 40.0
+    assert got.processes[1].uptime_s == 0.0  # a dead process has no uptime
+    assert (got.healthy, [p.pid for p in got.processes]) == (True, [10, 11])
