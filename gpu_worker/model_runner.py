@@ -39,7 +39,7 @@ class _StepLogits:
     """One executed step's logits, kept on the device until read or replaced."""
 
     step: int
-    logits: torch.Tensor  # float32 [S, V]
+    logits: torch.Tensor  # [S, V] in the model's dtype
     rows: np.ndarray  # int64 [S]: the plan rows they belong to
     num_rows: int  # R
 
@@ -154,7 +154,7 @@ class ModelRunner:
             return self._result(plan, rows, out, start)
 
     def forward_only(self, plan: StepPlan, *, sync: bool = True) -> torch.Tensor:
-        """The same step without feeds or sampling: float32 [S, V] logits of the sampling rows.
+        """The same step without feeds or sampling: [S, V] logits of the sampling rows (the model's dtype).
 
         The forward-only floor for benchmarks (the plan's input_ids are used as they are). It writes
         the KV cache like execute does, and leaves execute's feed state alone.
@@ -175,7 +175,7 @@ class ModelRunner:
         for kept in reversed(list(self._logits)):  # a snapshot: LocalDevice may be appending
             if step is None or kept.step == step:
                 out = np.zeros((kept.num_rows, self.info.vocab_size), dtype=np.float32)
-                out[kept.rows] = kept.logits.cpu().numpy()
+                out[kept.rows] = kept.logits.float().cpu().numpy()
                 return out
         raise KeyError(f"logits of step {step} are no longer kept")
 
@@ -246,7 +246,7 @@ class ModelRunner:
         return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.dynamic_seq_lens)
 
     def _logits_of(self, plan: StepPlan, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """float32 [S, V] logits at the last token of each sampling row."""
+        """[S, V] logits (the model's dtype) at the last token of each sampling row."""
         if len(rows) == plan.num_tokens:  # one token per row, all sampling (a decode step): all of hidden
             return self.model.compute_logits(hidden)
         last = self._staging.put("last_token", plan.query_start[rows + 1] - 1)

@@ -113,13 +113,14 @@ def test_rms_norm_matches_hf_rounding(dtype, with_delta):
 
 
 @native
-def test_argmax_rows_first_of_ties():
-    """torch's max(dim).indices: the first index among equal maxima."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_first_of_ties(dtype):
+    """torch's max(dim).indices: the first index among equal maxima (bf16 rows have many ties)."""
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(9, 1000, generator=g)
+    x = torch.randn(9, 1001, generator=g).to(dtype)
     x[3, 17] = x[3, 900] = 100.0
     x[5, -1] = 100.0
-    assert torch.equal(cpu_kernels.argmax_rows(x), x.max(dim=1).indices)
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.float().max(dim=1).indices)
 
 
 @native
@@ -148,3 +149,24 @@ def test_kernels_build_where_a_compiler_exists():
     if cpu_kernels.choice() == "torch" or not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("no compiler, or the torch path was asked for")
     assert cpu_kernels.available(), cpu_kernels._state.get("error")
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_bit_identical_to_the_torch_path(dtype):
+    """In place on a strided q/k view, the same bits as apply_rotary (HF's rounding points)."""
+    from metrale.gpu_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+    cfg = RopeConfig(head_dim=64, theta=10000.0, rope_type="default", factor=1.0, max_position_embeddings=512)
+    rope = RotaryEmbedding(cfg, dtype=dtype, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(17)
+    qkv = torch.randn(21, 14, 64, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (21,), generator=g)
+    qk = qkv[:, :12]
+    cos, sin = rope.cos_sin(positions)
+    want = apply_rotary(qk, cos, sin)
+    v_before = qkv[:, 12:].clone()
+    got = cpu_kernels.rotary(qk, rope.table, positions)
+    assert got.data_ptr() == qk.data_ptr()
+    assert torch.equal(got, want)
+    assert torch.equal(qkv[:, 12:], v_before)

@@ -164,6 +164,31 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Stores rounding to T as torch does (round to nearest even; NaN stays NaN), and that rounding alone.
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <typename T>
+inline __m512 round16(__m512 x) {  // x rounded to T and back to float32
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
 // e^x on 16 lanes, exactly 0 below -80 (scalef applies the 2^k of the range reduction; +inf past ~88).
 inline __m512 exp16(__m512 x) {
   const __m512 floor_in = _mm512_set1_ps(-80.0f);
@@ -430,6 +455,32 @@ void rms_norm_impl(at::Tensor& x, const at::Tensor* delta, const at::Tensor& wei
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float e = static_cast<float>(eps);
+#if defined(METRALE_AVX512)
+  if (n % 16 == 0) {
+    // The same arithmetic 16 lanes at a time: the stored sum is re-read for the second pass.
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* xr = xp + r * n;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+          __m512 v = load16(xr + i);
+          if (dp) {
+            v = round16<T>(_mm512_add_ps(v, load16(dp + r * n + i)));
+            store16(xr + i, v);
+          }
+          acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + e));
+        T* orow = op + r * n;
+        for (int64_t i = 0; i < n; i += 16) {
+          const __m512 normed = round16<T>(_mm512_mul_ps(load16(xr + i), inv));
+          store16(orow + i, _mm512_mul_ps(load16(wp + i), normed));
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(n);
     for (int64_t r = begin; r < end; ++r) {
@@ -475,32 +526,6 @@ void rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Te
 // silu in float32, rounded to T, times up in float32, rounded to T. One pass instead of two ops.
 inline float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
 
-#if defined(METRALE_AVX512)
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::BFloat16* p, __m512 x) {
-  // Round to nearest even, as c10::BFloat16 does (NaN stays NaN).
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-}
-inline void store16(c10::Half* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-// x rounded to T and back (a no-op for float).
-template <typename T>
-inline __m512 round16(__m512 x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    alignas(64) T tmp[16];
-    store16(tmp, x);
-    return load16(tmp);
-  }
-}
-#endif
 
 template <typename T>
 void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
@@ -542,20 +567,68 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor out) {
   }
 }
 
-// One row's argmax, the first index among equal maxima (what torch's max(dim).indices gives).
-inline int64_t argmax_row(const float* row, int64_t n) {
+// Rotary embedding in place on x [T, heads, dim] (any token/head strides): x * cos + rotate_half(x) * sin
+// with torch's rounding points (each product rounded to T, then their sum), from a [len, 2, dim] table
+// of cos and signed sin (sin with its first half negated, so rotate_half needs no negation).
+template <typename T>
+void rotary_impl(at::Tensor& x, const at::Tensor& table, const at::Tensor& positions) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t x_tok = x.stride(0), x_head = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  const T* tp = table.data_ptr<T>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> lo(half), hi(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* cos = tp + pp[t] * 2 * dim;
+      const T* sin = cos + dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = xp + t * x_tok + h * x_head;
+        for (int64_t i = 0; i < half; ++i) {
+          lo[i] = load(row, i);
+          hi[i] = load(row, half + i);
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          const T a = static_cast<T>(lo[i] * load(cos, i)), b = static_cast<T>(hi[i] * load(sin, i));
+          const T c = static_cast<T>(hi[i] * load(cos, half + i)), d = static_cast<T>(lo[i] * load(sin, half + i));
+          store(row, i, static_cast<float>(a) + static_cast<float>(b));
+          store(row, half + i, static_cast<float>(c) + static_cast<float>(d));
+        }
+      }
+    }
+  });
+}
+
+void rotary(at::Tensor x, const at::Tensor& table, const at::Tensor& positions) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x must be [tokens, heads, dim] with unit last stride");
+  TORCH_CHECK(table.dim() == 3 && table.is_contiguous() && table.size(1) == 2 && table.size(2) == x.size(2) &&
+                  table.scalar_type() == x.scalar_type(), "table must be contiguous [len, 2, dim] in x's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "positions must be contiguous int64 [tokens]");
+  switch (x.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(x, table, positions); break;
+    case at::kBFloat16: rotary_impl<c10::BFloat16>(x, table, positions); break;
+    case at::kHalf: rotary_impl<c10::Half>(x, table, positions); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
+  }
+}
+
+// One row's argmax, the first index among equal maxima (what torch's max(dim).indices gives); float32
+// or bfloat16 rows (a bf16 model's logits need no float32 copy to be argmaxed: the conversion is exact).
+template <typename T>
+int64_t argmax_row(const T* row, int64_t n) {
   int64_t i = 0, best_at = 0;
   float best = -INFINITY;
 #if defined(METRALE_AVX512)
   if (n >= 16) {
     // Per lane: the first position of its largest value (strictly greater replaces), then across lanes.
-    __m512 top = _mm512_loadu_ps(row);
+    __m512 top = load16(row);
     __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i pos = at;
     const __m512i step = _mm512_set1_epi32(16);
     for (i = 16; i + 16 <= n; i += 16) {
       pos = _mm512_add_epi32(pos, step);
-      const __m512 v = _mm512_loadu_ps(row + i);
+      const __m512 v = load16(row + i);
       const __mmask16 gt = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
       top = _mm512_mask_mov_ps(top, gt, v);
       at = _mm512_mask_mov_epi32(at, gt, pos);
@@ -575,24 +648,31 @@ inline int64_t argmax_row(const float* row, int64_t n) {
   }
 #endif
   for (; i < n; ++i) {
-    if (row[i] > best) {
-      best = row[i];
+    if (load(row, i) > best) {
+      best = load(row, i);
       best_at = i;
     }
   }
   return best_at;
 }
 
-void argmax_rows(const at::Tensor& x, at::Tensor out) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous float32 [rows, n]");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == x.size(0), "out must be int64 [rows]");
-  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "rows longer than 2^31 are not supported");
+template <typename T>
+void argmax_rows_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1);
-  const float* xp = x.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
   });
+}
+
+void argmax_rows(const at::Tensor& x, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be contiguous float32 or bfloat16 [rows, n]");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == x.size(0), "out must be int64 [rows]");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "rows longer than 2^31 are not supported");
+  if (x.scalar_type() == at::kFloat) argmax_rows_impl<float>(x, out);
+  else argmax_rows_impl<c10::BFloat16>(x, out);
 }
 }  // namespace
 
@@ -604,6 +684,8 @@ TORCH_LIBRARY(metrale_cpu, m) {
   m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("rotary(Tensor(a!) x, Tensor table, Tensor positions) -> ()");
+  m.impl("rotary", c10::DispatchKey::CPU, TORCH_FN(rotary));
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
@@ -611,7 +693,8 @@ TORCH_LIBRARY(metrale_cpu, m) {
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
+# -ffp-contract=off: a product rounds before the add that follows it, as in torch's separate ops.
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 _state: dict[str, bool | str] = {}  # "loaded": bool, "error": why not
 
@@ -683,6 +766,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     return out
 
 
+def rotary(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated in place by its tokens' rows of table [len, 2, head_dim] (cos,
+    signed sin); torch's rounding points, so bit for bit what layers/rotary.apply_rotary gives."""
+    torch.ops.metrale_cpu.rotary(x, table, positions)
+    return x
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2n] = [gate | up], rounded where torch rounds: [T, n]."""
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
@@ -691,7 +781,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """int64 [S]: each row's argmax of float32 x [S, V], the first index among ties."""
+    """int64 [S]: each row's argmax of float32 or bfloat16 x [S, V], the first index among ties."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
     torch.ops.metrale_cpu.argmax_rows(x, out)
     return out

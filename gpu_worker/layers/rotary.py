@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.gpu_worker.layers import cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -124,6 +126,14 @@ class RotaryEmbedding:
         # table so a step gathers both with one index.
         self.table = _cos_signed_sin(freqs).to(dtype)
 
+    def for_step(self, positions: torch.Tensor, dynamic_seq_lens: torch.Tensor | None, native: bool) -> "StepRope":
+        """What every layer needs to rotate this step's q and k: the table rows by position for the
+        native kernel (no per-step gather), else the gathered cos and signed sin."""
+        if native and dynamic_seq_lens is None and positions.device.type == "cpu":
+            return StepRope(None, None, self.table, positions)
+        cos, sin = self.cos_sin(positions, dynamic_seq_lens)
+        return StepRope(cos, sin, None, None)
+
     def cos_sin(
         self, positions: torch.Tensor, dynamic_seq_lens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +148,22 @@ class RotaryEmbedding:
         else:
             rows = self.table[positions]
         return rows[:, 0:1, :], rows[:, 1:2, :]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRope:
+    """One step's rotation: cos and signed sin [T, 1, head_dim], or the table and positions (native)."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    table: torch.Tensor | None
+    positions: torch.Tensor | None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated (in place on the native path, which x's producer allows)."""
+        if self.table is not None:
+            return cpu_kernels.rotary(x, self.table, self.positions)
+        return apply_rotary(x, self.cos, self.sin)
 
 
 def _cos_signed_sin(freqs: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from metrale.gpu_worker.layers.attention import AttentionMetadata, Window, paged
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.layers.linear import PackedWeight, StackedLinear, pack_weight
 from metrale.gpu_worker.layers.norm import RMSNorm
-from metrale.gpu_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from metrale.gpu_worker.layers.rotary import RopeConfig, RotaryEmbedding, StepRope
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -140,7 +140,7 @@ class Attention(nn.Module):
                 )
             )
 
-    def forward(self, x, cos, sin, cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rope: StepRope, cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden].
 
         q and k sit side by side in the stacked projection, so they are normed (Qwen3) and rotated
@@ -155,7 +155,7 @@ class Attention(nn.Module):
             if self._qk_norm_weight is None:
                 self.prepare()
             qk = self._qk_norm_weight * F.rms_norm(qk, (head_dim,), eps=self.q_norm.eps)
-        qk = apply_rotary(qk, cos, sin)
+        qk = rope.apply(qk)
         q, k = qk[:, :heads], qk[:, heads:]
         out = paged_attention(q, k, v, cache, self.layer, meta, scale=self.scale, window=self.window)
         return self.o_proj(out)
@@ -204,10 +204,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = MLP(cfg, dtype=dtype, device=device)
 
-    def forward(self, h, delta, cos, sin, cache, meta) -> torch.Tensor:
+    def forward(self, h, delta, rope, cache, meta) -> torch.Tensor:
         """Add the previous layer's output delta to the residual stream h (in place), run this layer,
         and return its own output, still to be added: each residual add is fused into the norm after it."""
-        attn = self.self_attn(self.input_layernorm(h, delta), cos, sin, cache, meta)
+        attn = self.self_attn(self.input_layernorm(h, delta), rope, cache, meta)
         return self.mlp(self.post_attention_layernorm(h, attn))
 
 
@@ -237,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, dtype=dtype, device=device)
         self.windows: set[Window] = set(cfg.layer_windows)
         self._lm_head_packed: PackedWeight | None = None
+        self._native = False  # native CPU kernels (set by prepare)
 
     def prepare(self, *, native: bool = False) -> None:
         """After loading: put every projection in the platform's fastest layout (see layers/linear.py),
@@ -244,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
 
         An untied lm_head's plain weight is released once packed; a tied one stays (it is the embedding).
         """
+        self._native = native
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.native = native
@@ -265,19 +267,22 @@ class LlamaForCausalLM(nn.Module):
         dynamic_seq_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) for the step's tokens; fills the cache."""
-        cos, sin = self.rotary.cos_sin(positions, dynamic_seq_lens)
+        rope = self.rotary.for_step(positions, dynamic_seq_lens, self._native)
         h = self.model.embed_tokens(input_ids)
         delta = None
         for layer in self.model.layers:
-            delta = layer(h, delta, cos, sin, cache, meta)
+            delta = layer(h, delta, rope, cache, meta)
         return h if delta is None else h.add_(delta)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 [S, vocab] logits for hidden states [S, hidden] (final norm, then lm_head)."""
+        """[S, vocab] logits in the model's dtype for hidden states [S, hidden] (final norm, then lm_head).
+
+        Not widened to float32 here: a greedy step only argmaxes them (exact in any dtype), and the
+        sampler's other paths copy them into float32 scratch anyway (4 MB per step saved at batch 32).
+        """
         h = self.model.norm(hidden)
-        logits = self._lm_head_packed(h) if self._lm_head_packed is not None else self.lm_head(h)
-        return logits.float()
+        return self._lm_head_packed(h) if self._lm_head_packed is not None else self.lm_head(h)
 
     def tie_embeddings(self) -> None:
         """Make lm_head share the embedding table (tied checkpoints store only one of them)."""
