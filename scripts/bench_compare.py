@@ -122,7 +122,7 @@ class VllmEngine:
         self.name = f"vllm[{bind}]"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": bind}
         env.pop("OMP_NUM_THREADS", None)
-        self.log = open(os.path.join(tempfile.gettempdir(), f"metrale-bench-vllm-{os.getpid()}.log"), "w")
+        self.log = open(os.path.join(tempfile.gettempdir(), f"metrale-bench-vllm-{os.getpid()}-{bind}.log"), "w")
         self.proc = subprocess.Popen(
             [python, os.path.abspath(__file__), "--vllm-child", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(write_fd,), env=env,
@@ -247,8 +247,9 @@ class FloorEngine:
         self.block_size = 16
         self.budget = args.max_num_batched_tokens
         self.blocks_per_row = -(-max_len // self.block_size)
-        self.runner = ModelRunner(str(model_dir), dtype=dtype, num_kv_blocks=max_batch * self.blocks_per_row + 1,
-                                  block_size=self.block_size, max_num_seqs=max_batch, show_progress=False)
+        # The engine's own cache settings (same pool, same pages): the floor differs only in skipping the engine.
+        self.runner = ModelRunner(str(model_dir), dtype=dtype, block_size=self.block_size, max_num_seqs=args.max_num_seqs,
+                                  show_progress=False)
 
     def run(self, prompts, max_tokens) -> dict | None:
         """Prefill chunks then decode steps; None for a workload of unequal lengths (mixed)."""

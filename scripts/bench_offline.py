@@ -138,9 +138,10 @@ class Floor:
         self.block_size = llm_args.block_size
         self.budget = llm_args.max_num_batched_tokens
         self.width = -(-max_len // self.block_size)
+        # The LLM's own cache settings (same pool, same pages): the floor differs only in skipping the engine.
         self.runner = ModelRunner(
-            str(path), dtype=dtype, block_size=self.block_size, num_kv_blocks=max_batch * (self.width + 1) + 1,
-            max_num_seqs=max_batch, show_progress=False,
+            str(path), dtype=dtype, block_size=self.block_size, max_num_seqs=llm_args.max_num_seqs,
+            num_kv_blocks=llm_args.num_kv_blocks, kv_cache_memory=llm_args.kv_cache_memory, show_progress=False,
         )
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict:

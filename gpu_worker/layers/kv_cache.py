@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.gpu_worker.layers import cpu_kernels
+from metrale.gpu_worker.layers.huge_pages import zeros as _zeros
 
 
 @dataclass(slots=True)
@@ -53,12 +54,12 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         if transposed_keys:
             key_shape = (num_blocks, num_kv_heads, head_dim, block_size)
-            self.k_blocks = [torch.zeros(key_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.k_blocks = [_zeros(key_shape, dtype, device) for _ in range(num_layers)]
             self.k = [kb.permute(0, 3, 1, 2) for kb in self.k_blocks]
         else:
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
             self.k_blocks = self.k
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self._native_write = transposed_keys and torch.device(device).type == "cpu" and cpu_kernels.loaded()
         self._scratch_k: torch.Tensor | None = None  # gather's reusable output
         self._scratch_v: torch.Tensor | None = None
@@ -106,3 +107,4 @@ class PagedKVCache:
         v = torch.index_select(vc, 0, flat, out=self._scratch_v[:n])
         lead = block_ids.shape[:-1]
         return k.view(*lead, -1, *kc.shape[2:]), v.view(*lead, -1, *vc.shape[2:])
+
