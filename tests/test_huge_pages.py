@@ -1,0 +1,37 @@
+"""Host tensors on transparent huge pages (gpu_worker/layers/huge_pages.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale.gpu_worker.layers import huge_pages
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (4 << 20,), (1, 3 << 20)])
+def test_zeros_is_torch_zeros(shape):
+    """Whatever the size, the same tensor torch.zeros gives: shape, dtype, all zero, writable."""
+    t = huge_pages.zeros(shape, torch.bfloat16, "cpu")
+    assert t.shape == shape and t.dtype == torch.bfloat16 and not t.any()
+    t.fill_(1)
+    assert bool(t.all())
+
+
+def test_large_tensors_are_advised_over_their_aligned_interior(monkeypatch):
+    """madvise(MADV_HUGEPAGE) is asked for the 2 MiB-aligned pages inside the tensor, before it is zeroed;
+    small tensors are left alone. (Whether the kernel grants huge pages is its business.)"""
+    calls = []
+
+    class FakeLibc:
+        def madvise(self, start, length, advice):
+            calls.append((start.value, length.value, advice))
+            return 0
+
+    monkeypatch.setattr(huge_pages, "_libc", lambda: FakeLibc())
+    monkeypatch.setattr(huge_pages, "ENABLED", True)
+    huge_pages.zeros((1000,), torch.float32, "cpu")
+    assert calls == []
+    t = huge_pages.zeros((5 << 20,), torch.uint8, "cpu")
+    (start, length, advice), = calls
+    assert advice == 14 and start % huge_pages.HUGE_PAGE == 0 and length % huge_pages.HUGE_PAGE == 0 and length > 0
+    assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.nbytes
