@@ -496,6 +496,19 @@ def table(rows: list[list], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+# ---- quiet before a run ---------------------------------------------------------------------------
+
+
+def settle(min_s: float, max_s: float = 10.0, busy_below: float = 0.15) -> float:
+    """Wait at least min_s, then until the machine's CPUs are mostly idle over 100 ms (the last engine's
+    OpenMP threads, or vLLM's background processes, have stopped spinning), at most max_s. Seconds waited."""
+    start = time.monotonic()
+    time.sleep(min_s)
+    while time.monotonic() - start < max_s and psutil.cpu_percent(interval=0.1) / 100.0 >= busy_below:
+        pass
+    return time.monotonic() - start
+
+
 # ---- the forward-only floor's steps ---------------------------------------------------------------
 
 

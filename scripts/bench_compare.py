@@ -19,8 +19,10 @@ Workload: per batch size, `batch` prompts of `prompt-len` random token ids, gree
 new tokens (ignore_eos). Each repetition uses a fresh prompt set, the same for every engine, so no
 engine's prefix cache helps; within a repetition the engines run one after the other (A B C D E, A B C D
 E, ...), so a drift in the machine's load hits all of them alike; the order rotates by one engine per repetition
-(B C D E A, ...) and each run starts after a --settle-s pause, so no engine always runs in the wake of the
-same neighbour (an engine's OpenMP threads may keep spinning for a moment after its run). --mixed adds the scheduler issue's
+and is reversed every other one (A B C D E, A E D C B, C D E A B, C B A E D, ...), so no engine always runs in the wake of
+the same neighbour, and each run waits at least --settle-s and then until the CPUs go idle (an engine's OpenMP
+threads, or vLLM's background processes, may keep spinning after its run: measured, the engine that always
+followed vLLM lost a third of its throughput). --mixed adds the scheduler issue's
 mixed workload (256 requests, prompts 32–1024, outputs 32–512, seeded), once per engine (no floor;
 transformers in static padded batches of --hf-batch, credited only with the tokens each request asked for).
 
@@ -41,7 +43,7 @@ import sys
 import tempfile
 import time
 
-FORMAT_VERSION = 3  # 2: engine order rotates per repetition, settle pause before each run; 3: one vLLM per bind, "vllm" = best per rep
+FORMAT_VERSION = 3  # 2: engine order rotates per repetition, settle pause before each run; 3: one vLLM per bind, "vllm" = best per rep; order reversed on odd reps; settle waits for idle CPUs
 WARMUP_SEED = 30_000
 TARGETS = {  # at batch 32 (issue 7): (numerator, denominator, minimum ratio)
     "offline_vs_vllm": ("offline", "vllm", 1.0),
@@ -69,7 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", default="offline,serve,floor,transformers,vllm", help="which engines to run")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for metrale and transformers (OMP_NUM_THREADS for the server); default: torch's own")
-    ap.add_argument("--settle-s", type=float, default=0.5, help="pause before each run, so one engine's spinning threads do not slow the next")
+    ap.add_argument("--settle-s", type=float, default=0.5,
+                    help="least pause before each run; then it waits (up to 10 s) for the CPUs to go idle, so one "
+                         "engine's spinning threads do not slow the next")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vllm-python", default=None, help="a Python that can import vllm (e.g. /work/venvs/vllm/bin/python)")
@@ -383,8 +387,9 @@ def run_batch(batch: int, order: list[str], engines: dict, args, vocab_end: int,
     runs: dict[str, list[dict]] = {name: [] for name in order}
     for rep in range(args.reps):
         prompts = bc.random_prompts(batch, args.prompt_len, rep * 1000 + batch, vocab_end)
-        for name in order[rep % len(order) :] + order[: rep % len(order)]:
-            time.sleep(args.settle_s)  # a quiet gap: the previous engine's OpenMP threads stop spinning
+        turn = order[rep % len(order) :] + order[: rep % len(order)]
+        for name in turn if rep % 2 == 0 else turn[::-1]:  # rotated, and reversed every other time: no fixed predecessor
+            bc.settle(args.settle_s)  # a quiet machine: the previous engine's threads have stopped spinning
             runs[name].append(engines[name].run(prompts, max_tokens))
         meter.sample()
         bc.note(f"batch {batch} rep {rep}: " + ", ".join(f"{n} {runs[n][-1]['throughput_tok_s']:.0f}" for n in order) + " tok/s")
