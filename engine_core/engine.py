@@ -199,6 +199,14 @@ class EngineCore:
         self.scheduler.requeue_all()
         self.io.device_lost = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's LLM.reset_prefix_cache); False, doing nothing, while
+        requests are in flight (their blocks are registered in the cache)."""
+        if self.has_unfinished():
+            return False
+        self.scheduler.pool.reset_cache()
+        return True
+
     def drain(self) -> list[RequestOutputDelta]:
         """Settle everything in flight (before shutdown or a worker swap)."""
         drain(self.scheduler.running, self.pipeline, self.io)

@@ -123,6 +123,11 @@ class LLM:
         self._run_until_idle()
         return [outputs[rid] for rid in rids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (between benchmark runs, or after changing what prompts mean); False
+        while a generate() is running in another thread."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 

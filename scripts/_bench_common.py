@@ -512,21 +512,48 @@ def settle(min_s: float, max_s: float = 10.0, busy_below: float = 0.15) -> float
 # ---- the forward-only floor's steps ---------------------------------------------------------------
 
 
-class FloorPlans:
-    """Every step of a batch as the engine would schedule it, for ModelRunner.forward_only.
+@dataclass
+class FloorRun:
+    """One forward-only pass over a batch: its wall time and each step's."""
 
-    Whole prompts per prefill step within the token budget, then one token per row. KV blocks are
-    handed out as the engine's pool does: each run continues where the last one stopped (wrapping at
-    the end of the cache), a prompt's blocks in a run, then each row's next block as it crosses a block
-    boundary. Reusing the same few blocks every run would keep them in the CPU's caches, which no
-    engine serving fresh requests enjoys.
+    wall_s: float
+    prefill_steps_s: list[float]
+    decode_steps_s: list[float]
+
+
+class Floor:
+    """The forward-only floor: an LLM's own model runner stepping a batch with ModelRunner.forward_only.
+
+    The very runner the LLM executes on (same weights, same cache pages): the floor differs from the
+    engine only in skipping it (a second runner with the same settings measured ~5 % apart, from where
+    its memory landed). Steps are the engine's shapes: whole prompts per prefill step within the token
+    budget, then one token per row. KV blocks are handed out as the engine's pool does: each run
+    continues where the last one stopped (wrapping at the end of the cache), a prompt's blocks in a run,
+    then each row's next block as it crosses a block boundary; reusing the same few blocks every run
+    would keep them in the CPU's caches, which no engine serving fresh requests enjoys. After a run the
+    LLM's prefix cache is reset: the floor has overwritten blocks it may hold.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, budget: int) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.budget = budget
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.runner = llm.runner
+        self.num_blocks = self.runner.kv_cache.num_blocks
+        self.block_size = llm.args.block_size
+        self.budget = llm.args.max_num_batched_tokens
         self._next = 0  # where the next run's blocks start (block 0 is never handed out)
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> FloorRun:
+        """Every step of the batch, plans built before the clock starts."""
+        plans, n_prefill = self.build(prompts, new_tokens)
+        steps = []
+        start = time.perf_counter()
+        for plan in plans:
+            t = time.perf_counter()
+            self.runner.forward_only(plan)
+            steps.append(time.perf_counter() - t)
+        wall = time.perf_counter() - start
+        self.llm.reset_prefix_cache()
+        return FloorRun(wall, steps[:n_prefill], steps[n_prefill:])
 
     def build(self, prompts: list[list[int]], new_tokens: int) -> tuple[list, int]:
         """(plans, number of prefill steps) for this batch, built before any clock starts."""

@@ -2,14 +2,16 @@
 
     python scripts/bench_compare.py [--model DIR] [--dtype bfloat16] [--batch 1,8,32] [--prompt-len 128]
         [--max-tokens 128] [--reps 3] [--mixed] [--threads N]
-        [--vllm-python /work/venvs/vllm/bin/python] [--vllm-threads-bind 0-1] [--vllm-compile]
+        [--vllm-python /work/venvs/vllm/bin/python] [--vllm-threads-bind auto,0-1] [--vllm-compile]
+        [--worker-threads N]
 
 Engines, each loaded once and kept for the whole session:
   offline      metrale.LLM in this process (one generate() call per run)
   serve        `metrale serve` as a subprocess, one AsyncClient per request, all sent at once
-  floor        ModelRunner.forward_only stepping the same batch: the prompts in prefill chunks of at most
-               max_num_batched_tokens tokens, then max_tokens − 1 decode steps; plans built before the
-               clock starts, no sampling, no engine — what the model alone costs
+  floor        ModelRunner.forward_only on the offline LLM's own runner, stepping the same batch: the prompts in
+               prefill chunks of at most max_num_batched_tokens tokens, then max_tokens − 1 decode steps, KV
+               blocks walked as the engine's pool does; plans built before the clock starts, no sampling,
+               no engine — what the model alone costs (_bench_common.Floor)
   transformers AutoModelForCausalLM.generate (sdpa, greedy, min_new_tokens = max_new_tokens) on the batch
   vllm         vllm.LLM in a subprocess run by --vllm-python (a separate venv; never a dependency of
                metrale), with VLLM_CPU_KVCACHE_SPACE=2 and VLLM_CPU_OMP_THREADS_BIND; fed the same token ids
@@ -38,6 +40,7 @@ import json
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settle-s", type=float, default=0.5,
                     help="least pause before each run; then it waits (up to 10 s) for the CPUs to go idle, so one "
                          "engine's spinning threads do not slow the next")
+    ap.add_argument("--worker-threads", type=int, default=None, help="`metrale serve --worker-threads` (default: the server's own choice)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vllm-python", default=None, help="a Python that can import vllm (e.g. /work/venvs/vllm/bin/python)")
@@ -221,6 +225,8 @@ class ServeEngine:
     def __init__(self, model_dir, dtype: str, args: argparse.Namespace, bc) -> None:
         self.bc = bc
         flags = ["--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.worker_threads:
+            flags += ["--worker-threads", str(args.worker_threads)]
         self.server = bc.ServeProcess(model_dir, *flags, env=bc.thread_env(args.threads))
         ring = self.server.ring_name()
         self.reader = bc.WorkerRingReader(ring) if ring else None
@@ -241,47 +247,36 @@ class ServeEngine:
 
 
 class FloorEngine:
-    """ModelRunner.forward_only over the same batch: the model's cost with no engine around it."""
+    """ModelRunner.forward_only over the same batch, on the offline LLM's own runner: the model's cost with no
+    engine around it (_bench_common.Floor)."""
 
     name = "floor"
 
-    def __init__(self, model_dir, dtype: str, args: argparse.Namespace, bc) -> None:
-        from metrale.gpu_worker.model_runner import ModelRunner
-
-        self.block_size = 16
-        self.budget = args.max_num_batched_tokens
-        # The engine's own cache settings (same pool, same pages): the floor differs only in skipping the engine.
-        self.runner = ModelRunner(str(model_dir), dtype=dtype, block_size=self.block_size, max_num_seqs=args.max_num_seqs,
-                                  show_progress=False)
-        self.plans = bc.FloorPlans(self.runner.kv_cache.num_blocks, self.block_size, self.budget)
+    def __init__(self, offline: "OfflineEngine | None", model_dir, dtype: str, args: argparse.Namespace, bc) -> None:
+        """On the offline engine's LLM when there is one, else on an LLM of its own with the same settings."""
+        self.own = None if offline is not None else OfflineEngine(model_dir, dtype, args, bc)
+        self.floor = bc.Floor((offline or self.own).llm)
 
     def run(self, prompts, max_tokens) -> dict | None:
         """Prefill chunks then decode steps; None for a workload of unequal lengths (mixed)."""
         if len(set(max_tokens)) != 1 or len({len(p) for p in prompts}) != 1:
             return None
-        plans, n_prefill = self.plans.build(prompts, max_tokens[0])
-        step_s = []
-        start = time.perf_counter()
-        for plan in plans:
-            t = time.perf_counter()
-            self.runner.forward_only(plan)
-            step_s.append(time.perf_counter() - t)
-        wall = time.perf_counter() - start
+        r = self.floor.run(prompts, max_tokens[0])
         tokens = len(prompts) * max_tokens[0]
-        decode = step_s[n_prefill:]
-        import statistics
-
+        decode = r.decode_steps_s
         return {
             "output_tokens": tokens,
-            "wall_s": round(wall, 4),
-            "throughput_tok_s": round(tokens / wall, 2),
+            "wall_s": round(r.wall_s, 4),
+            "throughput_tok_s": round(tokens / r.wall_s, 2),
             "decode_tok_s": round(len(prompts) * len(decode) / sum(decode), 2) if decode else None,
             "decode_step_ms_median": round(statistics.median(decode) * 1e3, 3) if decode else None,
-            "prefill_s": round(sum(step_s[:n_prefill]), 4),
+            "prefill_s": round(sum(r.prefill_steps_s), 4),
         }
 
     def close(self) -> None:
-        """Nothing to release but memory."""
+        """Close the LLM if it is the floor's own."""
+        if self.own is not None:
+            self.own.close()
 
 
 class TransformersEngine:
@@ -351,7 +346,7 @@ def run_session(args: argparse.Namespace, model_dir, bc, meter) -> dict:
         makers = {
             "offline": lambda: OfflineEngine(model_dir, args.dtype, args, bc),
             "serve": lambda: ServeEngine(model_dir, args.dtype, args, bc),
-            "floor": lambda: FloorEngine(model_dir, args.dtype, args, bc),
+            "floor": lambda: FloorEngine(engines.get("offline"), model_dir, args.dtype, args, bc),
             "transformers": lambda: TransformersEngine(model_dir, args.dtype, args, bc),
         }
         for name in wanted:
@@ -471,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"batches": [int(b) for b in args.batch.split(",")], "prompt_len": args.prompt_len,
                      "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "mixed": args.mixed},
         "reps": args.reps,
-        "threads": args.threads,
+        "threads": args.threads, "worker_threads": args.worker_threads,
         "torch_threads": session["torch_threads"],
         "results": session["results"],
         "mixed": session["mixed"],

@@ -13,7 +13,7 @@ them alike:
 
   metrale       LLM.generate, pipelined decode lane (the default)
   sync          LLM(pipeline=False).generate: the synchronous loop
-  floor         a ModelRunner built with the LLM's settings, stepping the same batch in a bare loop with
+  floor         the metrale LLM's own ModelRunner, stepping the same batch in a bare loop with
                 ModelRunner.forward_only (forward + logits, no sampling, no engine): the prompts in
                 prefill steps of whole prompts within max_num_batched_tokens (as the engine schedules
                 them), then new-tokens - 1 decode steps, KV blocks handed out as the engine's pool
@@ -128,42 +128,25 @@ class Metrale:
 
 
 class Floor:
-    """A ModelRunner with the LLM's settings stepping the batch in a bare loop of forward_only calls."""
+    """The LLM's own model runner stepping the batch in a bare loop of forward_only calls (_bench_common.Floor)."""
 
     name = "floor"
 
-    def __init__(self, path: pathlib.Path, dtype: str, llm_args):
-        from metrale.gpu_worker.model_runner import ModelRunner
-
-        self.block_size = llm_args.block_size
-        self.budget = llm_args.max_num_batched_tokens
-        # The LLM's own cache settings (same pool, same pages): the floor differs only in skipping the engine.
-        self.runner = ModelRunner(
-            str(path), dtype=dtype, block_size=self.block_size, max_num_seqs=llm_args.max_num_seqs,
-            num_kv_blocks=llm_args.num_kv_blocks, kv_cache_memory=llm_args.kv_cache_memory, show_progress=False,
-        )
-        self.plans = bc.FloorPlans(self.runner.kv_cache.num_blocks, self.block_size, self.budget)
+    def __init__(self, llm):
+        self.floor = bc.Floor(llm)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict:
         """Prefill steps then decode steps; the decode step time is reported too."""
-        plans, n_prefill = self.plans.build(prompts, new_tokens)
-        times = []
-        start = time.perf_counter()
-        for plan in plans:
-            t = time.perf_counter()
-            self.runner.forward_only(plan)
-            times.append(time.perf_counter() - t)
-        wall = time.perf_counter() - start
-        decode = times[n_prefill:]
+        r = self.floor.run(prompts, new_tokens)
         return {
-            "tok_s": len(prompts) * new_tokens / wall,
-            "wall_s": wall,
-            "decode_step_ms": statistics.median(decode) * 1e3 if decode else None,
-            "prefill_s": sum(times[:n_prefill]),
+            "tok_s": len(prompts) * new_tokens / r.wall_s,
+            "wall_s": r.wall_s,
+            "decode_step_ms": statistics.median(r.decode_steps_s) * 1e3 if r.decode_steps_s else None,
+            "prefill_s": sum(r.prefill_steps_s),
         }
 
     def close(self) -> None:
-        """Nothing to release but memory."""
+        """Nothing to release: the runner is the LLM's."""
 
 
 class Transformers:
@@ -253,7 +236,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, batches: list[int]) -> tuple
     try:
         engines["metrale"] = Metrale(path, dtype, pipeline=True)
         engines["sync"] = Metrale(path, dtype, pipeline=False)
-        engines["floor"] = Floor(path, dtype, engines["metrale"].llm.args)
+        engines["floor"] = Floor(engines["metrale"].llm)
         if not args.no_transformers:
             engines["transformers"] = Transformers(path, dtype)
         warm = bc.random_prompts(2, args.prompt_len, WARMUP_SEED, vocab_end)

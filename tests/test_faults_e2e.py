@@ -22,6 +22,7 @@ from metrale import LLM, SamplingParams
 from metrale.config import EngineArgs, ServeConfig
 from metrale.frontend.client import AsyncClient, RequestError
 from metrale.supervisor import Child, RestartPolicy, Supervisor
+from metrale.engine_core.fake_device import FakeClock
 
 from serve_fixture import running_server, shm_entries
 
@@ -256,20 +257,10 @@ def test_fail_mode_gives_each_inflight_request_one_worker_fault(model_dir, expec
 # ---- the restart policy, on stand-in children -----------------------------------------------
 
 
-class FakeClock:
-    """The supervisor's clock, moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def supervisor(model_dir):
     """A Supervisor whose children are stand-ins: frontend and engine sleep, the worker exits at once."""
-    clock = FakeClock()
+    clock = FakeClock(now=1000.0)
     config = ServeConfig(engine=EngineArgs(model=str(model_dir)), port=0)
     sup = Supervisor(config, policy=RestartPolicy(window_s=30.0, max_in_a_row=4, backoff_s=0.5), clock=clock)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]

@@ -47,6 +47,26 @@ def test_prefix_cache_hits_and_changes_no_token(model):
     assert hit_rate > 0.8
 
 
+def test_reset_prefix_cache_forgets_every_cached_block(model):
+    """After a reset the same prompt hits nothing and gives the same tokens; the pool stays whole."""
+    rng = random.Random(8)
+    prompt = [rng.randrange(3, 2000) for _ in range(100)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(model, show_progress=False) as llm:
+        pool = llm.engine.pool
+        first = llm.generate([prompt], params)[0].token_ids
+        assert pool.num_cached > 0
+        hits = pool.stats.hit_tokens
+        assert llm.generate([prompt], params)[0].token_ids == first
+        assert pool.stats.hit_tokens > hits
+        assert llm.reset_prefix_cache()
+        assert pool.num_cached == 0
+        pool.check_invariant()
+        hits = pool.stats.hit_tokens
+        assert llm.generate([prompt], params)[0].token_ids == first
+        assert pool.stats.hit_tokens == hits
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_small_pool_serves_32_long_requests_identically(model, mode):
     """A pool for ~8 sequences, 32 requests of 16 + 48 tokens: all complete, tokens equal a roomy run."""

@@ -11,22 +11,13 @@ import pytest
 from metrale.config import EngineArgs, ServeConfig
 from metrale.ipc.messages import Health, ProcessHealth
 from metrale.supervisor import HEALTH_REFRESH_S, Child, Supervisor, read_health
-
-
-class FakeClock:
-    """The supervisor's clock, moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from metrale.engine_core.fake_device import FakeClock
 
 
 @pytest.fixture
 def supervisor(tiny_model_dir):
     """A Supervisor whose three children are `sleep` stand-ins."""
-    clock = FakeClock()
+    clock = FakeClock(now=1000.0)
     sup = Supervisor(ServeConfig(engine=EngineArgs(model=str(tiny_model_dir("llama"))), port=0), clock=clock)
     try:
         for name in ("frontend", "engine", "worker"):
