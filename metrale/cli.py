@@ -38,7 +38,7 @@ def main() -> None:
 @click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True)
 @click.option("--max-frame-bytes", default=1 << 20, show_default=True)
 @click.option("--seed", default=None, type=int)
-@click.option("--worker-threads", default=None, type=int, help="torch threads of the worker on a CPU (default: cores - 1).")
+@click.option("--worker-threads", default=None, type=int, help="torch threads of the worker on a CPU (default: cores - 1, or every core on a box of two or fewer).")
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
     from metrale.supervisor import Supervisor

@@ -1,0 +1,16 @@
+"""The worker's torch threads on a CPU: --worker-threads, else a policy by core count."""
+
+from __future__ import annotations
+
+from metrale.config import EngineArgs
+from metrale.supervisor import _worker_env, default_worker_threads
+
+
+def test_default_leaves_a_core_only_where_there_are_more_than_two():
+    assert [default_worker_threads(c) for c in (1, 2, 3, 4, 16)] == [1, 2, 2, 3, 15]
+
+
+def test_worker_threads_flag_wins_and_a_gpu_worker_gets_no_thread_setting():
+    assert _worker_env(EngineArgs(model="m", worker_threads=3)) == {"OMP_NUM_THREADS": "3"}
+    assert _worker_env(EngineArgs(model="m", device="cuda")) == {}
+    assert _worker_env(EngineArgs(model="m"))["OMP_NUM_THREADS"].isdigit()
