@@ -107,4 +107,3 @@ class PagedKVCache:
         v = torch.index_select(vc, 0, flat, out=self._scratch_v[:n])
         lead = block_ids.shape[:-1]
         return k.view(*lead, -1, *kc.shape[2:]), v.view(*lead, -1, *vc.shape[2:])
-
