@@ -36,13 +36,12 @@ import msgspec
 import psutil
 
 from metrale.config import EngineArgs, ServeConfig
+from metrale.health_file import HealthFile, read_health
 from metrale.ipc.messages import Health, ProcessHealth
 
 log = logging.getLogger("metrale.supervisor")
 
 WATCH_INTERVAL_S = 0.05
-# The health file is rewritten when what it says changes, else this often (only its uptimes have moved).
-HEALTH_REFRESH_S = 1.0
 NEVER = float("inf")
 
 
@@ -150,8 +149,7 @@ class Supervisor:
         self.healthy = True  # False once a child is given up on
         self.last_fault: str | None = None
         self._stop = threading.Event()
-        self._health_written: tuple | None = None  # _health_state of the file's content
-        self._health_written_at = -NEVER
+        self._health_file = HealthFile(self.health_path, self.clock)
 
     # ---- addresses and command lines ------------------------------------------------
 
@@ -333,39 +331,8 @@ class Supervisor:
         return Health(id="", healthy=self.healthy and all(p.alive for p in procs), processes=procs, last_fault=self.last_fault)
 
     def _write_health(self) -> None:
-        """Publish health for the frontend (atomic replace; the frontend reads it on a Health query).
-
-        Only when it changed, or HEALTH_REFRESH_S after the last write: uptimes move on every pass of the
-        watch, so the file holds them as of its writing and the reader adds the file's age (read_health).
-        The periodic rewrite bounds how long a step of the wall clock could skew that age.
-        """
-        now = self.clock()
-        health = self.health()
-        state = _health_state(health)
-        if state == self._health_written and now - self._health_written_at < HEALTH_REFRESH_S:
-            return
-        tmp = self.health_path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.msgpack.encode(health))
-        os.replace(tmp, self.health_path)
-        self._health_written, self._health_written_at = state, now
-
-
-def _health_state(health: Health) -> tuple:
-    """What a Health says apart from uptimes: a change of it is published at once."""
-    return health.healthy, health.last_fault, tuple((p.name, p.pid, p.restarts, p.alive) for p in health.processes)
-
-
-def read_health(path: str | Path) -> Health:
-    """The supervisor's health file, each live process's uptime brought forward by the file's age."""
-    with open(path, "rb") as f:  # the mtime of the very file read (a newer one may replace it meanwhile)
-        data = f.read()
-        written = os.fstat(f.fileno()).st_mtime
-    health = msgspec.msgpack.decode(data, type=Health)
-    age = max(0.0, time.time() - written)
-    for p in health.processes:
-        if p.alive:
-            p.uptime_s += age
-    return health
+        """Publish health for the frontend (metrale/health_file.py: written only when it changes)."""
+        self._health_file.publish(self.health())
 
 
 def _how_it_ended(code: int) -> str:

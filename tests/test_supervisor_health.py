@@ -10,7 +10,9 @@ import pytest
 
 from metrale.config import EngineArgs, ServeConfig
 from metrale.ipc.messages import Health, ProcessHealth
-from metrale.supervisor import HEALTH_REFRESH_S, Child, Supervisor, read_health
+from metrale.health_file import REFRESH_S as HEALTH_REFRESH_S
+from metrale.health_file import read_health
+from metrale.supervisor import Child, Supervisor
 from metrale.engine_core.fake_device import FakeClock
 
 

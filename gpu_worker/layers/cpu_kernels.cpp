@@ -1,0 +1,657 @@
+// metrale's native CPU kernels for the decode step (see cpu_kernels.py, which builds and loads them).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define METRALE_AVX512 1
+#endif
+
+namespace {
+
+// Flush denormals to zero (and read them as zero) on this thread while a task runs: a softmax weight
+// far below the row's max is ~1e-38, and arithmetic on denormals is hundreds of times slower.
+struct FlushDenormals {
+#if defined(__SSE__)
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(c10::BFloat16* p, int64_t i, float x) { p[i] = c10::BFloat16(x); }
+inline void store(c10::Half* p, int64_t i, float x) { p[i] = c10::Half(x); }
+
+// e^x for x <= 0: Cephes' expf (range reduction by ln 2, then a degree-6 polynomial), within a few
+// ulp of expf; exactly 0 below -80 (see FlushDenormals).
+inline float exp_nonpositive(float x) {
+  const float y = std::max(x, -80.0f);
+  const float k = std::floor(y * 1.44269504088896341f + 0.5f);
+  const float r = (y - k * 0.693359375f) + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return x < -80.0f ? 0.0f : std::ldexp(p, static_cast<int>(k));
+}
+
+// Ask for the next block's keys and values while this one is folded: rows hop between blocks, so the
+// hardware prefetcher (which follows sequential runs) loses the stream at every block boundary.
+inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
+#if defined(__SSE__)
+  const char* kc = static_cast<const char*>(k);
+  const char* vc = static_cast<const char*>(v);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    _mm_prefetch(kc + i, _MM_HINT_T0);
+    _mm_prefetch(vc + i, _MM_HINT_T0);
+  }
+#endif
+}
+
+// One row's attention state while its blocks stream past: the scaled queries, and per query head
+// the running max, the running sum of weights and the running sum of weight * value.
+struct RowState {
+  float* qf;   // [heads, dim]
+  float* acc;  // [heads, dim]
+  float* w;    // [heads, block_size]: one block's scores, then its weights
+  float* m;    // [heads]
+  float* l;    // [heads]
+};
+
+struct Shape {
+  int64_t heads, kv_heads, group, dim, block_size;
+};
+
+// Fold tokens [offset, offset + n) of one block into the row's state: keys are stored
+// [kv_heads, dim, block_size], values [block_size, kv_heads, dim]. Portable scalar loops.
+template <typename T>
+void fold_block_generic(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n,
+                        const T* nk, const T* nv) {
+  if (nk) prefetch_block(nk, nv, sh.kv_heads * sh.dim * sh.block_size * static_cast<int64_t>(sizeof(T)));
+  const int64_t bs = sh.block_size, dim = sh.dim;
+  for (int64_t hq = 0; hq < sh.heads; ++hq) {
+    const int64_t h = hq / sh.group;
+    float* w = st.w + hq * bs;
+    const float* q = st.qf + hq * dim;
+    for (int64_t j = 0; j < n; ++j) w[j] = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const T* row = kb + (h * dim + d) * bs + offset;
+      for (int64_t j = 0; j < n; ++j) w[j] += q[d] * load(row, j);
+    }
+    float top = st.m[hq];
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j]);
+    const float alpha = exp_nonpositive(st.m[hq] - top);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      w[j] = exp_nonpositive(w[j] - top);
+      sum += w[j];
+    }
+    st.l[hq] = st.l[hq] * alpha + sum;
+    st.m[hq] = top;
+    float* a = st.acc + hq * dim;
+    for (int64_t d = 0; d < dim; ++d) a[d] *= alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vb + ((offset + j) * sh.kv_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] += w[j] * load(v, d);
+    }
+  }
+}
+
+#if defined(METRALE_AVX512)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Stores rounding to T as torch does (round to nearest even; NaN stays NaN), and that rounding alone.
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <typename T>
+inline __m512 round16(__m512 x) {  // x rounded to T and back to float32
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// e^x on 16 lanes, exactly 0 below -80 (scalef applies the 2^k of the range reduction; +inf past ~88).
+inline __m512 exp16(__m512 x) {
+  const __m512 floor_in = _mm512_set1_ps(-80.0f);
+  const __m512 y = _mm512_max_ps(x, floor_in);
+  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(y, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), y);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 e = _mm512_scalef_ps(p, k);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, floor_in, _CMP_GE_OQ), e);
+}
+
+// The same fold for 16-token blocks, G query heads per KV head, head_dim a multiple of 16: a block's
+// scores for one head are one register (its 16 tokens), built by multiply-adds over the head dim;
+// lanes outside [offset, offset + n) are masked out of the softmax. Written for instruction-level
+// parallelism (the fold is bound by FMA latency, not by arithmetic): two accumulators per head for
+// the scores, one exp for every head's rescale factor, and the value pass keeps 8 independent
+// accumulators in flight. The next block (nk, nv; null for none) is prefetched a line or two per
+// score iteration, spread over the fold: a burst of prefetches would stall on the fill buffers.
+template <typename T, int G>
+void fold_block16(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n,
+                  const T* nk, const T* nv) {
+  constexpr int CB = G >= 8 ? 1 : (G == 4 ? 2 : 4);  // value chunks per pass: G * CB accumulators
+  constexpr int PF = sizeof(T) / 2;  // next-block lines per score iteration: K and V, head by head
+  const int64_t dim = sh.dim, kv_heads = sh.kv_heads;
+  const __mmask16 lanes = static_cast<__mmask16>(((1u << n) - 1u) << offset);
+  const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    const char* pk = nk ? reinterpret_cast<const char*>(nk + h * dim * 16) : nullptr;
+    const char* pv = nv ? reinterpret_cast<const char*>(nv) + h * dim * 16 * sizeof(T) : nullptr;
+    __m512 s0[G], s1[G];
+    for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
+    const T* kh = kb + h * dim * 16;
+    const float* qh = st.qf + h * G * dim;
+    for (int64_t d = 0; d < dim; d += 2) {
+      if (pk) {
+        for (int u = 0; u < PF; ++u) {
+          _mm_prefetch(pk + ((d / 2) * PF + u) * 64, _MM_HINT_T0);
+          _mm_prefetch(pv + ((d / 2) * PF + u) * 64, _MM_HINT_T0);
+        }
+      }
+      const __m512 k0 = load16(kh + d * 16), k1 = load16(kh + (d + 1) * 16);
+      for (int g = 0; g < G; ++g) {
+        s0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qh[g * dim + d]), k0, s0[g]);
+        s1[g] = _mm512_fmadd_ps(_mm512_set1_ps(qh[g * dim + d + 1]), k1, s1[g]);
+      }
+    }
+    alignas(64) float shift[16] = {0.0f};
+    float top[G];
+    __m512 sg[G];
+    for (int g = 0; g < G; ++g) {
+      const int64_t hq = h * G + g;
+      sg[g] = _mm512_mask_blend_ps(lanes, lowest, _mm512_add_ps(s0[g], s1[g]));
+      top[g] = std::max(st.m[hq], _mm512_reduce_max_ps(sg[g]));
+      shift[g] = st.m[hq] - top[g];
+    }
+    alignas(64) float alpha[16];
+    _mm512_store_ps(alpha, exp16(_mm512_load_ps(shift)));
+    for (int g = 0; g < G; ++g) {
+      const int64_t hq = h * G + g;
+      const __m512 p = exp16(_mm512_sub_ps(sg[g], _mm512_set1_ps(top[g])));
+      st.l[hq] = st.l[hq] * alpha[g] + _mm512_reduce_add_ps(p);
+      st.m[hq] = top[g];
+      _mm512_storeu_ps(st.w + hq * 16, p);
+    }
+    for (int64_t c0 = 0; c0 < dim; c0 += 16 * CB) {
+      __m512 a[G][CB];
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < CB; ++u)
+          a[g][u] = c0 + 16 * u < dim ? _mm512_mul_ps(_mm512_loadu_ps(st.acc + (h * G + g) * dim + c0 + 16 * u), _mm512_set1_ps(alpha[g]))
+                                      : _mm512_setzero_ps();
+      for (int64_t j = offset; j < offset + n; ++j) {
+        const T* vj = vb + (j * kv_heads + h) * dim + c0;
+        __m512 wj[G];
+        for (int g = 0; g < G; ++g) wj[g] = _mm512_set1_ps(st.w[(h * G + g) * 16 + j]);
+        for (int u = 0; u < CB; ++u) {
+          if (c0 + 16 * u >= dim) break;
+          const __m512 v = load16(vj + 16 * u);
+          for (int g = 0; g < G; ++g) a[g][u] = _mm512_fmadd_ps(wj[g], v, a[g][u]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < CB; ++u)
+          if (c0 + 16 * u < dim) _mm512_storeu_ps(st.acc + (h * G + g) * dim + c0 + 16 * u, a[g][u]);
+    }
+  }
+}
+#endif
+
+template <typename T>
+using FoldFn = void (*)(const RowState&, const Shape&, const T*, const T*, int64_t, int64_t, const T*, const T*);
+
+// The fastest fold this build and shape allow.
+template <typename T>
+FoldFn<T> choose_fold(const Shape& sh) {
+#if defined(METRALE_AVX512)
+  if (sh.block_size == 16 && sh.dim % 16 == 0) {
+    switch (sh.group) {
+      case 1: return fold_block16<T, 1>;
+      case 2: return fold_block16<T, 2>;
+      case 4: return fold_block16<T, 4>;
+      case 8: return fold_block16<T, 8>;
+      default: break;
+    }
+  }
+#endif
+  return fold_block_generic<T>;
+}
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& first_key,
+            double scale, at::Tensor& out) {
+  const Shape sh{q.size(1), k_blocks.size(1), q.size(1) / k_blocks.size(1), q.size(2), k_blocks.size(3)};
+  const int64_t rows = q.size(0), width = block_tables.size(1);
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), block_elems = sh.kv_heads * sh.dim * sh.block_size;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_blocks.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* firsts = first_key.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  const FoldFn<T> fold = choose_fold<T>(sh);
+
+  // One task per row, its blocks in order, with an online softmax (flash-decoding): every key and
+  // value is read once, straight from its block.
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
+    const int64_t heads = sh.heads, dim = sh.dim;
+    std::vector<float> scratch(heads * dim * 2 + heads * sh.block_size + heads * 2);
+    const RowState st{scratch.data(), scratch.data() + heads * dim, scratch.data() + 2 * heads * dim,
+                      scratch.data() + 2 * heads * dim + heads * sh.block_size,
+                      scratch.data() + 2 * heads * dim + heads * sh.block_size + heads};
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const T* src = qp + r * q_row + hq * q_head;
+        for (int64_t d = 0; d < dim; ++d) st.qf[hq * dim + d] = load(src, d) * sc;
+        for (int64_t d = 0; d < dim; ++d) st.acc[hq * dim + d] = 0.0f;
+        st.m[hq] = -FLT_MAX;
+        st.l[hq] = 0.0f;
+      }
+      const int64_t len = lens[r];
+      const int64_t* table = tables + r * width;
+      for (int64_t t = firsts[r]; t < len;) {
+        const int64_t block = table[t / sh.block_size];
+        const int64_t offset = t % sh.block_size;
+        const int64_t n = std::min(sh.block_size - offset, len - t);
+        // The block after this one: the row's next, else the first of the task's next row.
+        const T* nk = nullptr;
+        const T* nv = nullptr;
+        if (t + n < len) {
+          nk = kp + table[(t + n) / sh.block_size] * block_elems;
+          nv = vp + table[(t + n) / sh.block_size] * block_elems;
+        } else if (r + 1 < end && firsts[r + 1] < lens[r + 1]) {
+          const int64_t next = tables[(r + 1) * width + firsts[r + 1] / sh.block_size];
+          nk = kp + next * block_elems;
+          nv = vp + next * block_elems;
+        }
+        fold(st, sh, kp + block * block_elems, vp + block * block_elems, offset, n, nk, nv);
+        t += n;
+      }
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const float inv = 1.0f / st.l[hq];
+        T* dst = op + (r * heads + hq) * dim;
+        for (int64_t d = 0; d < dim; ++d) store(dst, d, st.acc[hq * dim + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        const at::Tensor& first_key, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim] with unit last stride");
+  TORCH_CHECK(k_blocks.dim() == 4 && v_cache.dim() == 4 && k_blocks.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous: keys [blocks, kv_heads, head_dim, block_size], values [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_blocks.size(0) == v_cache.size(0) && k_blocks.size(1) == v_cache.size(2) &&
+                  k_blocks.size(2) == v_cache.size(3) && k_blocks.size(3) == v_cache.size(1), "key and value caches do not match");
+  TORCH_CHECK(q.scalar_type() == k_blocks.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(), "q, caches and out must share a dtype");
+  TORCH_CHECK(k_blocks.size(2) == q.size(2) && q.size(1) % k_blocks.size(1) == 0, "head shapes do not match");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                  block_tables.size(0) == q.size(0), "block_tables must be contiguous int64 [rows, width]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
+                  first_key.scalar_type() == at::kLong && first_key.is_contiguous() && first_key.numel() == q.size(0),
+              "seq_lens and first_key must be contiguous int64 [rows]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
+  switch (q.scalar_type()) {
+    case at::kFloat: decode<float>(q, k_blocks, v_cache, block_tables, seq_lens, first_key, scale, out); break;
+    case at::kBFloat16: decode<c10::BFloat16>(q, k_blocks, v_cache, block_tables, seq_lens, first_key, scale, out); break;
+    case at::kHalf: decode<c10::Half>(q, k_blocks, v_cache, block_tables, seq_lens, first_key, scale, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+
+// Store a step's keys (transposed into [kv_heads, dim, block_size] blocks) and values into their slots.
+template <typename T>
+void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_blocks, at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), dim = k.size(2), bs = k_blocks.size(3);
+  const int64_t k_row = k.stride(0), k_head = k.stride(1), v_row = v.stride(0), v_head = v.stride(1);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kb = k_blocks.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  // A token's key touches one cache line per two head dims of each head (the layout is transposed):
+  // ask for the next token's lines before storing this one's, so the misses overlap.
+  const int64_t dims_per_line = std::max<int64_t>(1, 64 / (bs * static_cast<int64_t>(sizeof(T))));
+  auto key_dst = [&](int64_t t, int64_t h) { return kb + ((sp[t] / bs * kv_heads + h) * dim) * bs + sp[t] % bs; };
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const T* next = key_dst(t + 1, h);
+          for (int64_t d = 0; d < dim; d += dims_per_line) __builtin_prefetch(next + d * bs, 1, 3);
+        }
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const T* src_k = kp + t * k_row + h * k_head;
+        T* dst_k = key_dst(t, h);
+        for (int64_t d = 0; d < dim; ++d) dst_k[d * bs] = src_k[d];
+        std::memcpy(vc + (sp[t] * kv_heads + h) * dim, vp + t * v_row + h * v_head, dim * sizeof(T));
+      }
+    }
+  });
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_blocks, at::Tensor v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k, v must be [tokens, kv_heads, head_dim] with unit last stride");
+  TORCH_CHECK(k_blocks.is_contiguous() && v_cache.is_contiguous() && k_blocks.size(1) == k.size(1) &&
+                  k_blocks.size(2) == k.size(2) && v_cache.size(2) == k.size(1) && v_cache.size(3) == k.size(2),
+              "caches must be contiguous and match k's heads");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k.scalar_type() == k_blocks.scalar_type() &&
+                  k.scalar_type() == v_cache.scalar_type(), "k, v and the caches must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "slots must be contiguous int64 [tokens]");
+  switch (k.scalar_type()) {
+    case at::kFloat: write_kv_impl<float>(k, v, k_blocks, v_cache, slots); break;
+    case at::kBFloat16: write_kv_impl<c10::BFloat16>(k, v, k_blocks, v_cache, slots); break;
+    case at::kHalf: write_kv_impl<c10::Half>(k, v, k_blocks, v_cache, slots); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", k.scalar_type());
+  }
+}
+
+// Hugging Face's RMSNorm with its rounding points, optionally after the residual add it follows:
+// x += delta (rounded to T, as torch's add), then out = T(w * T(x / rms(x))), the norm in float32.
+template <typename T>
+void rms_norm_impl(at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t rows = x.numel() / x.size(-1), n = x.size(-1);
+  T* xp = x.data_ptr<T>();
+  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float e = static_cast<float>(eps);
+#if defined(METRALE_AVX512)
+  if (n % 16 == 0) {
+    // The same arithmetic 16 lanes at a time: the stored sum is re-read for the second pass.
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* xr = xp + r * n;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+          __m512 v = load16(xr + i);
+          if (dp) {
+            v = round16<T>(_mm512_add_ps(v, load16(dp + r * n + i)));
+            store16(xr + i, v);
+          }
+          acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + e));
+        T* orow = op + r * n;
+        for (int64_t i = 0; i < n; i += 16) {
+          const __m512 normed = round16<T>(_mm512_mul_ps(load16(xr + i), inv));
+          store16(orow + i, _mm512_mul_ps(load16(wp + i), normed));
+        }
+      }
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * n;
+      float sumsq = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        float value = static_cast<float>(xr[i]);
+        if (dp) {
+          const T sum = static_cast<T>(value + static_cast<float>(dp[r * n + i]));
+          xr[i] = sum;
+          value = static_cast<float>(sum);
+        }
+        buf[i] = value;
+      }
+#pragma omp simd reduction(+ : sumsq)
+      for (int64_t i = 0; i < n; ++i) sumsq += buf[i] * buf[i];
+      const float inv = 1.0f / std::sqrt(sumsq / static_cast<float>(n) + e);
+      T* orow = op + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const T normed = static_cast<T>(buf[i] * inv);
+        orow[i] = static_cast<T>(static_cast<float>(wp[i]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+void rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps, at::Tensor out) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() && weight.is_contiguous() &&
+                  weight.numel() == x.size(-1), "x, out contiguous and alike; weight [hidden]");
+  TORCH_CHECK(!delta || (delta->is_contiguous() && delta->sizes() == x.sizes()), "delta must be contiguous and shaped like x");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type() &&
+                  (!delta || delta->scalar_type() == x.scalar_type()), "x, delta, weight and out must share a dtype");
+  const at::Tensor* d = delta ? &*delta : nullptr;
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_impl<float>(x, d, weight, eps, out); break;
+    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(x, d, weight, eps, out); break;
+    case at::kHalf: rms_norm_impl<c10::Half>(x, d, weight, eps, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
+  }
+}
+
+// silu(gate) * up for gate_up [rows, 2n] (the stacked MLP projection), with torch's rounding points:
+// silu in float32, rounded to T, times up in float32, rounded to T. One pass instead of two ops.
+inline float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
+
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = out.size(0), n = out.size(1), row_stride = gate_up.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gp + r * row_stride;
+      const T* up = gate + n;
+      T* dst = op + r * n;
+      int64_t i = 0;
+#if defined(METRALE_AVX512)
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 x = load16(gate + i);
+        const __m512 s = round16<T>(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+        store16(dst + i, _mm512_mul_ps(s, load16(up + i)));
+      }
+#endif
+      for (; i < n; ++i) {
+        const T s = static_cast<T>(silu_scalar(load(gate, i)));
+        store(dst, i, static_cast<float>(s) * load(up, i));
+      }
+    }
+  });
+}
+
+void silu_mul(const at::Tensor& gate_up, at::Tensor out) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2n] with unit last stride");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == gate_up.size(0) && out.size(1) * 2 == gate_up.size(1) &&
+                  out.scalar_type() == gate_up.scalar_type(), "out must be contiguous [rows, n] in gate_up's dtype");
+  switch (gate_up.scalar_type()) {
+    case at::kFloat: silu_mul_impl<float>(gate_up, out); break;
+    case at::kBFloat16: silu_mul_impl<c10::BFloat16>(gate_up, out); break;
+    case at::kHalf: silu_mul_impl<c10::Half>(gate_up, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", gate_up.scalar_type());
+  }
+}
+
+// Rotary embedding in place on x [T, heads, dim] (any token/head strides): x * cos + rotate_half(x) * sin
+// with torch's rounding points (each product rounded to T, then their sum), from a [len, 2, dim] table
+// of cos and signed sin (sin with its first half negated, so rotate_half needs no negation).
+template <typename T>
+void rotary_impl(at::Tensor& x, const at::Tensor& table, const at::Tensor& positions) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t x_tok = x.stride(0), x_head = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  const T* tp = table.data_ptr<T>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> lo(half), hi(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* cos = tp + pp[t] * 2 * dim;
+      const T* sin = cos + dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = xp + t * x_tok + h * x_head;
+        for (int64_t i = 0; i < half; ++i) {
+          lo[i] = load(row, i);
+          hi[i] = load(row, half + i);
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          const T a = static_cast<T>(lo[i] * load(cos, i)), b = static_cast<T>(hi[i] * load(sin, i));
+          const T c = static_cast<T>(hi[i] * load(cos, half + i)), d = static_cast<T>(lo[i] * load(sin, half + i));
+          store(row, i, static_cast<float>(a) + static_cast<float>(b));
+          store(row, half + i, static_cast<float>(c) + static_cast<float>(d));
+        }
+      }
+    }
+  });
+}
+
+void rotary(at::Tensor x, const at::Tensor& table, const at::Tensor& positions) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x must be [tokens, heads, dim] with unit last stride");
+  TORCH_CHECK(table.dim() == 3 && table.is_contiguous() && table.size(1) == 2 && table.size(2) == x.size(2) &&
+                  table.scalar_type() == x.scalar_type(), "table must be contiguous [len, 2, dim] in x's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "positions must be contiguous int64 [tokens]");
+  switch (x.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(x, table, positions); break;
+    case at::kBFloat16: rotary_impl<c10::BFloat16>(x, table, positions); break;
+    case at::kHalf: rotary_impl<c10::Half>(x, table, positions); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
+  }
+}
+
+// One row's argmax, the first index among equal maxima (what torch's max(dim).indices gives); float32
+// or bfloat16 rows (a bf16 model's logits need no float32 copy to be argmaxed: the conversion is exact).
+template <typename T>
+int64_t argmax_row(const T* row, int64_t n) {
+  int64_t i = 0, best_at = 0;
+  float best = -INFINITY;
+#if defined(METRALE_AVX512)
+  if (n >= 16) {
+    // Per lane: the first position of its largest value (strictly greater replaces), then across lanes.
+    __m512 top = load16(row);
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i pos = at;
+    const __m512i step = _mm512_set1_epi32(16);
+    for (i = 16; i + 16 <= n; i += 16) {
+      pos = _mm512_add_epi32(pos, step);
+      const __m512 v = load16(row + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+      top = _mm512_mask_mov_ps(top, gt, v);
+      at = _mm512_mask_mov_epi32(at, gt, pos);
+    }
+    alignas(64) float tops[16];
+    alignas(64) int32_t ats[16];
+    _mm512_store_ps(tops, top);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(ats), at);
+    best = tops[0];
+    best_at = ats[0];
+    for (int l = 1; l < 16; ++l) {
+      if (tops[l] > best || (tops[l] == best && ats[l] < best_at)) {
+        best = tops[l];
+        best_at = ats[l];
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (load(row, i) > best) {
+      best = load(row, i);
+      best_at = i;
+    }
+  }
+  return best_at;
+}
+
+template <typename T>
+void argmax_rows_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+}
+
+void argmax_rows(const at::Tensor& x, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be contiguous float32 or bfloat16 [rows, n]");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == x.size(0), "out must be int64 [rows]");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "rows longer than 2^31 are not supported");
+  if (x.scalar_type() == at::kFloat) argmax_rows_impl<float>(x, out);
+  else argmax_rows_impl<c10::BFloat16>(x, out);
+}
+}  // namespace
+
+TORCH_LIBRARY(metrale_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_blocks, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor first_key, float scale, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_blocks, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, TORCH_FN(write_kv));
+  m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("rotary(Tensor(a!) x, Tensor table, Tensor positions) -> ()");
+  m.impl("rotary", c10::DispatchKey::CPU, TORCH_FN(rotary));
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
+}
