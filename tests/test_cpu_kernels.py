@@ -170,3 +170,13 @@ def test_rotary_is_bit_identical_to_the_torch_path(dtype):
     assert got.data_ptr() == qk.data_ptr()
     assert torch.equal(got, want)
     assert torch.equal(qkv[:, 12:], v_before)
+
+
+@native
+def test_kernels_are_built_to_run_on_torchs_threads():
+    """With torch's OpenMP backend, at::parallel_for's pragma must be compiled in (else every kernel is
+    serial): the library then calls libgomp's GOMP_parallel, shared with torch."""
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch without OpenMP: at::parallel_for is torch's own code")
+    lib = cpu_kernels._build()
+    assert b"GOMP_parallel" in lib.read_bytes()
