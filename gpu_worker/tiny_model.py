@@ -145,15 +145,20 @@ def make_tiny_model(
 
 def default_model_dir() -> pathlib.Path:
     """Build the "default" preset once into the cache dir (atomically) and return its folder."""
+    return cached_model_dir(f"tiny-llama-default-v{FORMAT_VERSION}-py{sys.version_info[0]}{sys.version_info[1]}", "default")
+
+
+def cached_model_dir(name: str, preset: str, dtype: str = "float32") -> pathlib.Path:
+    """The preset's random Llama in $METRALE_CACHE_DIR (default ~/.cache/metrale)/name, built once: into a
+    temp folder renamed into place, so concurrent builders never see half a model."""
     cache = pathlib.Path(os.environ.get("METRALE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "metrale")
-    name = f"tiny-llama-default-v{FORMAT_VERSION}-py{sys.version_info[0]}{sys.version_info[1]}"
     final = cache / name
     if (final / "config.json").exists():
         return final
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        make_tiny_model(tmp, "llama", preset="default", seed=0)
+        make_tiny_model(tmp, "llama", preset=preset, seed=0, dtype=dtype)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cached model is for every user of the cache
         try:
             os.rename(tmp, final)  # atomic; fails if another process got there first

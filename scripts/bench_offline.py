@@ -41,10 +41,8 @@ import argparse
 import os
 import pathlib
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -80,24 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_dir(preset: str, dtype: str) -> pathlib.Path:
     """The preset's random Llama in this dtype, built once into the cache folder (atomically)."""
-    from metrale.gpu_worker.tiny_model import FORMAT_VERSION, make_tiny_model
+    from metrale.gpu_worker.tiny_model import FORMAT_VERSION, cached_model_dir
 
-    cache = pathlib.Path(os.environ.get("METRALE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "metrale") / "bench"
-    final = cache / f"{preset}-llama-{dtype}-v{FORMAT_VERSION}"
-    if (final / "config.json").exists():
-        return final
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache))
-    try:
-        make_tiny_model(tmp, "llama", preset=preset, seed=0, dtype=dtype)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_model_dir(f"bench/{preset}-llama-{dtype}-v{FORMAT_VERSION}", preset, dtype)
 
 
 # ---- the engines -------------------------------------------------------------------------------
