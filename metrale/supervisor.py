@@ -354,8 +354,9 @@ def _worker_env(engine: EngineArgs) -> dict[str, str]:
 
 def default_worker_threads(cores: int) -> int:
     """All cores but one for the model, so the engine core, frontend and clients keep one; but every core
-    on a box of two or fewer, where they need a fifth of a core and an idle spare would halve the model
-    (measured on 2 cores, batch 32: serve/offline 0.79 with one worker thread, 0.92 with two, float32)."""
+    on a box of two or fewer, where they need about a third of a core (bench_serve, batch 32: 0.16 ms of CPU
+    per token beside the worker's 0.89) and a spare core would halve the model (measured on 2 cores, batch 32,
+    float32: serve/offline 0.79 with one worker thread, 0.92 with two)."""
     return cores if cores <= 2 else cores - 1
 
 

@@ -24,7 +24,7 @@ E, ...), so a drift in the machine's load hits all of them alike; the order rota
 and is reversed every other one (A B C D E, A E D C B, C D E A B, C B A E D, ...), so no engine always runs in the wake of
 the same neighbour, and each run waits at least --settle-s and then until the CPUs go idle (an engine's OpenMP
 threads, or vLLM's background processes, may keep spinning after its run: measured, the engine that always
-followed vLLM lost a third of its throughput). --mixed adds the scheduler issue's
+ran right after vLLM had twice its time to first token). --mixed adds the scheduler issue's
 mixed workload (256 requests, prompts 32–1024, outputs 32–512, seeded), once per engine (no floor;
 transformers in static padded batches of --hf-batch, credited only with the tokens each request asked for).
 
