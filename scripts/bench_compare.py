@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="model folder (default: build bench-tiny in a temp folder)")
     ap.add_argument("--preset", default="bench-tiny", help="tiny-model preset built when --model is not given")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default=None, help="cpu or cuda for metrale and transformers (default: cuda when present)")
     ap.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -204,7 +205,7 @@ class OfflineEngine:
         from metrale import LLM
 
         self.bc = bc
-        self.llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=args.max_num_seqs,
+        self.llm = LLM(str(model_dir), dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, show_progress=False)
 
     def run(self, prompts, max_tokens) -> dict:
@@ -227,6 +228,8 @@ class ServeEngine:
         flags = ["--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.worker_threads:
             flags += ["--worker-threads", str(args.worker_threads)]
+        if args.device:
+            flags += ["--device", args.device]
         self.server = bc.ServeProcess(model_dir, *flags, env=bc.thread_env(args.threads))
         ring = self.server.ring_name()
         self.reader = bc.WorkerRingReader(ring) if ring else None
@@ -293,7 +296,9 @@ class TransformersEngine:
         self.torch = torch
         self.version = transformers.__version__
         self.hf_batch = args.hf_batch
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa")
+        self.model = self.model.to(self.device).eval()
 
     def run(self, prompts, max_tokens) -> dict:
         """Output tokens credited = what each request asked for (a padded batch makes more, and pays for it)."""
@@ -311,8 +316,9 @@ class TransformersEngine:
                 mask[j, width - len(p) :] = 1
             n = max(outs)
             with torch.inference_mode():
-                self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, pad_token_id=0)
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            out.cpu()  # waits for the device
         wall = time.perf_counter() - start
         tokens = sum(max_tokens)
         return {"output_tokens": tokens, "wall_s": round(wall, 4), "throughput_tok_s": round(tokens / wall, 2)}
@@ -463,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit,
         "model": args.model or args.preset,
         "dtype": args.dtype,
+        "device": args.device or "auto",
         "workload": {"batches": [int(b) for b in args.batch.split(",")], "prompt_len": args.prompt_len,
                      "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "mixed": args.mixed},
         "reps": args.reps,
