@@ -20,6 +20,8 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
     """
     token_list = tokens.tolist()
     rewrite = io.faults.rewrite_commit
+    toks = io.toks
+    logprobs = result is not None and result.logprobs is not None
     for r, seq in enumerate(seqs):
         tok = token_list[r]
         if tok < 0 or (skip is not None and skip[r]):
@@ -28,12 +30,15 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
             tok ^= 1  # a host-side rewrite the device did not see
         seq.tokens.append(tok)
         seq.pending.append(tok)
-        if seq.params.logprobs is not None and result is not None and result.logprobs is not None:
+        if logprobs and seq.params.logprobs is not None:
             seq.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
-        update_row_state(seq, tok, io.toks)
+        if not seq.plain:  # a plain row's row state is never read
+            update_row_state(seq, tok, toks)
         _check_stop(io, seq, tok)
+    bs = io.pool.block_size
     for seq in seqs:
-        io.pool.cache_full_blocks(seq)
+        if seq.num_computed >= (seq.hashed_blocks + 1) * bs:  # a block filled since it was last hashed
+            io.pool.cache_full_blocks(seq)
 
 
 def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:

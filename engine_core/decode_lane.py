@@ -15,7 +15,7 @@ from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy
 
 from .commit import commit_tokens
 from .host_sampler import host_sample
-from .pipeline import Inflight, Pipeline, PipelineFaults, Settled, ahead_allowed, fed_sources, row_mask
+from .pipeline import Inflight, Pipeline, PipelineFaults, Settled, ahead_allowed, fed_sources, row_mask, row_masks
 from .sequence import Sequence
 from .step_io import ReadLogits, ReserveKv, Rollback, StepIo
 
@@ -59,7 +59,7 @@ def step_decode_pipelined(active: list[Sequence], pipeline: Pipeline, io: StepIo
 def launch_plain(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> bool:
     """Launch one host-fed decode for every row and hold it in flight. False if the launch failed."""
     t0 = io.clock()
-    masks = [row_mask(s, io.toks, io.eos_ids) for s in active]
+    masks = row_masks(active, io.toks, io.eos_ids)
     plan = io.builder.build(active, [1] * len(active), masks)
     try:
         ticket = io.device.launch(plan)
@@ -90,7 +90,9 @@ def reserve_all(active: list[Sequence], io: StepIo) -> bool:
     False (a dry pool) means no launch ahead this tick; blocks reserved for earlier rows stay allocated
     (the next plain launch uses them).
     """
-    return all(io.apply(ReserveKv(s)) for s in active)
+    full = io.pool.block_size
+    # Only a row whose next position starts a new block needs one (ReserveKv would take none otherwise).
+    return all(io.apply(ReserveKv(s)) for s in active if s.num_computed >= len(s.block_table) * full)
 
 
 def launch_ahead(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> bool:
@@ -98,7 +100,7 @@ def launch_ahead(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> bool
     t0 = io.clock()
     n = len(active)
     # The masks t+1 picks under, predicted for after t's (ordinary) token; validate checks them.
-    masks = [row_mask(s, io.toks, io.eos_ids, ahead=1) for s in active]
+    masks = row_masks(active, io.toks, io.eos_ids, ahead=1)
     plan = io.builder.build(active, [1] * n, masks, fed=True)
     try:
         ticket = io.device.launch(plan)
@@ -148,7 +150,7 @@ def settle(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> Settled:
         except DeviceError as e:
             fail_rows(active, io, e)
             return Settled.FAILED
-        masks = [row_mask(s, io.toks, io.eos_ids) for s in active]
+        masks = row_masks(active, io.toks, io.eos_ids)
         tokens = host_sample(logits, active, masks)
     commit_tokens(io, active, tokens, result, inf.discard)
     nxt = pipeline.next
@@ -173,16 +175,19 @@ def validate_next(nxt: Inflight, active: list[Sequence], prev_tokens: np.ndarray
     assert rows_match(nxt, active), "pipelined step validated against a different batch"
     repick_only = io.device.model().fed_ahead_policy == FedAheadPolicy.REPICK_ONLY
     poisoned = []
-    for i, s in enumerate(active):
-        src = nxt.inputs[i]
-        fed = int(prev_tokens[src]) if src != FEED_HOST else -1
-        over_run = s.finished or s.last_token != fed or s.num_computed != nxt.rows[i][1]
-        nxt.discard[i] = over_run and not faults.keep_overrun
+    prev = prev_tokens.tolist()
+    keep_overrun = faults.keep_overrun
+    for i, (s, src, (_, written)) in enumerate(zip(active, nxt.inputs, nxt.rows)):
+        fed = prev[src] if src != FEED_HOST else -1
+        over_run = s.finished or s.tokens[-1] != fed or s.num_computed != written
+        nxt.discard[i] = over_run and not keep_overrun
         if repick_only and nxt.discard[i] and not s.finished:
             poisoned.append(i)
-    # The masks were fixed at launch; if a survivor's mask has changed, its pick is stale.
+    # The masks were fixed at launch; if a survivor's mask has changed, its pick is stale (a plain
+    # row's mask is always NO_MASK).
     stale = any(
-        not nxt.discard[i] and row_mask(s, io.toks, io.eos_ids) != nxt.masks[i] for i, s in enumerate(active)
+        not nxt.discard[i] and not s.plain and row_mask(s, io.toks, io.eos_ids) != nxt.masks[i]
+        for i, s in enumerate(active)
     )
     if repick_only:
         nxt.host_logits = stale  # the forward stands (its input was right); the host repicks

@@ -99,6 +99,21 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
     return RowMask(kind, -1, ban) if kind else NO_MASK
 
 
+def is_plain(seq: Sequence, toks: SpecialTokens) -> bool:
+    """True when seq's params make every mask NO_MASK, need no penalties and read no row state."""
+    p = seq.params
+    return not (
+        p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None or mask_may_change(seq, toks)
+    )
+
+
+def row_masks(seqs: list[Sequence], toks: SpecialTokens, eos_ids: tuple[int, ...], ahead: int = 0) -> list[RowMask]:
+    """Every row's mask (row_mask), without per-row work when every row is plain."""
+    if all(s.plain for s in seqs):
+        return [NO_MASK] * len(seqs)
+    return [row_mask(s, toks, eos_ids, ahead) for s in seqs]
+
+
 def mask_may_change(seq: Sequence, toks: SpecialTokens) -> bool:
     """True when the value of the token in flight could change seq's next mask (so no running ahead)."""
     p = seq.params
@@ -115,7 +130,7 @@ def ahead_allowed(active: list[Sequence], toks: SpecialTokens, faults: PipelineF
     Penalties need the row's full history (t's token included) and a thinking budget or adaptive
     sampling make the next mask depend on t's token; such rows settle before they launch again.
     """
-    if faults.ignore_ahead_allowed:
+    if faults.ignore_ahead_allowed or all(s.plain for s in active):
         return True
     return not any(s.params.has_penalties or mask_may_change(s, toks) for s in active)
 
@@ -138,6 +153,7 @@ def update_row_state(seq: Sequence, token: int, toks: SpecialTokens) -> None:
 
 def init_row_state(seq: Sequence, toks: SpecialTokens) -> None:
     """Set the row state from the prompt (a template may open <think> or a fence for the model)."""
+    seq.plain = is_plain(seq, toks)
     seq.in_think = seq.in_fence = seq.in_tool = False
     seq.think_tokens = 0
     for i, token in enumerate(seq.tokens):

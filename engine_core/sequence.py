@@ -49,6 +49,9 @@ class Sequence:
     in_tool: bool = False
     num_preemptions: int = 0
     sampling_row: tuple = ()  # the step builder's cached layout of params (step_builder.sampling_row)
+    # No mask, penalty or row state can ever matter for it (pipeline.is_plain, set on admission): the
+    # decode lane skips the per-row mask and row-state work. False is always safe.
+    plain: bool = False
     # Prefix caching (kv_blocks): how many leading blocks are hashed, and the last one's hash.
     hashed_blocks: int = 0
     prefix_hash: int = 0

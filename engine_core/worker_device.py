@@ -27,6 +27,7 @@ from metrale.ipc.tickets import SPIN_IS_SAFE, RingGeometry, TicketRing, WorkerSt
 
 DEFAULT_SPIN_US = 100.0
 WAIT_SLICE_S = 0.01
+PID_CHECK_NS = 100_000_000  # how often a waiting step reads the process table (the doorbell tells sooner)
 WORKER_MODULE = "metrale.gpu_worker.worker"
 
 
@@ -54,6 +55,7 @@ class WorkerDevice:
             raise
         self._spin_ns = int(spin_us * 1000) if SPIN_IS_SAFE else 0
         self._slice_s = wait_slice_s
+        self._pid_checked_ns = 0  # when _why_gone last read the process table for the worker
         self._step_timeout_s = step_timeout_s
         self._bell: Bell | None = None
         self._info: ModelInfo | None = None
@@ -254,7 +256,7 @@ class WorkerDevice:
         while ring.result_seq(slot) != seq:
             if seq < self._first_seq:
                 raise DeviceLost(f"step {seq} was abandoned: the worker was restarted")
-            gone = self._why_gone()
+            gone = self._why_gone(time.monotonic_ns())
             if gone is not None:
                 if ring.result_seq(slot) == seq:
                     return  # published just before the worker went
@@ -263,13 +265,21 @@ class WorkerDevice:
                 raise DeviceError(f"step {seq} took longer than {self._step_timeout_s} s")
             bell.wait(self._slice_s)
 
-    def _why_gone(self) -> str | None:
-        """Why the worker can no longer answer (None while it lives); remembered once known."""
+    def _why_gone(self, now_ns: int | None = None) -> str | None:
+        """Why the worker can no longer answer (None while it lives); remembered once known.
+
+        The doorbell's end-of-file tells a death at once (the kernel closes a killed process's socket);
+        the process table is read as well, at most every PID_CHECK_S when now_ns is given (it costs a
+        /proc read per step otherwise), for a worker whose socket outlives it in a child of its own.
+        """
         if self._gone is None:
+            check_pid = now_ns is None or now_ns - self._pid_checked_ns >= PID_CHECK_NS
             if self._bell.peer_gone:
                 self._gone = f"the worker process (pid {self._pid}) closed its doorbell"
-            elif not self._alive(self._pid):
+            elif check_pid and not self._alive(self._pid):
                 self._gone = f"the worker process (pid {self._pid}) died"
+            if check_pid and now_ns is not None:
+                self._pid_checked_ns = now_ns
             if self._gone is not None and self._proc is not None:
                 code = self._reap(timeout_s=0.05)
                 if code is not None:

@@ -37,6 +37,7 @@ from .client_protocol import (
     timeout_error,
 )
 
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 _shared: tuple[int, zmq.asyncio.Context] | None = None  # (the pid that made it, the context)
 _shared_lock = threading.Lock()
 
@@ -66,6 +67,7 @@ class AsyncClient:
         self._sock = shared_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
+        self._drain_sock = zmq.Socket.shadow(self._sock.underlying)  # reads what else has arrived, no future each
         self._waiters: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._closed = False
@@ -87,6 +89,7 @@ class AsyncClient:
         for q in self._waiters.values():
             q.put_nowait(ClientClosed("the client was closed"))
         self._waiters.clear()
+        self._drain_sock = None
         self._sock.close(linger=0)
 
     async def generate(
@@ -170,7 +173,13 @@ class AsyncClient:
     async def _wait(self, q: asyncio.Queue, request_id: str):
         """The next message for a request; TimeoutError when the server stays silent for `timeout`."""
         try:
-            item = await asyncio.wait_for(q.get(), self.timeout)
+            if not q.empty():
+                item = q.get_nowait()
+            elif _timeout is not None:  # one timer handle; wait_for costs a task per message
+                async with _timeout(self.timeout):
+                    item = await q.get()
+            else:
+                item = await asyncio.wait_for(q.get(), self.timeout)
         except asyncio.TimeoutError:
             raise timeout_error(self.address, request_id, self.timeout) from None
         if isinstance(item, BaseException):
@@ -180,9 +189,19 @@ class AsyncClient:
     async def _read_forever(self) -> None:
         """Route every server frame to its request's queue."""
         while True:
-            msg = decode_answer(await self._sock.recv())
-            if msg is None:
-                continue
-            q = self._waiters.get(msg.id)
-            if q is not None:
-                q.put_nowait(msg)
+            self._route(await self._sock.recv())
+            while True:  # then whatever else is queued, without a future per frame
+                try:
+                    frame = self._drain_sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._route(frame)
+
+    def _route(self, frame: bytes) -> None:
+        """Hand one server frame to its request's queue (frames of finished requests are dropped)."""
+        msg = decode_answer(frame)
+        if msg is None:
+            return
+        q = self._waiters.get(msg.id)
+        if q is not None:
+            q.put_nowait(msg)

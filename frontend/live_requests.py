@@ -31,7 +31,7 @@ log = logging.getLogger("metrale.frontend.server")
 _SYNC_ENCODE_CHARS = 8192  # longer prompts are tokenized off the event loop (~1 ms per 1,500 characters)
 
 LocalSink = Callable[[Delta | Error], None]
-RouterSend = Callable[[bytes, tuple[bytes, ...], msgspec.Struct], bool]  # False: that client is gone
+RouterSend = Callable[[bytes, tuple[bytes, ...], msgspec.Struct], None]  # a client that cannot take it is dropped
 
 
 @dataclass(slots=True)

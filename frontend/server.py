@@ -123,7 +123,9 @@ class FrontendServer:
         self._stop: asyncio.Event | None = None
         self._stop_requested = False
         self._router: zmq.asyncio.Socket | None = None
+        self._router_sync: zmq.Socket | None = None  # the same socket without futures, for batched sends
         self._monitor: zmq.asyncio.Socket | None = None
+        self._batch: list[list[bytes]] | None = None  # frames queued while one engine message is handled
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -187,6 +189,7 @@ class FrontendServer:
             router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.heartbeat_s * 3000))
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         router.bind(cfg.client_address)
+        self._router_sync = zmq.Socket.shadow(router.underlying)  # not closed itself: closing router closes it
         self.client_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.link.open(ctx, cfg.engine_input_address, cfg.engine_output_address)
         log.info("frontend listening on %s; engine core at %s / %s", self.client_endpoint,
@@ -202,6 +205,7 @@ class FrontendServer:
         for sock in (self._monitor, self._router):
             if sock is not None:
                 sock.close(linger=0)
+        self._router_sync = None
         self.link.close()
 
     # ---- clients → server ------------------------------------------------------------
@@ -368,8 +372,13 @@ class FrontendServer:
         """Dispatch one engine-core message."""
         if isinstance(msg, EngineOutputs):
             aborts: list[str] = []
-            for out in msg.outputs:
-                self.requests.on_output(out, aborts)
+            self._batch = []
+            try:
+                for out in msg.outputs:
+                    self.requests.on_output(out, aborts)
+            finally:
+                batch, self._batch = self._batch, None
+                self._send_batch(batch)
             self.link.abort(aborts)
         elif isinstance(msg, StatsResponse):
             if self.link.answer_stats(msg) and not self.link.up:
@@ -394,15 +403,35 @@ class FrontendServer:
         log.info("frontend: rejected %r: %s: %s", request_id, code, message)
         self._send(client, envelope, Error(id=request_id, code=code, message=message))
 
-    def _send(self, client: bytes, envelope: tuple[bytes, ...], msg: msgspec.Struct) -> bool:
-        """Send one frame without waiting; a client that cannot take it is gone and its requests are aborted."""
-        future = self._router.send_multipart([client, *envelope, self._encoder.encode(msg)], flags=zmq.DONTWAIT)
-        exc = future.exception() if future.done() else None
-        if exc is None:
-            return True
+    def _send(self, client: bytes, envelope: tuple[bytes, ...], msg: msgspec.Struct) -> None:
+        """Send one frame without waiting (queued while an engine message is handled); a client that
+        cannot take it is gone and its requests are aborted."""
+        frames = [client, *envelope, self._encoder.encode(msg)]
+        if self._batch is not None:
+            self._batch.append(frames)
+        else:
+            self._send_batch([frames])
+
+    def _send_batch(self, batch: list[list[bytes]]) -> None:
+        """Send frames in order: all but the last straight through the socket (a zmq.asyncio send costs a
+        future and an event check each: most of a token's cost here), the last through zmq.asyncio, which
+        then re-checks the socket's edge-triggered events for the receive waiting on it."""
+        for frames in batch[:-1]:
+            try:
+                self._router_sync.send_multipart(frames, flags=zmq.DONTWAIT)
+            except zmq.ZMQError as e:
+                self._send_failed(frames[0], e)
+        if batch:
+            future = self._router.send_multipart(batch[-1], flags=zmq.DONTWAIT)
+            exc = future.exception() if future.done() else None
+            if exc is not None:
+                self._send_failed(batch[-1][0], exc)
+
+    def _send_failed(self, client: bytes, exc: BaseException) -> None:
+        """A send the client could not take: it is gone (or not reading); anything else is raised."""
         if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.EHOSTUNREACH, errno.EAGAIN):
             self.requests.drop_client(client, "disconnected" if exc.errno == errno.EHOSTUNREACH else "not reading")
-            return False
+            return
         raise exc
 
     async def _watch_clients(self) -> None:

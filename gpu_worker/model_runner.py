@@ -124,6 +124,7 @@ class ModelRunner:
         self._staging = _Staging(self.device)
         self._dynamic_rope = cfg.rope.rope_type == "dynamic"
         self._last_tokens = torch.full((max(max_num_seqs, 1),), -1, dtype=torch.int64, device=self.device)
+        self._arange = np.arange(max(max_num_seqs, 1), dtype=np.int32)  # feed_from_row of an all-self-fed step
         self._last_sample: np.ndarray | None = None  # bool [R] of the last executed step; None = no source
         self._logits: deque[_StepLogits] = deque(maxlen=LOGITS_KEPT)
         self.steps_executed = 0
@@ -149,7 +150,7 @@ class ModelRunner:
             logits = self._logits_of(plan, hidden, rows)
             # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync.
             out = self.sampler(logits, plan, torch.from_numpy(rows))
-            self._keep_tokens(plan, self._staging.put("rows", rows), out.tokens)
+            self._keep_tokens(plan, rows, out.tokens)
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
             return self._result(plan, rows, out, start)
 
@@ -230,6 +231,13 @@ class ModelRunner:
 
         prev is the previous step's sample mask (None if it failed or there was none).
         """
+        r = plan.num_rows
+        if plan.num_tokens == r and np.array_equal(plan.feed_from_row, self._arange[:r]):
+            # A decode step launched ahead: row i is fed from row i, one token each (one copy).
+            if prev is None or len(prev) < r or not prev[:r].all():
+                raise ValueError(f"rows 0..{r - 1} are fed from themselves: not all sampled in the previous step")
+            input_ids.copy_(self._last_tokens[:r])
+            return
         fed = np.flatnonzero(plan.feed_from_row >= 0)
         if len(fed) == 0:
             return
@@ -252,18 +260,26 @@ class ModelRunner:
         last = self._staging.put("last_token", plan.query_start[rows + 1] - 1)
         return self.model.compute_logits(hidden[last])
 
-    def _keep_tokens(self, plan: StepPlan, rows_dev: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _keep_tokens(self, plan: StepPlan, rows: np.ndarray, tokens: torch.Tensor) -> None:
         """Remember this step's sampled tokens on the device: the next step's feeds read them."""
-        if plan.num_rows > self._last_tokens.shape[0]:
-            self._last_tokens = torch.empty(2 * plan.num_rows, dtype=torch.int64, device=self.device)
-        self._last_tokens[: plan.num_rows].fill_(-1)
-        self._last_tokens[rows_dev] = tokens
+        r = plan.num_rows
+        if r > self._last_tokens.shape[0]:
+            self._last_tokens = torch.empty(2 * r, dtype=torch.int64, device=self.device)
+            self._arange = np.arange(2 * r, dtype=plan.feed_from_row.dtype)
+        if len(tokens) == r:  # every row sampled (a decode step): one copy
+            self._last_tokens[:r].copy_(tokens)
+        else:
+            self._last_tokens[:r].fill_(-1)
+            self._last_tokens[self._staging.put("rows", rows)] = tokens
         self._last_sample = plan.sample.copy()
 
     def _result(self, plan: StepPlan, rows: np.ndarray, out: SamplerOutput, start: float) -> StepResult:
         """The StepResult row for row: tokens, and logprobs when any row asked for them."""
-        tokens = np.full(plan.num_rows, -1, dtype=np.int32)
-        tokens[rows] = out.tokens.cpu().numpy()
+        if len(rows) == plan.num_rows:
+            tokens = out.tokens.cpu().numpy().astype(np.int32)
+        else:
+            tokens = np.full(plan.num_rows, -1, dtype=np.int32)
+            tokens[rows] = out.tokens.cpu().numpy()
         result = StepResult(tokens=tokens)
         if out.logprobs is not None:
             result.logprobs = np.full(plan.num_rows, np.nan, dtype=np.float32)

@@ -139,6 +139,19 @@ def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int) -> _Batch:
     )
 
 
+def _all_plain_greedy(plan: StepPlan) -> bool:
+    """True when every row of the plan is greedy with nothing to apply (no mask, penalty or logprobs):
+    the plain argmax answers the step. A few whole-array reductions, cheaper than _gather's."""
+    return bool(
+        not plan.mask_kind.any()
+        and plan.temperature.max() < GREEDY_EPS
+        and plan.num_logprobs.max() < 0
+        and (plan.repetition_penalty == 1.0).all()
+        and not plan.presence_penalty.any()
+        and not plan.frequency_penalty.any()
+    )
+
+
 class Sampler:
     """Picks one token per sampling row from its logits, as the plan's per-row parameters say."""
 
@@ -156,6 +169,8 @@ class Sampler:
         """Sample one token for each of the S rows of logits (plan row rows[i] for logits[i])."""
         # Pass rows on the CPU: the plan's arrays are host numpy, and a device rows tensor costs a sync.
         rows_np = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
+        if len(rows_np) == plan.num_rows and _all_plain_greedy(plan):
+            return SamplerOutput(argmax(logits), None, None, None)
         batch = _gather(plan, rows_np.astype(np.int64, copy=False), self.vocab_size)
         if batch.fast:
             return SamplerOutput(argmax(logits), None, None, None)

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from metrale.engine_core.decode_lane import POISONED
 from metrale.engine_core.fake_device import FakeFaults
-from metrale.engine_core.pipeline import PipelineFaults
+from metrale.engine_core.pipeline import PipelineFaults, SpecialTokens, init_row_state
+from metrale.engine_core.sequence import Sequence
 from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams
 
@@ -148,3 +149,21 @@ def test_rewind_host_rewrite_is_an_overrun_and_is_redone():
     assert run.engine.io.effects["Rollback"] > 0
     assert run.streams == reference.streams
     assert run.finish == reference.finish
+
+
+@pytest.mark.parametrize(
+    "params, plain",
+    [
+        (SamplingParams(), True),
+        (SamplingParams(temperature=0.8, top_k=5, seed=1, stop_token_ids=[7]), True),
+        (SamplingParams(min_tokens=2), False),
+        (SamplingParams(presence_penalty=0.5), False),
+        (SamplingParams(max_thinking_tokens=4), False),
+        (SamplingParams(adaptive_sampling=True), False),
+    ],
+)
+def test_only_rows_whose_masks_and_state_never_matter_are_plain(params, plain):
+    """The lane skips masks and row state for plain rows: a row that needs either must not be plain."""
+    seq = Sequence("r", params, 0, [5, 6], 2, 0)
+    init_row_state(seq, SpecialTokens(think_start=THINK_START, think_end=THINK_START + 1))
+    assert seq.plain is plain
