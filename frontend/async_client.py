@@ -1,8 +1,12 @@
-"""AsyncClient: the asyncio reference client, on the caller's event loop (zmq.asyncio).
+"""AsyncClient: the asyncio reference client, on the caller's event loop.
 
-One reader task, started with the first request, routes every answer to its request's queue by id. Every
-AsyncClient of a process shares one zmq context (one ZeroMQ I/O thread, however many clients): a client owns
-only its socket, which close() closes; the context lives as long as the process.
+The socket is a plain ZeroMQ DEALER watched through its file descriptor (loop.add_reader), not zmq.asyncio:
+zmq.asyncio makes a future and schedules an event check for every frame, which at one frame per request per
+decode step was most of a streaming client's CPU. ZeroMQ's descriptor is edge-triggered, so on every wake-up
+the client takes frames until the socket reports none left, and it looks again after each of its own sends
+(a send can consume the edge). Answers are routed to their request's queue by id. Every AsyncClient of a
+process shares one zmq context (one ZeroMQ I/O thread, however many clients): a client owns only its socket,
+which close() closes; the context lives as long as the process.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import threading
 from collections.abc import AsyncIterator
 
 import zmq
-import zmq.asyncio
 
 from metrale.ipc.messages import Delta, EngineStats, Error, Health, HealthQuery, StatsQuery
 from metrale.ipc.sampling import SamplingParams
@@ -38,21 +41,21 @@ from .client_protocol import (
 )
 
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
-_shared: tuple[int, zmq.asyncio.Context] | None = None  # (the pid that made it, the context)
+_shared: tuple[int, zmq.Context] | None = None  # (the pid that made it, the context)
 _shared_lock = threading.Lock()
 
 
-def shared_context() -> zmq.asyncio.Context:
+def shared_context() -> zmq.Context:
     """This process's zmq context for AsyncClients; a new one after a fork or if someone terminated it."""
     global _shared
     with _shared_lock:
         if _shared is None or _shared[0] != os.getpid() or _shared[1].closed:
-            _shared = (os.getpid(), zmq.asyncio.Context())
+            _shared = (os.getpid(), zmq.Context())
         return _shared[1]
 
 
 class AsyncClient:
-    """asyncio client on zmq.asyncio; one reader task routes answers to requests by id."""
+    """asyncio client on a DEALER socket's descriptor; answers are routed to requests by id."""
 
     def __init__(
         self,
@@ -67,9 +70,10 @@ class AsyncClient:
         self._sock = shared_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
-        self._drain_sock = zmq.Socket.shadow(self._sock.underlying)  # reads what else has arrived, no future each
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the descriptor
         self._waiters: dict[str, asyncio.Queue] = {}
-        self._reader: asyncio.Task | None = None
+        self._writers: list[asyncio.Future] = []  # sends waiting for room in the socket's queue
         self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
@@ -79,17 +83,19 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Stop the reader, close the socket, and fail every request still waiting (the shared context stays)."""
+        """Stop watching the socket, close it, and fail every request still waiting (the shared context stays)."""
         if self._closed:
             return
         self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
         for q in self._waiters.values():
             q.put_nowait(ClientClosed("the client was closed"))
         self._waiters.clear()
-        self._drain_sock = None
+        for w in self._writers:
+            if not w.done():
+                w.set_exception(ClientClosed("the client was closed"))
+        self._writers.clear()
         self._sock.close(linger=0)
 
     async def generate(
@@ -106,7 +112,7 @@ class AsyncClient:
         q = self._register(request_id)
         finished = False
         try:
-            await self._sock.send(frame)
+            await self._send(frame)
             while True:
                 msg = await self._wait(q, request_id)
                 if is_noise(msg):
@@ -121,9 +127,11 @@ class AsyncClient:
         finally:
             self._waiters.pop(request_id, None)
             if not finished and not self._closed:  # left early: the server should stop working on it
-                sent = self._sock.send(abort_frame(request_id), flags=zmq.DONTWAIT)
-                if sent.done() and sent.exception() is not None:
-                    log.warning("metrale client: could not send the abort of %r: %s", request_id, sent.exception())
+                try:
+                    self._sock.send(abort_frame(request_id), flags=zmq.DONTWAIT)
+                except zmq.ZMQError as e:
+                    log.warning("metrale client: could not send the abort of %r: %s", request_id, e)
+                self._look_again()
 
     async def complete(
         self,
@@ -141,7 +149,7 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         """Ask the server to stop a request; its stream then ends with finish_reason "abort"."""
-        await self._sock.send(abort_frame(request_id))
+        await self._send(abort_frame(request_id))
 
     async def stats(self) -> EngineStats:
         """The engine core's counters."""
@@ -156,19 +164,61 @@ class AsyncClient:
         """Send a one-answer query and wait for its answer."""
         q = self._register(msg.id)
         try:
-            await self._sock.send(encode(msg))
+            await self._send(encode(msg))
             reply = await self._wait(q, msg.id)
         finally:
             self._waiters.pop(msg.id, None)
         return query_answer(reply, msg.id)
 
     def _register(self, request_id: str) -> asyncio.Queue:
-        """Route answers for request_id to a new queue; start the reader on first use."""
+        """Route answers for request_id to a new queue; watch the socket from this loop."""
         check_new_id(self._closed, self._waiters, request_id)
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # the first request, or a client reused under a new loop
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._fd)
+            self._loop = loop
+            loop.add_reader(self._fd, self._on_events)
         q = self._waiters[request_id] = asyncio.Queue()
         return q
+
+    async def _send(self, frame: bytes) -> None:
+        """Send one frame, waiting while the socket's queue is full (the high-water mark)."""
+        while True:
+            try:
+                self._sock.send(frame, flags=zmq.DONTWAIT)
+                break
+            except zmq.Again:
+                room = self._loop.create_future()
+                self._writers.append(room)
+                self._look_again()
+                await room
+        self._look_again()
+
+    def _look_again(self) -> None:
+        """Check the socket's events on the next loop pass: a send or receive of ours may have taken
+        the descriptor's edge, and it would not fire again for what is already waiting."""
+        if self._loop is not None and not self._closed:
+            self._loop.call_soon(self._on_events)
+
+    def _on_events(self) -> None:
+        """Take every frame that has arrived and wake waiting sends, until the socket reports nothing."""
+        sock = self._sock
+        while not self._closed:
+            events = sock.getsockopt(zmq.EVENTS)
+            if events & zmq.POLLOUT and self._writers:
+                for room in self._writers:
+                    if not room.done():
+                        room.set_result(None)
+                self._writers.clear()
+            if not events & zmq.POLLIN:
+                return
+            while True:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._route(frame)
 
     async def _wait(self, q: asyncio.Queue, request_id: str):
         """The next message for a request; TimeoutError when the server stays silent for `timeout`."""
@@ -185,17 +235,6 @@ class AsyncClient:
         if isinstance(item, BaseException):
             raise item
         return item
-
-    async def _read_forever(self) -> None:
-        """Route every server frame to its request's queue."""
-        while True:
-            self._route(await self._sock.recv())
-            while True:  # then whatever else is queued, without a future per frame
-                try:
-                    frame = self._drain_sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._route(frame)
 
     def _route(self, frame: bytes) -> None:
         """Hand one server frame to its request's queue (frames of finished requests are dropped)."""
