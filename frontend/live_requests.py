@@ -48,6 +48,11 @@ class RequestState:
     sink: LocalSink | None = None  # an in-process client's callback; None: answers go to the ROUTER
     decoder: Decoder | None = None  # detokenize with this instead of the server's tokenizer
     last_token_at: float | None = None  # when its last tokens came (None before the first)
+    # Held back under a stream interval: accepted tokens, their text and logprobs not yet sent.
+    held_ids: list[int] = field(default_factory=list)
+    held_text: str = ""
+    held_logprobs: list | None = None
+    sent_tokens: bool = False  # a Delta with tokens went out (the first tokens are never held)
 
 
 @dataclass(slots=True)
@@ -64,7 +69,7 @@ class LiveRequests:
     """The live requests by client and by engine id; every step of a request's life goes through here."""
 
     def __init__(self, tokenizer: Tokenizer, link: EngineLink, metrics: Metrics, clock: Callable[[], float],
-                 send: RouterSend, vocab_size: int, max_model_len: int | None) -> None:
+                 send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.link = link
         self.metrics = metrics
@@ -72,6 +77,7 @@ class LiveRequests:
         self._send = send
         self.vocab_size = vocab_size  # what requests are checked against (the engine core's once it says)
         self.max_model_len = max_model_len
+        self.stream_interval = max(1, stream_interval)
         self.clients: dict[bytes, ClientState] = {}  # a client is here while it has live requests
         self._by_engine_id: dict[str, RequestState] = {}
         self.background: set[asyncio.Task] = set()  # long prompts being tokenized
@@ -195,8 +201,28 @@ class LiveRequests:
             reason = "stop" if req.detok.stopped else out.finish_reason
             self._finish(req, reason, text, accepted, logprobs)
         else:
-            delta = Delta(id=req.client_id, text=text, token_ids=accepted, logprobs=logprobs)
-            self._deliver(req, delta, self.clients[req.client].envelope)
+            self._stream(req, text, accepted, logprobs)
+
+    def _stream(self, req: RequestState, text: str, accepted: list[int], logprobs) -> None:
+        """Send new tokens as a Delta, or hold them while fewer than stream_interval are waiting (the
+        request's first tokens go at once: time to first token does not wait for an interval)."""
+        if req.held_ids or req.held_text:
+            text, accepted, logprobs = self._with_held(req, text, accepted, logprobs)
+        if self.stream_interval > 1 and req.sent_tokens and len(accepted) < self.stream_interval:
+            req.held_ids, req.held_text, req.held_logprobs = accepted, text, logprobs
+            return
+        req.sent_tokens = req.sent_tokens or bool(accepted)
+        delta = Delta(id=req.client_id, text=text, token_ids=accepted, logprobs=logprobs)
+        self._deliver(req, delta, self.clients[req.client].envelope)
+
+    @staticmethod
+    def _with_held(req: RequestState, text: str, token_ids: list[int], logprobs):
+        """What a request holds back, followed by text / token_ids / logprobs; the hold is emptied."""
+        text, token_ids = req.held_text + text, req.held_ids + token_ids
+        if req.held_logprobs is not None or logprobs is not None:
+            logprobs = (req.held_logprobs or []) + (logprobs or [])
+        req.held_ids, req.held_text, req.held_logprobs = [], "", None
+        return text, token_ids, logprobs
 
     def _tokens_came(self, req: RequestState, count: int) -> None:
         """Time to first token, or the gap per token since the request's last tokens."""
@@ -216,7 +242,9 @@ class LiveRequests:
         self.link.abort([req.engine_id] if req.engine_id else [])
 
     def _finish(self, req: RequestState, reason: str, text: str, token_ids: list[int], logprobs) -> None:
-        """Send a request's final Delta and forget it."""
+        """Send a request's final Delta (with whatever it held back) and forget it."""
+        if req.held_ids or req.held_text:
+            text, token_ids, logprobs = self._with_held(req, text, token_ids, logprobs)
         final = Delta(
             id=req.client_id,
             text=text,

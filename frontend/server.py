@@ -89,6 +89,7 @@ class FrontendConfig:
     http_host: str = "127.0.0.1"
     http_port: int | None = None  # serve the OpenAI-compatible HTTP API here too (0: any free port)
     served_model_name: str | None = None  # the HTTP API's model id; default the model folder's name
+    stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
 
 
 class FrontendServer:
@@ -113,7 +114,7 @@ class FrontendServer:
         self.link = EngineLink()
         max_model_len = config.max_model_len or _model_max_len(config.model_dir, self.tokenizer)
         self.requests = LiveRequests(self.tokenizer, self.link, self.metrics, clock, self._send,
-                                     self.tokenizer.vocab_size, max_model_len)
+                                     self.tokenizer.vocab_size, max_model_len, config.stream_interval)
         self._started = clock()
         self._local_keys = itertools.count()
         self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)

@@ -37,6 +37,8 @@ def main() -> None:
 @click.option("--no-pipeline", is_flag=True, help="run the synchronous loop instead of the pipelined decode lane.")
 @click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True)
 @click.option("--max-frame-bytes", default=1 << 20, show_default=True)
+@click.option("--stream-interval", default=1, type=click.IntRange(min=1), show_default=True,
+              help="send a request's tokens every N tokens (its first and last at once): less CPU per token, burstier streams.")
 @click.option("--seed", default=None, type=int)
 @click.option("--worker-threads", default=None, type=int, help="torch threads of the worker on a CPU (default: cores - 1, or every core on a box of two or fewer).")
 def serve(**o) -> None:
@@ -66,7 +68,8 @@ def serve(**o) -> None:
     except ValueError as e:
         raise click.BadParameter(str(e))
     config = ServeConfig(
-        engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"]
+        engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"],
+        stream_interval=o["stream_interval"],
     )
     sup = Supervisor(config)
     stop = lambda *_: sup._stop.set()  # noqa: E731 - the watch loop notices and returns

@@ -70,3 +70,4 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     run_dir: str = ""  # where the ipc:// sockets live (a fresh temp dir per serve)
     max_frame_bytes: int = 1 << 20
     on_worker_fault: str = "recover"  # recover | fail
+    stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)

@@ -179,6 +179,7 @@ class Supervisor:
             "max_frame_bytes": self.config.max_frame_bytes,
             "http_host": self.config.host,
             "http_port": self.config.http_port,
+            "stream_interval": self.config.stream_interval,
         }
         return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), str(self.health_path)]
 

@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="least pause before each run; then it waits (up to 10 s) for the CPUs to go idle, so one "
                          "engine's spinning threads do not slow the next")
     ap.add_argument("--worker-threads", type=int, default=None, help="`metrale serve --worker-threads` (default: the server's own choice)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="`metrale serve --stream-interval` (1: every token as it comes)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vllm-python", default=None, help="a Python that can import vllm (e.g. /work/venvs/vllm/bin/python)")
@@ -230,6 +231,8 @@ class ServeEngine:
             flags += ["--worker-threads", str(args.worker_threads)]
         if args.device:
             flags += ["--device", args.device]
+        if args.stream_interval != 1:
+            flags += ["--stream-interval", str(args.stream_interval)]
         self.server = bc.ServeProcess(model_dir, *flags, env=bc.thread_env(args.threads))
         ring = self.server.ring_name()
         self.reader = bc.WorkerRingReader(ring) if ring else None
@@ -473,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"batches": [int(b) for b in args.batch.split(",")], "prompt_len": args.prompt_len,
                      "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "mixed": args.mixed},
         "reps": args.reps,
-        "threads": args.threads, "worker_threads": args.worker_threads,
+        "threads": args.threads, "worker_threads": args.worker_threads, "stream_interval": args.stream_interval,
         "torch_threads": session["torch_threads"],
         "results": session["results"],
         "mixed": session["mixed"],

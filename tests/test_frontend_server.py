@@ -213,15 +213,15 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
-@pytest.fixture
-def stack(model_dir, request):
-    """Frontend + fake engine core (max_model_len 512 or the indirect parameter) + Client; all stopped on any path."""
+@contextlib.contextmanager
+def running_stack(model_dir, max_model_len: int = 512, **overrides):
+    """Frontend (FrontendConfig overrides) + fake engine core + Client; all stopped on any path."""
     ipc_dir = tempfile.mkdtemp(prefix="mfe-")  # short: ipc:// paths are limited to ~100 bytes
-    server, thread = start_server(model_dir, ipc_dir)
+    server, thread = start_server(model_dir, ipc_dir, **overrides)
     engine = client = None
     try:
         tok = server.tokenizer
-        s = Stack(server, None, None, tok, server.client_endpoint, ipc_dir, {}, getattr(request, "param", 512))
+        s = Stack(server, None, None, tok, server.client_endpoint, ipc_dir, {}, max_model_len)
         engine = s.engine = s.new_engine().start()
         assert server.engine_ready.wait(WAIT_S)
         client = s.client = Client(address=server.client_endpoint, timeout=WAIT_S)
@@ -233,6 +233,13 @@ def stack(model_dir, request):
             engine.stop()
         stop_server(server, thread)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def stack(model_dir, request):
+    """running_stack with max_model_len 512 or the indirect parameter."""
+    with running_stack(model_dir, getattr(request, "param", 512)) as s:
+        yield s
 
 
 def raw_dealer(endpoint: str) -> tuple[zmq.Context, zmq.Socket]:
@@ -263,6 +270,20 @@ def test_stream_text_matches_the_engine_tokens(stack):
     assert "".join(d.text for d in deltas) == stack.tok.decode(story[:12])
     assert last.prompt_tokens == len(stack.tok.encode("Tell me a story"))
     assert last.completion_tokens == 12
+
+
+def test_a_stream_interval_sends_the_first_tokens_at_once_then_every_n(model_dir):
+    """--stream-interval 4: the first tick's tokens go at once, then at least 4 per Delta, and the whole
+    stream (ids, text, logprobs) is what an interval of 1 gives. The fake engine sends 2 tokens a tick."""
+    with running_stack(model_dir, stream_interval=4) as s:
+        story = s.story_ids()
+        deltas = list(s.client.generate("Tell me a story", params=SamplingParams(max_tokens=12, logprobs=0)))
+        sizes = [len(d.token_ids) for d in deltas]
+        assert sizes[0] == 2 and all(n >= 4 for n in sizes[1:-1]) and len(deltas) < 6, sizes
+        assert [t for d in deltas for t in d.token_ids] == story[:12]
+        assert "".join(d.text for d in deltas) == s.tok.decode(story[:12])
+        assert [lp.token_id for d in deltas for lp in d.logprobs] == story[:12]
+        assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 12
 
 
 def test_complete_with_token_ids_and_logprobs(stack):
