@@ -269,7 +269,7 @@ class WorkerDevice:
         """Why the worker can no longer answer (None while it lives); remembered once known.
 
         The doorbell's end-of-file tells a death at once (the kernel closes a killed process's socket);
-        the process table is read as well, at most every PID_CHECK_S when now_ns is given (it costs a
+        the process table is read as well, at most every PID_CHECK_NS when now_ns is given (it costs a
         /proc read per step otherwise), for a worker whose socket outlives it in a child of its own.
         """
         if self._gone is None:

@@ -87,15 +87,8 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
-        for q in self._waiters.values():
-            q.put_nowait(ClientClosed("the client was closed"))
+        self._fail_all(ClientClosed("the client was closed"))
         self._waiters.clear()
-        for w in self._writers:
-            if not w.done():
-                w.set_exception(ClientClosed("the client was closed"))
-        self._writers.clear()
         self._sock.close(linger=0)
 
     async def generate(
@@ -203,6 +196,13 @@ class AsyncClient:
 
     def _on_events(self) -> None:
         """Take every frame that has arrived and wake waiting sends, until the socket reports nothing."""
+        try:
+            self._take_events()
+        except zmq.ZMQError as e:  # the socket broke (its context was terminated): fail every waiter
+            self._fail_all(ClientClosed(f"the client's socket failed: {e}"))
+
+    def _take_events(self) -> None:
+        """_on_events' loop; a ZMQError other than EAGAIN propagates."""
         sock = self._sock
         while not self._closed:
             events = sock.getsockopt(zmq.EVENTS)
@@ -219,6 +219,17 @@ class AsyncClient:
                 except zmq.Again:
                     break
                 self._route(frame)
+
+    def _fail_all(self, error: ClientClosed) -> None:
+        """Stop watching the socket and hand error to every request and send still waiting."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        for q in self._waiters.values():
+            q.put_nowait(error)
+        for w in self._writers:
+            if not w.done():
+                w.set_exception(error)
+        self._writers.clear()
 
     async def _wait(self, q: asyncio.Queue, request_id: str):
         """The next message for a request; TimeoutError when the server stays silent for `timeout`."""

@@ -429,11 +429,14 @@ class FrontendServer:
                 self._send_failed(batch[-1][0], exc)
 
     def _send_failed(self, client: bytes, exc: BaseException) -> None:
-        """A send the client could not take: it is gone (or not reading); anything else is raised."""
+        """A send the client could not take: it is gone, or not reading, or the send broke; either way its
+        requests are aborted (never left waiting for frames that will not come) and the others go on."""
         if isinstance(exc, zmq.ZMQError) and exc.errno in (errno.EHOSTUNREACH, errno.EAGAIN):
-            self.requests.drop_client(client, "disconnected" if exc.errno == errno.EHOSTUNREACH else "not reading")
-            return
-        raise exc
+            why = "disconnected" if exc.errno == errno.EHOSTUNREACH else "not reading"
+        else:
+            log.error("frontend: sending to client %s failed: %r", client.hex(), exc)
+            why = f"could not be sent to ({exc!r})"
+        self.requests.drop_client(client, why)
 
     async def _watch_clients(self) -> None:
         """On each disconnect the monitor reports, probe the clients that may have been on that connection."""
