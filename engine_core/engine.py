@@ -116,9 +116,19 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int] = ()
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] = (),
+        *,
+        stream: bool = True,
     ) -> None:
-        """Queue a request; ValueError (naming the field) or SchedulerBusy if it cannot be served."""
+        """Queue a request; ValueError (naming the field) or SchedulerBusy if it cannot be served.
+
+        stream=False: its tokens are reported once, in the delta that finishes it (vLLM's FINAL_ONLY; the
+        offline LLM's requests without stop strings), which spares a delta per request per tick.
+        """
         if request_id in self.requests and not self.requests[request_id].finished:
             raise ValueError(f"request id {request_id!r} is already live")
         params.validate(self.info.vocab_size)
@@ -136,6 +146,7 @@ class EngineCore:
             tokens=list(prompt_token_ids) + list(output_token_ids),
             num_prompt=len(prompt_token_ids),
             arrival=self._arrivals,
+            stream=stream,
         )
         self.scheduler.check_admissible(seq)
         self._arrivals += 1
@@ -236,7 +247,7 @@ class EngineCore:
         gone = []
         for rid, seq in self.requests.items():
             finishing = seq.finished and not seq.reported_finish
-            if seq.pending or finishing:
+            if finishing or (seq.pending and seq.stream):
                 out.append(
                     RequestOutputDelta(
                         rid,

@@ -42,6 +42,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     reported_finish: bool = False
+    stream: bool = True  # report committed tokens every tick; False: once, with its finish (offline use)
     # Row-mask state (pipeline.row_mask): thinking budget and adaptive sampling.
     in_think: bool = False
     think_tokens: int = 0

@@ -94,7 +94,8 @@ class LLM:
         added = []
         try:
             for rid, ids, p in zip(rids, token_lists, plist):
-                self.engine.add_request(rid, ids, msgspec.structs.replace(p))
+                # Only a request with stop strings needs its tokens as they come (to detokenize them).
+                self.engine.add_request(rid, ids, msgspec.structs.replace(p), stream=detoks[rid].has_stop_strings)
                 added.append(rid)
         except Exception:
             for rid in added:

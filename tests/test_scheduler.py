@@ -133,3 +133,20 @@ def test_abort_frees_blocks_within_one_tick():
     eng.step()
     assert eng.pool.num_used == 0
     eng.pool.check_invariant()
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_request_that_does_not_stream_reports_once_with_every_token(pipeline):
+    """stream=False (the offline LLM's requests): one delta, with its finish, carrying what a streamed
+    twin got over many ticks."""
+    eng = EngineCore(FakeDevice(), EngineOptions(pipeline=pipeline))
+    eng.add_request("streamed", [5, 6, 7], greedy(12))
+    eng.add_request("final-only", [5, 6, 7], greedy(12), stream=False)
+    deltas = {"streamed": [], "final-only": []}
+    while eng.has_unfinished():
+        for d in eng.step():
+            deltas[d.request_id].append(d)
+    streamed = [t for d in deltas["streamed"] for t in d.new_token_ids]
+    (only,) = deltas["final-only"]
+    assert len(deltas["streamed"]) > 1 and len(streamed) == 12
+    assert only.finish_reason == "length" and only.new_token_ids == streamed
