@@ -63,18 +63,22 @@ class WorkerLoop:
         self.started_ns = time.monotonic_ns()
         ring.store_worker_stats(pid, self.started_ns, 0, 0, 0, 0)
         seq = first_seq
+        t0 = time.monotonic_ns()
         while True:
             slot = seq % n
-            t0 = time.monotonic_ns()
             if not self.wait_for_plan(slot, seq, t0):
                 return
             t1 = time.monotonic_ns()
             self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
-            self.run_step(slot, seq)
-            self.busy_ns += time.monotonic_ns() - t1
+            self.run_step(slot)
+            t0 = time.monotonic_ns()  # publishing the result counts as the next wait
+            self.busy_ns += t0 - t1
             self.steps += 1
+            # The step is counted before its result is visible: whoever has the result sees the count.
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
+            ring.publish_result(slot, seq)
+            self.bell.ring()
             seq += 1
 
     def wait_for_plan(self, slot: int, seq: int, since_ns: int) -> bool:
@@ -94,8 +98,9 @@ class WorkerLoop:
         finally:
             ring.mark_waiting(0)
 
-    def run_step(self, slot: int, seq: int) -> None:
-        """Execute the slot's plan and publish its result, or its error; the worker keeps serving."""
+    def run_step(self, slot: int) -> None:
+        """Execute the slot's plan and write its result, or its error (serve publishes it); the worker
+        keeps serving."""
         ring = self.ring
         t0 = time.perf_counter_ns()
         try:
@@ -104,8 +109,6 @@ class WorkerLoop:
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
             traceback.print_exc(file=sys.stderr)
             ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
-        ring.publish_result(slot, seq)
-        self.bell.ring()
 
     def should_exit(self) -> bool:
         """Whether the engine said Shutdown, its end of the doorbell closed, or our parent died."""
