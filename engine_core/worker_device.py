@@ -249,7 +249,10 @@ class WorkerDevice:
         if ring.result_seq(slot) == seq:
             return
         start = time.monotonic_ns()
-        if ring.spin_for_result(slot, seq, start + self._spin_ns):
+        # Spin only when nothing is queued behind this step: then the wake-up's latency would idle the
+        # worker. With a later step launched (the pipelined lane), the worker goes straight on to it,
+        # and the spin would only take a core from it.
+        if seq + 1 == self._next_seq and ring.spin_for_result(slot, seq, start + self._spin_ns):
             return
         give_up = None if self._step_timeout_s is None else start + int(self._step_timeout_s * 1e9)
         bell = self._bell
