@@ -1,4 +1,10 @@
-"""AsyncClients share one zmq context: closing one client closes its socket only, the others keep working."""
+"""AsyncClient against a stand-in ROUTER.
+
+Clients share one zmq context: closing one client closes its socket only, the others keep working. And the
+client reads its socket through ZeroMQ's edge-triggered descriptor: no frame may be left unread, whether many
+arrive under one wake-up of the descriptor or they interleave with the client's own sends (a send can consume
+the descriptor's edge).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,10 @@ import zmq
 import zmq.asyncio
 
 from metrale.frontend.async_client import AsyncClient, shared_context
-from metrale.ipc.messages import ClientMessage, Health, HealthQuery
+from metrale.ipc.messages import ClientMessage, Delta, Generate, Health, HealthQuery
 
 WAIT_S = 10.0
+BURST = 500
 
 
 async def answer_health(router: zmq.asyncio.Socket, n: int) -> None:
@@ -24,8 +31,9 @@ async def answer_health(router: zmq.asyncio.Socket, n: int) -> None:
         await router.send_multipart([identity, msgspec.msgpack.encode(Health(id=msg.id, healthy=True))])
 
 
-def run_with_server(body, queries: int) -> None:
-    """Run body(address) on a fresh event loop beside a stand-in server bound to a free port."""
+def run_with_server(body, queries: int = 0, serve=None) -> None:
+    """Run body(address) on a fresh event loop beside a stand-in server bound to a free port: serve(router),
+    or one answering `queries` health queries."""
 
     async def main():
         ctx = zmq.asyncio.Context()
@@ -33,7 +41,7 @@ def run_with_server(body, queries: int) -> None:
         router.setsockopt(zmq.LINGER, 0)
         try:
             port = router.bind_to_random_port("tcp://127.0.0.1")
-            server = asyncio.ensure_future(answer_health(router, queries))
+            server = asyncio.ensure_future(serve(router) if serve else answer_health(router, queries))
             await asyncio.wait_for(body(f"tcp://127.0.0.1:{port}"), WAIT_S)
             await asyncio.wait_for(server, WAIT_S)
         finally:
@@ -88,3 +96,45 @@ def test_a_terminated_shared_context_is_replaced():
             assert (await c.health()).healthy
 
     run_with_server(body, queries=1)
+
+
+def _delta(request_id: str, i: int, final: bool = False) -> bytes:
+    return msgspec.msgpack.encode(Delta(id=request_id, token_ids=[i], finish_reason="length" if final else None))
+
+
+async def burst_then_interleave(router: zmq.asyncio.Socket) -> None:
+    """Request "a": BURST deltas at once, but its final one only after request "b" arrives; "b": three deltas."""
+    decoder = msgspec.msgpack.Decoder(ClientMessage)
+    identity, frame = await router.recv_multipart()
+    assert isinstance(decoder.decode(frame), Generate)
+    for i in range(BURST):
+        await router.send_multipart([identity, _delta("a", i)])
+    identity, frame = await router.recv_multipart()
+    msg = decoder.decode(frame)
+    assert isinstance(msg, Generate) and msg.id == "b"
+    await router.send_multipart([identity, _delta("a", BURST, final=True)])
+    for i in range(3):
+        await router.send_multipart([identity, _delta("b", i, final=i == 2)])
+
+
+async def stream_tokens(client: AsyncClient, request_id: str, started: asyncio.Event | None = None) -> list[int]:
+    """Every token of one request, in order; sets started on its first delta."""
+    tokens = []
+    async for delta in client.generate(token_ids=[1, 2, 3], request_id=request_id):
+        tokens.extend(delta.token_ids)
+        if started is not None:
+            started.set()
+    return tokens
+
+
+def test_a_burst_and_interleaved_sends_lose_no_frame():
+    async def body(address: str) -> None:
+        async with AsyncClient(address=address, timeout=WAIT_S) as client:
+            started = asyncio.Event()
+            a = asyncio.ensure_future(stream_tokens(client, "a", started))
+            await asyncio.wait_for(started.wait(), WAIT_S)
+            b = await asyncio.wait_for(stream_tokens(client, "b"), WAIT_S)
+            assert await asyncio.wait_for(a, WAIT_S) == list(range(BURST + 1))
+            assert b == [0, 1, 2]
+
+    run_with_server(body, serve=burst_then_interleave)
