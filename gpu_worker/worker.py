@@ -60,10 +60,11 @@ class WorkerLoop:
         """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop."""
         ring, n = self.ring, self.ring.num_slots
         pid = os.getpid()
-        self.started_ns = time.monotonic_ns()
-        ring.store_worker_stats(pid, self.started_ns, 0, 0, 0, 0)
+        self.started_ns = t0 = time.monotonic_ns()
+        # Every store says whether a wait for a plan is in progress (since when), in the same call as the
+        # counters: a reader then counts the wait from its first nanosecond, spin included, and never twice.
+        ring.store_worker_stats(pid, self.started_ns, 0, 0, 0, t0)
         seq = first_seq
-        t0 = time.monotonic_ns()
         while True:
             slot = seq % n
             if not self.wait_for_plan(slot, seq, t0):
@@ -76,7 +77,7 @@ class WorkerLoop:
             self.busy_ns += t0 - t1
             self.steps += 1
             # The step is counted before its result is visible: whoever has the result sees the count.
-            ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
+            ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, t0)
             ring.publish_result(slot, seq)
             self.bell.ring()
             seq += 1
@@ -88,15 +89,11 @@ class WorkerLoop:
             return True
         if ring.spin_for_plan(slot, seq, since_ns + self.spin_ns):
             return True
-        ring.mark_waiting(since_ns)
-        try:
-            while ring.plan_seq(slot) != seq:
-                if self.should_exit():
-                    return False
-                self.bell.wait(WAIT_SLICE_S)
-            return True
-        finally:
-            ring.mark_waiting(0)
+        while ring.plan_seq(slot) != seq:
+            if self.should_exit():
+                return False
+            self.bell.wait(WAIT_SLICE_S)
+        return True
 
     def run_step(self, slot: int) -> None:
         """Execute the slot's plan and write its result, or its error (serve publishes it); the worker

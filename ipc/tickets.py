@@ -327,14 +327,16 @@ class TicketRing:
     def store_worker_stats(
         self, pid: int, started_ns: int, idle_ns: int, busy_ns: int, steps: int, waiting_since_ns: int
     ) -> None:
-        """Publish the worker's counters in the header (called by the worker)."""
-        q = self._seqs
-        q[H_WORKER], q[H_WORKER + 1], q[H_WORKER + 2] = pid, started_ns, idle_ns
-        q[H_WORKER + 3], q[H_WORKER + 4], q[H_WORKER + 5] = busy_ns, steps, waiting_since_ns
+        """Publish the worker's counters in the header (called by the worker).
 
-    def mark_waiting(self, since_ns: int) -> None:
-        """Note that the worker began (since_ns > 0) or ended (0) a wait for a plan."""
-        self._seqs[H_WORKER + 5] = since_ns
+        waiting_since_ns (0: not waiting) is written first: a wait that ends is no longer "in progress"
+        before its time is added to idle_ns, so a reader between the two writes can count a wait short,
+        never twice.
+        """
+        q = self._seqs
+        q[H_WORKER + 5] = waiting_since_ns
+        q[H_WORKER], q[H_WORKER + 1], q[H_WORKER + 2] = pid, started_ns, idle_ns
+        q[H_WORKER + 3], q[H_WORKER + 4] = busy_ns, steps
 
     def worker_stats(self) -> WorkerStats:
         """A snapshot of the worker's counters, the wait in progress counted as idle."""
