@@ -166,17 +166,25 @@ class AsyncClient:
     def _register(self, request_id: str) -> asyncio.Queue:
         """Route answers for request_id to a new queue; watch the socket from this loop."""
         check_new_id(self._closed, self._waiters, request_id)
+        self._watch()
+        q = self._waiters[request_id] = asyncio.Queue()
+        return q
+
+    def _watch(self) -> None:
+        """Watch the socket's descriptor from the running loop (the first use, or a client reused under a
+        new loop)."""
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # the first request, or a client reused under a new loop
+        if self._loop is not loop:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
             self._loop = loop
             loop.add_reader(self._fd, self._on_events)
-        q = self._waiters[request_id] = asyncio.Queue()
-        return q
 
     async def _send(self, frame: bytes) -> None:
         """Send one frame, waiting while the socket's queue is full (the high-water mark)."""
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        self._watch()
         while True:
             try:
                 self._sock.send(frame, flags=zmq.DONTWAIT)
