@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
 from metrale.frontend.async_client import AsyncClient, shared_context
-from metrale.ipc.messages import ClientMessage, Delta, Generate, Health, HealthQuery
+from metrale.frontend.client_protocol import ClientClosed
+from metrale.ipc.messages import Abort, ClientMessage, Delta, Generate, Health, HealthQuery
 
 WAIT_S = 10.0
 BURST = 500
@@ -138,3 +140,24 @@ def test_a_burst_and_interleaved_sends_lose_no_frame():
             assert b == [0, 1, 2]
 
     run_with_server(body, serve=burst_then_interleave)
+
+
+def test_an_abort_before_any_request_is_sent_and_a_closed_client_refuses_to_send():
+    got = []
+    arrived = asyncio.Event()  # made outside a loop: bound to asyncio.run's loop on first use (3.10+)
+
+    async def take_one(router: zmq.asyncio.Socket) -> None:
+        _, frame = await router.recv_multipart()
+        got.append(msgspec.msgpack.Decoder(ClientMessage).decode(frame))
+        arrived.set()
+
+    async def body(address: str) -> None:
+        client = AsyncClient(address=address, timeout=WAIT_S)
+        await client.abort("never-started")
+        await asyncio.wait_for(arrived.wait(), WAIT_S)  # closing first would drop the queued frame (linger 0)
+        await client.close()
+        with pytest.raises(ClientClosed):
+            await client.abort("after-close")
+
+    run_with_server(body, serve=take_one)
+    assert len(got) == 1 and isinstance(got[0], Abort) and got[0].id == "never-started"
