@@ -27,8 +27,8 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log to $OUT
   tail -n "${TAIL:-12}" "$OUT/$name.log"
 }
 
-step parity 120 env METRALE_TEST_DEVICE=cuda python3 -m pytest -q tests/test_model_parity.py
+step parity 100 env METRALE_TEST_DEVICE=cuda python3 -m pytest -q tests/test_model_parity.py
 step e2e 150 python3 -m pytest -q -x tests/test_llm.py tests/test_serve_e2e.py tests/test_faults_e2e.py
 step faults 90 python3 scripts/bench_faults.py --device cuda --kills 3
-TAIL=30 step compare 180 python3 scripts/bench_compare.py --device cuda --preset bench-small --batch 32,128 --reps 2 \
+TAIL=30 step compare 220 python3 scripts/bench_compare.py --device cuda --preset bench-small --batch 32,128 --reps 2 \
   --engines offline,serve,floor,transformers
