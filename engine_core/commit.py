@@ -32,13 +32,10 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
         seq.pending.append(tok)
         if logprobs and seq.params.logprobs is not None:
             seq.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
-        if not seq.plain:  # a plain row's row state is never read
-            update_row_state(seq, tok, toks)
+        update_row_state(seq, tok, toks)
         _check_stop(io, seq, tok)
-    bs = io.pool.block_size
     for seq in seqs:
-        if seq.num_computed >= (seq.hashed_blocks + 1) * bs:  # a block filled since it was last hashed
-            io.pool.cache_full_blocks(seq)
+        io.pool.cache_full_blocks(seq)
 
 
 def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:

@@ -15,7 +15,7 @@ from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy
 
 from .commit import commit_tokens
 from .host_sampler import host_sample
-from .pipeline import Inflight, Pipeline, PipelineFaults, Settled, ahead_allowed, fed_sources, row_mask, row_masks
+from .pipeline import Inflight, Pipeline, PipelineFaults, Settled, ahead_allowed, fed_sources, row_mask
 from .sequence import Sequence
 from .step_io import ReadLogits, ReserveKv, Rollback, StepIo
 
@@ -59,7 +59,7 @@ def step_decode_pipelined(active: list[Sequence], pipeline: Pipeline, io: StepIo
 def launch_plain(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> bool:
     """Launch one host-fed decode for every row and hold it in flight. False if the launch failed."""
     t0 = io.clock()
-    masks = row_masks(active, io.toks, io.eos_ids)
+    masks = [row_mask(s, io.toks, io.eos_ids) for s in active]
     plan = io.builder.build(active, [1] * len(active), masks)
     try:
         ticket = io.device.launch(plan)
@@ -90,9 +90,8 @@ def reserve_all(active: list[Sequence], io: StepIo) -> bool:
     False (a dry pool) means no launch ahead this tick; blocks reserved for earlier rows stay allocated
     (the next plain launch uses them).
     """
-    full = io.pool.block_size
-    # Only a row whose next position starts a new block needs one (ReserveKv would take none otherwise).
-    return all(io.apply(ReserveKv(s)) for s in active if s.num_computed >= len(s.block_table) * full)
+    pool = io.pool
+    return all(io.apply(ReserveKv(s)) for s in active if pool.blocks_needed(s, s.num_computed + 1))
 
 
 def launch_ahead(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> bool:
@@ -100,7 +99,7 @@ def launch_ahead(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> bool
     t0 = io.clock()
     n = len(active)
     # The masks t+1 picks under, predicted for after t's (ordinary) token; validate checks them.
-    masks = row_masks(active, io.toks, io.eos_ids, ahead=1)
+    masks = [row_mask(s, io.toks, io.eos_ids, ahead=1) for s in active]
     plan = io.builder.build(active, [1] * n, masks, fed=True)
     try:
         ticket = io.device.launch(plan)
@@ -150,7 +149,7 @@ def settle(active: list[Sequence], pipeline: Pipeline, io: StepIo) -> Settled:
         except DeviceError as e:
             fail_rows(active, io, e)
             return Settled.FAILED
-        masks = row_masks(active, io.toks, io.eos_ids)
+        masks = [row_mask(s, io.toks, io.eos_ids) for s in active]
         tokens = host_sample(logits, active, masks)
     commit_tokens(io, active, tokens, result, inf.discard)
     nxt = pipeline.next
@@ -183,11 +182,9 @@ def validate_next(nxt: Inflight, active: list[Sequence], prev_tokens: np.ndarray
         nxt.discard[i] = over_run and not keep_overrun
         if repick_only and nxt.discard[i] and not s.finished:
             poisoned.append(i)
-    # The masks were fixed at launch; if a survivor's mask has changed, its pick is stale (a plain
-    # row's mask is always NO_MASK).
+    # The masks were fixed at launch; if a survivor's mask has changed, its pick is stale.
     stale = any(
-        not nxt.discard[i] and not s.plain and row_mask(s, io.toks, io.eos_ids) != nxt.masks[i]
-        for i, s in enumerate(active)
+        not nxt.discard[i] and row_mask(s, io.toks, io.eos_ids) != nxt.masks[i] for i, s in enumerate(active)
     )
     if repick_only:
         nxt.host_logits = stale  # the forward stands (its input was right); the host repicks

@@ -21,7 +21,7 @@ from metrale.ipc.sampling import SamplingParams
 from .commit import commit_tokens
 from .decode_lane import discard_row, drain, fail_rows, step_decode_pipelined
 from .kv_blocks import KvBlockPool
-from .pipeline import Pipeline, PipelineFaults, SpecialTokens, init_row_state, row_masks
+from .pipeline import Pipeline, PipelineFaults, SpecialTokens, init_row_state, row_mask
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .step_builder import StepBuilder
@@ -290,7 +290,7 @@ class EngineCore:
 
 def run_step(seqs: list[Sequence], num_new: list[int], io: StepIo) -> None:
     """The synchronous step: launch, wait, commit."""
-    masks = row_masks(seqs, io.toks, io.eos_ids)
+    masks = [row_mask(s, io.toks, io.eos_ids) for s in seqs]
     plan = io.builder.build(seqs, num_new, masks)
     try:
         ticket = io.device.launch(plan)

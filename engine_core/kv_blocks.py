@@ -154,9 +154,9 @@ class KvBlockPool:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key seq's full blocks whose KV is settled (below num_computed) by their prefix hash."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or seq.num_computed < (seq.hashed_blocks + 1) * bs:
+            return  # off, or no block filled since the last call
         upto = min(seq.num_computed // bs, len(seq.block_table))
         for i in range(seq.hashed_blocks, upto):  # incremental: each block is hashed once
             h = hash((seq.prefix_hash, tuple(seq.tokens[i * bs : (i + 1) * bs])))

@@ -81,6 +81,8 @@ class Pipeline:
 
 def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead: int = 0) -> RowMask:
     """The mask of seq's next pick; ahead=1 asks for the pick after that, assuming an ordinary token."""
+    if seq.plain:
+        return NO_MASK
     p = seq.params
     if (
         p.max_thinking_tokens is not None
@@ -99,19 +101,11 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
     return RowMask(kind, -1, ban) if kind else NO_MASK
 
 
-def is_plain(seq: Sequence, toks: SpecialTokens) -> bool:
-    """True when seq's params make every mask NO_MASK, need no penalties and read no row state."""
+def is_plain(seq: Sequence) -> bool:
+    """True when seq's params make every mask NO_MASK, need no penalties and read no row state (so nothing
+    mask_may_change looks at applies either)."""
     p = seq.params
-    return not (
-        p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None or mask_may_change(seq, toks)
-    )
-
-
-def row_masks(seqs: list[Sequence], toks: SpecialTokens, eos_ids: tuple[int, ...], ahead: int = 0) -> list[RowMask]:
-    """Every row's mask (row_mask), without per-row work when every row is plain."""
-    if all(s.plain for s in seqs):
-        return [NO_MASK] * len(seqs)
-    return [row_mask(s, toks, eos_ids, ahead) for s in seqs]
+    return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None)
 
 
 def mask_may_change(seq: Sequence, toks: SpecialTokens) -> bool:
@@ -130,13 +124,15 @@ def ahead_allowed(active: list[Sequence], toks: SpecialTokens, faults: PipelineF
     Penalties need the row's full history (t's token included) and a thinking budget or adaptive
     sampling make the next mask depend on t's token; such rows settle before they launch again.
     """
-    if faults.ignore_ahead_allowed or all(s.plain for s in active):
+    if faults.ignore_ahead_allowed:
         return True
-    return not any(s.params.has_penalties or mask_may_change(s, toks) for s in active)
+    return not any(not s.plain and (s.params.has_penalties or mask_may_change(s, toks)) for s in active)
 
 
 def update_row_state(seq: Sequence, token: int, toks: SpecialTokens) -> None:
-    """Advance the per-row state behind the masks past a committed token."""
+    """Advance the per-row state behind the masks past a committed token (a plain row's is never read)."""
+    if seq.plain:
+        return
     if token == toks.think_start:
         seq.in_think, seq.think_tokens = True, 0
     elif token == toks.think_end:
@@ -153,7 +149,7 @@ def update_row_state(seq: Sequence, token: int, toks: SpecialTokens) -> None:
 
 def init_row_state(seq: Sequence, toks: SpecialTokens) -> None:
     """Set the row state from the prompt (a template may open <think> or a fence for the model)."""
-    seq.plain = is_plain(seq, toks)
+    seq.plain = is_plain(seq)
     seq.in_think = seq.in_fence = seq.in_tool = False
     seq.think_tokens = 0
     for i, token in enumerate(seq.tokens):

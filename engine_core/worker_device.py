@@ -268,20 +268,20 @@ class WorkerDevice:
                 raise DeviceError(f"step {seq} took longer than {self._step_timeout_s} s")
             bell.wait(self._slice_s)
 
-    def _why_gone(self, now_ns: int | None = None) -> str | None:
+    def _why_gone(self, now_ns: int) -> str | None:
         """Why the worker can no longer answer (None while it lives); remembered once known.
 
         The doorbell's end-of-file tells a death at once (the kernel closes a killed process's socket);
-        the process table is read as well, at most every PID_CHECK_NS when now_ns is given (it costs a
-        /proc read per step otherwise), for a worker whose socket outlives it in a child of its own.
+        the process table is read as well, at most every PID_CHECK_NS (it costs a /proc read per step
+        otherwise), for a worker whose socket outlives it in a child of its own.
         """
         if self._gone is None:
-            check_pid = now_ns is None or now_ns - self._pid_checked_ns >= PID_CHECK_NS
+            check_pid = now_ns - self._pid_checked_ns >= PID_CHECK_NS
             if self._bell.peer_gone:
                 self._gone = f"the worker process (pid {self._pid}) closed its doorbell"
             elif check_pid and not self._alive(self._pid):
                 self._gone = f"the worker process (pid {self._pid}) died"
-            if check_pid and now_ns is not None:
+            if check_pid:
                 self._pid_checked_ns = now_ns
             if self._gone is not None and self._proc is not None:
                 code = self._reap(timeout_s=0.05)

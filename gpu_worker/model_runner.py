@@ -232,6 +232,8 @@ class ModelRunner:
         prev is the previous step's sample mask (None if it failed or there was none).
         """
         r = plan.num_rows
+        if len(self._arange) < r:
+            self._arange = np.arange(2 * r, dtype=np.int32)
         if plan.num_tokens == r and np.array_equal(plan.feed_from_row, self._arange[:r]):
             # A decode step launched ahead: row i is fed from row i, one token each (one copy).
             if prev is None or len(prev) < r or not prev[:r].all():
@@ -265,7 +267,6 @@ class ModelRunner:
         r = plan.num_rows
         if r > self._last_tokens.shape[0]:
             self._last_tokens = torch.empty(2 * r, dtype=torch.int64, device=self.device)
-            self._arange = np.arange(2 * r, dtype=plan.feed_from_row.dtype)
         if len(tokens) == r:  # every row sampled (a decode step): one copy
             self._last_tokens[:r].copy_(tokens)
         else:

@@ -106,17 +106,6 @@ class _Batch:
     min_p_on: np.ndarray  # bool [S]
     max_logprobs: int  # -1 when no row wants logprobs
 
-    @property
-    def fast(self) -> bool:
-        """True when a plain argmax of the logits is the whole answer."""
-        return bool(
-            self.greedy.all()
-            and not self.penalised.any()
-            and not self.banned.any()
-            and not self.forced.any()
-            and self.max_logprobs < 0
-        )
-
 
 def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int) -> _Batch:
     """Read the sampling rows' parameters from the plan and decide which stages the step needs."""
@@ -139,16 +128,19 @@ def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int) -> _Batch:
     )
 
 
-def _all_plain_greedy(plan: StepPlan) -> bool:
-    """True when every row of the plan is greedy with nothing to apply (no mask, penalty or logprobs):
-    the plain argmax answers the step. A few whole-array reductions, cheaper than _gather's."""
+def _plain_greedy(plan: StepPlan, rows: np.ndarray | None) -> bool:
+    """True when a plain argmax of the logits is the whole answer: every sampling row greedy (by temperature
+    or mask), with no ban, forced token, penalty or logprobs. rows None: every row of the plan (whole-array
+    reductions, no gather)."""
+    pick = (lambda a: a) if rows is None else (lambda a: a[rows])
+    mask = pick(plan.mask_kind)
     return bool(
-        not plan.mask_kind.any()
-        and plan.temperature.max() < GREEDY_EPS
-        and plan.num_logprobs.max() < 0
-        and (plan.repetition_penalty == 1.0).all()
-        and not plan.presence_penalty.any()
-        and not plan.frequency_penalty.any()
+        not (mask & (MASK_BAN | MASK_FORCE)).any()
+        and ((pick(plan.temperature) < GREEDY_EPS) | ((mask & MASK_GREEDY) != 0)).all()
+        and pick(plan.num_logprobs).max(initial=-1) < 0
+        and (pick(plan.repetition_penalty) == 1.0).all()
+        and not pick(plan.presence_penalty).any()
+        and not pick(plan.frequency_penalty).any()
     )
 
 
@@ -169,11 +161,10 @@ class Sampler:
         """Sample one token for each of the S rows of logits (plan row rows[i] for logits[i])."""
         # Pass rows on the CPU: the plan's arrays are host numpy, and a device rows tensor costs a sync.
         rows_np = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
-        if len(rows_np) == plan.num_rows and _all_plain_greedy(plan):
+        rows_np = rows_np.astype(np.int64, copy=False)
+        if _plain_greedy(plan, None if len(rows_np) == plan.num_rows else rows_np):
             return SamplerOutput(argmax(logits), None, None, None)
-        batch = _gather(plan, rows_np.astype(np.int64, copy=False), self.vocab_size)
-        if batch.fast:
-            return SamplerOutput(argmax(logits), None, None, None)
+        batch = _gather(plan, rows_np, self.vocab_size)
         work = self._scratch_rows(len(rows_np))
         work.copy_(logits)
         if batch.penalised.any():
