@@ -1,8 +1,10 @@
 """EngineCore: requests in, one batch of token deltas out per tick. No sockets here (see core.py).
 
 A tick reads top to bottom: keep the decode lane running if nothing needs the device quiet, or else drain
-it; with nothing in flight, retire what finished, schedule, and run the step (in the lane when it is all
-decodes). Every tick commits at most one token per request, in either loop.
+it; with nothing in flight, retire what finished, schedule, and run the step (a decode burst when the device
+steps inline and no row is watched token by token, else in the lane when it is all decodes). Every tick
+commits at most one token per request, in either loop; a burst commits up to decode_burst tokens of
+requests that report only at their finish.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from metrale.ipc.plan import Device, DeviceError
 from metrale.ipc.sampling import SamplingParams
 
 from .commit import commit_tokens
+from .decode_burst import burst_length, step_decode_burst
 from .decode_lane import discard_row, drain, fail_rows, step_decode_pipelined
 from .kv_blocks import KvBlockPool
 from .pipeline import Pipeline, PipelineFaults, SpecialTokens, init_row_state, row_mask
@@ -43,6 +46,7 @@ class EngineOptions:
     seed: int | None = None  # draws the seeds of requests that bring none
     recover_from_device_loss: bool = False  # requeue (True) or fail (False) the requests of a dead worker
     preemption_mode: str = "recompute"  # or "swap" (needs the device's swap space: ModelInfo.num_swap_blocks)
+    decode_burst: int = 1  # most decode steps per tick for final-only plain rows, on a device with run_burst
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
@@ -56,6 +60,7 @@ class EngineOptions:
             seed=args.seed,
             recover_from_device_loss=recover_from_device_loss,
             preemption_mode=args.preemption_mode,
+            decode_burst=args.decode_burst,
         )
 
 
@@ -103,6 +108,8 @@ class EngineCore:
         self.pipeline = Pipeline(faults=faults or PipelineFaults())
         self.io.faults = self.pipeline.faults
         self.io.recover = options.recover_from_device_loss
+        # Bursts need a device that runs several steps of one plan (LocalDevice.run_burst).
+        self._burst_limit = options.decode_burst if callable(getattr(device, "run_burst", None)) else 1
         self.requests: dict[str, Sequence] = {}
         self._rng = random.Random(options.seed)
         self._arrivals = 0
@@ -188,6 +195,8 @@ class EngineCore:
         step = self.scheduler.schedule()
         if not step.seqs:
             self._fail_unschedulable()
+        elif step.decode_only and self._burst(step.seqs):
+            pass
         elif self.options.pipeline and step.decode_only and len(step) == len(self.scheduler.running):
             step_decode_pipelined(self.scheduler.running, self.pipeline, self.io)
         else:
@@ -222,6 +231,13 @@ class EngineCore:
         """Settle everything in flight (before shutdown or a worker swap)."""
         drain(self.scheduler.running, self.pipeline, self.io)
         return self._take_outputs()
+
+    def _burst(self, seqs: list[Sequence]) -> bool:
+        """Run the decode step as a burst when its rows allow one; False when they do not (nothing ran)."""
+        if self._burst_limit <= 1 or len(seqs) != len(self.scheduler.running):
+            return False
+        steps = burst_length(seqs, self._burst_limit, self.info.max_model_len)
+        return steps > 1 and step_decode_burst(seqs, steps, self.io)
 
     def _lane_may_continue(self) -> bool:
         """True when nothing needs the device quiet: no arrival to admit, nothing to retire, no prefill."""

@@ -180,11 +180,14 @@ class StepBuilder:
         self._mirror = _Mirror(2 * max_rows, self.max_blocks)
         self._arange = np.arange(max_rows + 1, dtype=np.int32)
 
-    def build(self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, fed: bool = False) -> StepPlan:
+    def build(
+        self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, fed: bool = False, lookahead: int = 0
+    ) -> StepPlan:
         """A plan running num_new[r] tokens of seqs[r] from its num_computed.
 
         fed=True: a step launched ahead, every row a decode whose input is the previous step's
         output of the same row, written at position num_computed (its launch bookkeeping comes later).
+        lookahead: the block tables also cover that many positions past the step's (a decode burst's).
         """
         b = self._sets[self._turn]
         self._turn = (self._turn + 1) % len(self._sets)
@@ -192,7 +195,7 @@ class StepBuilder:
         T = sum(num_new)
         assert R <= self.max_rows and T <= self.max_tokens, "step larger than the builder's capacity"
         starts = [s.num_computed for s in seqs]
-        width = max(1, -(-max(map(add, starts, num_new)) // self.block_size))
+        width = max(1, -(-(max(map(add, starts, num_new)) + lookahead) // self.block_size))
         rows = self._mirror.rows(seqs)
         tables = b.block_tables[: R * width].reshape(R, width)
         tables[...] = self._mirror.tables[rows, :width]

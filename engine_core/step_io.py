@@ -22,9 +22,10 @@ from .step_builder import StepBuilder
 
 @dataclass(frozen=True, slots=True)
 class ReserveKv:
-    """Make room for seq's next KV position (num_computed), maybe a new block."""
+    """Make room for seq's next `tokens` KV positions (from num_computed), maybe new blocks."""
 
     seq: Sequence
+    tokens: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,7 @@ class StepIo:
         """Carry out one effect. ReserveKv answers False when the pool is dry."""
         self.effects[type(effect).__name__] += 1
         if isinstance(effect, ReserveKv):
-            return self.pool.allocate(effect.seq, effect.seq.num_computed + 1)
+            return self.pool.allocate(effect.seq, effect.seq.num_computed + effect.tokens)
         if isinstance(effect, Rollback):
             self.pool.trim(effect.seq, effect.seq.num_computed)
             return True

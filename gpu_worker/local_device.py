@@ -77,6 +77,20 @@ class LocalDevice:
             raise DeviceError(f"step {ticket.seq} failed: {outcome.error!r}") from outcome.error
         return outcome.result
 
+    def run_burst(self, plan: StepPlan, steps: int) -> list[StepResult]:
+        """Run `steps` decode steps of one plan now, on the calling thread (ModelRunner.execute_burst).
+
+        For an engine with nothing in flight: the device thread, if any, is idle. DeviceError if a step fails.
+        """
+        if self._closed:
+            raise DeviceError("the device is closed")
+        if self._finished != self._next_seq:
+            raise DeviceError("a decode burst while launched steps are unsettled")
+        try:
+            return self.runner.execute_burst(plan, steps)
+        except Exception as exc:
+            raise DeviceError(f"decode burst failed: {exc!r}") from exc
+
     def read_logits(self, ticket: Ticket) -> np.ndarray:
         """float32 [R, V] raw logits of the ticket's (settled) step; zero rows did not sample."""
         step = self._runner_step.get(ticket.seq)

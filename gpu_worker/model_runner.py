@@ -8,6 +8,7 @@ The runner is not thread-safe: one caller at a time (LocalDevice and the worker 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -31,6 +32,7 @@ GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget 
 GPU_RESERVED_BYTES = 1 << 30  # left for activations, logits and the sampler's scratch
 LOGITS_KEPT = 2  # steps whose logits read_logits can still return (the settled one and one ahead)
 
+_NO_SWAP = np.zeros((0, 2), dtype=np.int32)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -133,26 +135,26 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step and sample; tokens[r] is -1 for rows that do not sample."""
-        start = time.perf_counter()
-        step = self.steps_executed
-        self.steps_executed += 1
-        prev_sample, self._last_sample = self._last_sample, None  # a failure leaves no feed source
-        with torch.inference_mode():
-            self.swap.apply(plan)  # swapped-out blocks leave before this step may reuse them
-            prepared = self._prepare(plan)
-            self._apply_feeds(plan, prepared.input_ids, prev_sample)
-            hidden = self._forward(prepared)
-            rows = np.flatnonzero(plan.sample)
-            if len(rows) == 0:
-                self._last_tokens[: plan.num_rows].fill_(-1)
-                self._last_sample = plan.sample.copy()
-                return StepResult(tokens=np.full(plan.num_rows, -1, dtype=np.int32), timings=_timings(start))
-            logits = self._logits_of(plan, hidden, rows)
-            # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync.
-            out = self.sampler(logits, plan, torch.from_numpy(rows))
-            self._keep_tokens(plan, rows, out.tokens)
-            self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
-            return self._result(plan, rows, out, start)
+        self._check(plan)
+        return self._step(plan)
+
+    def execute_burst(self, plan: StepPlan, steps: int) -> list[StepResult]:
+        """`steps` decode steps from one plan: the plan's, then each row fed its own last token, one position on.
+
+        The plan is a decode step (one token per row, every row sampling, no penalty history) whose block
+        tables already cover each row's seq_len + steps - 1 positions; each later step is the same plan
+        moved one position on, so sampling (keyed by seed and position) picks exactly what single steps
+        would. The first and last steps are checked: every step's positions and slots lie between theirs.
+        """
+        r = plan.num_rows
+        if plan.num_tokens != r or not plan.sample.all() or len(plan.hist_tokens):
+            raise ValueError("a decode burst needs one token per row, every row sampling, no penalty history")
+        later = [self._moved_on(plan, k) for k in range(1, steps)]
+        self._check(plan)
+        if later:
+            self._check(later[-1])
+        greedy = self.sampler.plain_greedy(plan)  # the same rows and parameters in every step
+        return [self._step(p, greedy) for p in (plan, *later)]
 
     def forward_only(self, plan: StepPlan, *, sync: bool = True) -> torch.Tensor:
         """The same step without feeds or sampling: [S, V] logits of the sampling rows (the model's dtype).
@@ -160,6 +162,7 @@ class ModelRunner:
         The forward-only floor for benchmarks (the plan's input_ids are used as they are). It writes
         the KV cache like execute does, and leaves execute's feed state alone.
         """
+        self._check(plan)
         with torch.inference_mode():
             prepared = self._prepare(plan)
             hidden = self._forward(prepared)
@@ -181,6 +184,40 @@ class ModelRunner:
         raise KeyError(f"logits of step {step} are no longer kept")
 
     # ---- the step ------------------------------------------------------------------------------
+
+    def _step(self, plan: StepPlan, greedy: bool | None = None) -> StepResult:
+        """Run one checked step and sample (greedy: the sampler's plain-greedy test, when already known)."""
+        start = time.perf_counter()
+        step = self.steps_executed
+        self.steps_executed += 1
+        prev_sample, self._last_sample = self._last_sample, None  # a failure leaves no feed source
+        with torch.inference_mode():
+            self.swap.apply(plan)  # swapped-out blocks leave before this step may reuse them
+            prepared = self._prepare(plan)
+            self._apply_feeds(plan, prepared.input_ids, prev_sample)
+            hidden = self._forward(prepared)
+            rows = np.flatnonzero(plan.sample)
+            if len(rows) == 0:
+                self._last_tokens[: plan.num_rows].fill_(-1)
+                self._last_sample = plan.sample.copy()
+                return StepResult(tokens=np.full(plan.num_rows, -1, dtype=np.int32), timings=_timings(start))
+            logits = self._logits_of(plan, hidden, rows)
+            # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync.
+            out = self.sampler(logits, plan, torch.from_numpy(rows), greedy)
+            self._keep_tokens(plan, rows, out.tokens)
+            self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
+            return self._result(plan, rows, out, start)
+
+    def _moved_on(self, plan: StepPlan, k: int) -> StepPlan:
+        """The decode plan k positions on, every row fed its own previous token (a burst's k-th step)."""
+        bs = self.block_size
+        each_row = self._rows(plan.num_rows)
+        positions = plan.positions + k
+        slots = plan.block_tables[each_row, positions // bs].astype(np.int64) * bs + positions % bs
+        return dataclasses.replace(
+            plan, positions=positions, seq_lens=plan.seq_lens + k, slot_mapping=slots, feed_from_row=each_row,
+            swap_out=_NO_SWAP, swap_in=_NO_SWAP,  # the plan's swap copies happen once, before its own step
+        )
 
     def _check(self, plan: StepPlan) -> None:
         """ValueError for a malformed plan or an index outside the model or the cache: caught here on
@@ -205,8 +242,7 @@ class ModelRunner:
             raise ValueError("invalid plan: block_tables narrower than the longest row's seq_len needs")
 
     def _prepare(self, plan: StepPlan) -> _Prepared:
-        """Copy the plan's token arrays to the device and build the attention metadata."""
-        self._check(plan)
+        """Copy the plan's (checked) token arrays to the device and build the attention metadata."""
         input_ids = self._staging.put("input_ids", plan.input_ids)
         positions = self._staging.put("positions", plan.positions)
         slot_mapping = self.kv_cache.slot_index(self._staging.put("slot_mapping", plan.slot_mapping))
@@ -232,9 +268,7 @@ class ModelRunner:
         prev is the previous step's sample mask (None if it failed or there was none).
         """
         r = plan.num_rows
-        if len(self._arange) < r:
-            self._arange = np.arange(2 * r, dtype=np.int32)
-        if plan.num_tokens == r and np.array_equal(plan.feed_from_row, self._arange[:r]):
+        if plan.num_tokens == r and np.array_equal(plan.feed_from_row, self._rows(r)):
             # A decode step launched ahead: row i is fed from row i, one token each (one copy).
             if prev is None or len(prev) < r or not prev[:r].all():
                 raise ValueError(f"rows 0..{r - 1} are fed from themselves: not all sampled in the previous step")
@@ -250,6 +284,12 @@ class ModelRunner:
             raise ValueError("a fed row must have exactly one token")
         token_idx = self._staging.put("fed_tokens", plan.query_start[fed])
         input_ids[token_idx] = self._last_tokens[self._staging.put("fed_src", src)]
+
+    def _rows(self, r: int) -> np.ndarray:
+        """0..r-1 as int32 (the feed_from_row of an all-self-fed step), from a kept array grown on demand."""
+        if len(self._arange) < r:
+            self._arange = np.arange(2 * r, dtype=np.int32)
+        return self._arange[:r]
 
     def _forward(self, p: _Prepared) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens."""

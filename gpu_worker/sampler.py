@@ -157,12 +157,16 @@ class Sampler:
         self._capacity = 0
         self._work = self._hash = self._scratch = self._noise = self._mask = None
 
-    def __call__(self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor) -> SamplerOutput:
-        """Sample one token for each of the S rows of logits (plan row rows[i] for logits[i])."""
+    def __call__(self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor, greedy: bool | None = None) -> SamplerOutput:
+        """Sample one token for each of the S rows of logits (plan row rows[i] for logits[i]).
+
+        greedy: plain_greedy's answer for these rows when the caller knows it already (a decode burst)."""
         # Pass rows on the CPU: the plan's arrays are host numpy, and a device rows tensor costs a sync.
         rows_np = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
         rows_np = rows_np.astype(np.int64, copy=False)
-        if _plain_greedy(plan, None if len(rows_np) == plan.num_rows else rows_np):
+        if greedy is None:
+            greedy = _plain_greedy(plan, None if len(rows_np) == plan.num_rows else rows_np)
+        if greedy:
             return SamplerOutput(argmax(logits), None, None, None)
         batch = _gather(plan, rows_np, self.vocab_size)
         work = self._scratch_rows(len(rows_np))
@@ -176,6 +180,11 @@ class Sampler:
             forced = self._to_device(plan.force_token[batch.rows].astype(np.int64))
             tokens = torch.where(self._to_device(batch.forced), forced, tokens)
         return self._with_logprobs(logits, tokens, batch.max_logprobs)
+
+    @staticmethod
+    def plain_greedy(plan: StepPlan) -> bool:
+        """True when every row of the plan picks by a plain argmax (see _plain_greedy)."""
+        return _plain_greedy(plan, None)
 
     def noise(self, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Gumbel noise float32 [S, V] for rows keyed by (seed, position): a new tensor, for tests."""

@@ -24,6 +24,9 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     preemption_mode: str = "recompute"  # or "swap": preempted KV goes to host memory while it fits
     swap_space_gb: float = 4.0  # host memory for swapped KV, per worker
     pipeline: bool = True
+    # Most decode steps one tick runs for requests that report only at their finish (the offline LLM's),
+    # where the model steps inline (LLM on a CPU): the host's tick is then paid once per burst. 1: off.
+    decode_burst: int = 8
     seed: int | None = None
     show_progress: bool = True
     # torch threads of a serve worker on a CPU; None: one fewer than the cores (the engine core and the
@@ -34,7 +37,7 @@ class EngineArgs(msgspec.Struct, kw_only=True):
         """Raise ValueError naming the first knob that cannot work."""
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "decode_burst"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.preemption_mode not in ("recompute", "swap"):

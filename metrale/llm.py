@@ -72,7 +72,10 @@ class LLM:
         # On a CPU the model and the host share one GIL and the same cores: a device thread costs more
         # than the overlap gains (measured), so steps run inside launch; the lane's logic is unchanged.
         self.device = LocalDevice(self.runner, threaded=args.pipeline and self.runner.device.type != "cpu")
-        self.engine = EngineCore(self.device, EngineOptions.from_args(args), special_tokens=special_tokens_of(self.tokenizer))
+        options = EngineOptions.from_args(args)
+        if self.device.threaded:
+            options.decode_burst = 1  # the lane overlaps the host's tick with the device's step already
+        self.engine = EngineCore(self.device, options, special_tokens=special_tokens_of(self.tokenizer))
         self._ids = itertools.count()
 
     def generate(

@@ -1,0 +1,54 @@
+"""Decode bursts: several decode steps from one plan, for rows nobody watches token by token.
+
+A tick costs the host a schedule, a plan, a launch and a commit whether it runs one decode step or
+several. On a device that steps inline (the offline LLM on a CPU, where the host's tick cannot overlap
+the model's step) that host work is a few per cent of every step. So when every row of a decode batch
+reports only at its finish (stream=False) and is plain (no mask, penalty or row state, so no pick
+depends on the host having seen the one before), the tick plans once and the device runs up to
+`limit` steps, each row fed its own previous token. The tokens are those single steps would give:
+each step samples from the same logits with the same (seed, position) key. A row that stops inside a
+burst (EOS or a stop id) keeps running to the burst's end, and what it computes past its stop is
+never committed; max_tokens and the model's length bound the burst, so they end rows at its last step.
+"""
+
+from __future__ import annotations
+
+from metrale.ipc.plan import DeviceError
+
+from .commit import commit_tokens
+from .decode_lane import fail_rows
+from .pipeline import NO_MASK
+from .sequence import Sequence
+from .step_io import ReserveKv, StepIo
+
+
+def burst_length(active: list[Sequence], limit: int, max_model_len: int) -> int:
+    """How many decode steps the batch may run in one burst: 1 when a row must be seen after every token."""
+    steps = limit
+    for s in active:
+        if s.stream or not s.plain or s.finished:
+            return 1
+        steps = min(steps, s.params.max_tokens - s.num_output, max_model_len - s.num_tokens)
+    return steps
+
+
+def step_decode_burst(active: list[Sequence], steps: int, io: StepIo) -> bool:
+    """Run `steps` decode steps of every row and commit them in order. False (nothing run) when the
+    KV pool cannot cover the burst: the caller steps once instead (blocks already reserved stay)."""
+    pool = io.pool
+    if not all(io.apply(ReserveKv(s, steps)) for s in active if pool.blocks_needed(s, s.num_computed + steps)):
+        return False
+    n = len(active)
+    plan = io.builder.build(active, [1] * n, [NO_MASK] * n, lookahead=steps - 1)
+    try:
+        results = io.device.run_burst(plan, steps)
+    except DeviceError as e:
+        fail_rows(active, io, e)
+        return True
+    for result in results:
+        stopped = [s.finished for s in active]  # ended earlier in the burst: the rest of its tokens are void
+        for s, gone in zip(active, stopped):
+            if not gone:
+                s.num_computed += 1
+        commit_tokens(io, active, result.tokens, result, stopped)
+    return True
