@@ -97,6 +97,7 @@ class EngineCoreProcess:
         info = self.device.wait_ready(args.ready_timeout_s)
         # A lost device is always left to this process, which applies --on-worker-fault (_replace_worker).
         options = EngineOptions.from_args(args.serve.engine, recover_from_device_loss=True)
+        options.stream_interval = args.serve.stream_interval
         self.engine = EngineCore(self.device, options, special_tokens=SpecialTokens(**args.special_tokens))
         self._send(EngineReady(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                                num_kv_blocks=info.num_kv_blocks, block_size=info.block_size))

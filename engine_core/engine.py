@@ -47,6 +47,9 @@ class EngineOptions:
     recover_from_device_loss: bool = False  # requeue (True) or fail (False) the requests of a dead worker
     preemption_mode: str = "recompute"  # or "swap" (needs the device's swap space: ModelInfo.num_swap_blocks)
     decode_burst: int = 1  # most decode steps per tick for final-only plain rows, on a device with run_burst
+    # A streamed request's tokens are reported every this many (its first and its last at once): the
+    # frontend's --stream-interval, applied where the tokens are made, so the ticks between send nothing.
+    stream_interval: int = 1
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
@@ -261,9 +264,13 @@ class EngineCore:
         """
         out = []
         gone = []
+        interval = self.options.stream_interval
         for rid, seq in self.requests.items():
             finishing = seq.finished and not seq.reported_finish
-            if finishing or (seq.pending and seq.stream):
+            pending = len(seq.pending)
+            # Streamed tokens are due every `interval`; the first ones (nothing reported yet) at once.
+            due = pending and seq.stream and (pending >= interval or pending == seq.num_output)
+            if finishing or due:
                 out.append(
                     RequestOutputDelta(
                         rid,

@@ -27,6 +27,7 @@ class Req:
 @dataclass
 class Run:
     streams: dict[str, list[int]] = field(default_factory=dict)
+    delta_sizes: dict[str, list[int]] = field(default_factory=dict)  # tokens per delta, as reported
     finish: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     ticks: int = 0
@@ -53,6 +54,7 @@ def run_workload(
     preemption_mode: str = "recompute",
     num_swap_blocks: int = 0,
     recover: bool = True,
+    stream_interval: int = 1,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each."""
     dev = FakeDevice(
@@ -68,6 +70,7 @@ def run_workload(
             enable_prefix_caching=prefix_caching,
             recover_from_device_loss=recover,
             preemption_mode=preemption_mode,
+            stream_interval=stream_interval,
         ),
         special_tokens=TOKS,
         faults=lane_faults,
@@ -92,6 +95,7 @@ def run_workload(
         for d in eng.step():
             assert d.request_id not in run.finish, f"request {d.request_id} streamed after its finish"
             run.streams[d.request_id].extend(d.new_token_ids)
+            run.delta_sizes.setdefault(d.request_id, []).append(len(d.new_token_ids))
             if d.finish_reason:
                 run.finish[d.request_id] = d.finish_reason
                 if d.error:

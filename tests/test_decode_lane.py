@@ -73,6 +73,18 @@ def _finishing_workload() -> list[Req]:
     return [Req([5 + i, 9, 11 + i], SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)) for i in range(6)]
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_stream_interval_reports_the_first_token_then_every_n_then_the_rest(pipeline):
+    """The engine holds a streamed request's tokens to every 4th (the first at once, the last with its
+    finish); the tokens themselves are those of an interval of 1."""
+    reqs = [Req([5, 6, 7], SamplingParams(max_tokens=n, ignore_eos=True, seed=n)) for n in (10, 7, 1)]
+    held = run_workload(reqs, pipeline=pipeline, stream_interval=4)
+    each = run_workload(reqs, pipeline=pipeline)
+    assert held.streams == each.streams and held.finish == each.finish
+    assert held.delta_sizes == {"0": [1, 4, 4, 1], "1": [1, 4, 2], "2": [1]}
+    assert each.delta_sizes["0"] == [1] * 10
+
+
 def test_the_lane_really_runs_ahead():
     """Most decode steps of a plain greedy workload are launched ahead (fed from the device)."""
     run = run_workload(_finishing_workload(), pipeline=True)
