@@ -72,6 +72,7 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
         max_blocks_per_row=-(-args.max_model_len // e.block_size) + 1,
         max_ban_ids=MAX_BAN_IDS,
         max_hist_tokens=max(65536, e.max_num_seqs * args.max_model_len),
+        max_burst=max(1, args.serve.stream_interval),  # streamed rows burst up to their interval
     )
 
 

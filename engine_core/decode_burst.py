@@ -2,10 +2,12 @@
 
 A tick costs the host a schedule, a plan, a launch and a commit whether it runs one decode step or
 several. On a device that steps inline (the offline LLM on a CPU, where the host's tick cannot overlap
-the model's step) that host work is a few per cent of every step. So when every row of a decode batch
-reports only at its finish (stream=False) and is plain (no mask, penalty or row state, so no pick
-depends on the host having seen the one before), the tick plans once and the device runs up to
-`limit` steps, each row fed its own previous token. The tokens are those single steps would give:
+the model's step) that host work is a few per cent of every step; in `metrale serve` on a small box, the
+engine core's and the frontend's work per step takes the cores the worker needs. So when every row of a
+decode batch is plain (no mask, penalty or row state, so no pick depends on the host having seen the
+one before) and either reports only at its finish (stream=False: up to decode_burst steps) or is
+streamed every N tokens anyway (--stream-interval N: up to N steps), the tick plans once and the device
+runs the burst, each row fed its own previous token. The tokens are those single steps would give:
 each step samples from the same logits with the same (seed, position) key. A row that stops inside a
 burst (EOS or a stop id) keeps running to the burst's end, and what it computes past its stop is
 never committed; max_tokens and the model's length bound the burst, so they end rows at its last step.
@@ -22,13 +24,18 @@ from .sequence import Sequence
 from .step_io import ReserveKv, StepIo
 
 
-def burst_length(active: list[Sequence], limit: int, max_model_len: int) -> int:
-    """How many decode steps the batch may run in one burst: 1 when a row must be seen after every token."""
-    steps = limit
+def burst_length(active: list[Sequence], final_limit: int, stream_limit: int, max_model_len: int) -> int:
+    """How many decode steps the batch may run in one burst: up to final_limit for rows that report at
+    their finish, stream_limit for streamed rows (their stream interval); 1 when a row must be seen
+    after every token."""
+    steps = max(final_limit, stream_limit)
     for s in active:
-        if s.stream or not s.plain or s.finished:
+        if not s.plain or s.finished:
             return 1
-        steps = min(steps, s.params.max_tokens - s.num_output, max_model_len - s.num_tokens)
+        steps = min(steps, stream_limit if s.stream else final_limit, s.params.max_tokens - s.num_output,
+                    max_model_len - s.num_tokens)
+        if steps <= 1:
+            return 1
     return steps
 
 

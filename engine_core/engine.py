@@ -111,8 +111,10 @@ class EngineCore:
         self.pipeline = Pipeline(faults=faults or PipelineFaults())
         self.io.faults = self.pipeline.faults
         self.io.recover = options.recover_from_device_loss
-        # Bursts need a device that runs several steps of one plan (LocalDevice.run_burst).
-        self._burst_limit = options.decode_burst if callable(getattr(device, "run_burst", None)) else 1
+        # Bursts need a device that runs several steps of one plan (run_burst, up to its burst_limit):
+        # up to decode_burst steps for rows that report at their finish, stream_interval for streamed ones.
+        device_limit = getattr(device, "burst_limit", 1) if callable(getattr(device, "run_burst", None)) else 1
+        self._burst_limits = (min(options.decode_burst, device_limit), min(options.stream_interval, device_limit))
         self.requests: dict[str, Sequence] = {}
         self._rng = random.Random(options.seed)
         self._arrivals = 0
@@ -237,15 +239,26 @@ class EngineCore:
 
     def _burst(self, seqs: list[Sequence]) -> bool:
         """Run the decode step as a burst when its rows allow one; False when they do not (nothing ran)."""
-        if self._burst_limit <= 1 or len(seqs) != len(self.scheduler.running):
+        if len(seqs) != len(self.scheduler.running):
             return False
-        steps = burst_length(seqs, self._burst_limit, self.info.max_model_len)
+        steps = self._burst_length(seqs)
         return steps > 1 and step_decode_burst(seqs, steps, self.io)
 
+    def _burst_length(self, seqs: list[Sequence]) -> int:
+        """How many steps a burst of these rows may run (1: none)."""
+        final, streamed = self._burst_limits
+        if final <= 1 and streamed <= 1:
+            return 1
+        return burst_length(seqs, final, streamed, self.info.max_model_len)
+
     def _lane_may_continue(self) -> bool:
-        """True when nothing needs the device quiet: no arrival to admit, nothing to retire, no prefill."""
-        return not self.scheduler.has_admissible() and all(
-            not s.finished and s.num_tokens - s.num_computed <= 1 for s in self.scheduler.running
+        """True when nothing needs the device quiet: no arrival to admit, nothing to retire, no prefill,
+        and no burst the rows could run instead (the lane drains, and the next tick bursts)."""
+        running = self.scheduler.running
+        return (
+            not self.scheduler.has_admissible()
+            and all(not s.finished and s.num_tokens - s.num_computed <= 1 for s in running)
+            and self._burst_length(running) <= 1
         )
 
     def _fail_unschedulable(self) -> None:

@@ -142,18 +142,23 @@ class WorkerDevice:
 
     # ---- the Device protocol -----------------------------------------------------------------
 
-    def launch(self, plan: StepPlan) -> Ticket:
+    @property
+    def burst_limit(self) -> int:
+        """The most decode steps one ticket may ask for (the ring's max_burst)."""
+        return self._ring.geometry.max_burst
+
+    def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
         """Write the plan into the next slot, publish it and ring the worker; ValueError if it does not fit.
 
-        RuntimeError if the slot is still in flight (await a ticket first). With no worker attached
-        the ticket is still made, and awaiting it raises DeviceError."""
+        steps > 1: a decode burst (see run_burst). RuntimeError if the slot is still in flight (await a
+        ticket first). With no worker attached the ticket is still made, and awaiting it raises DeviceError."""
         if self._closed:
             raise DeviceError("the device is closed")
         seq = self._next_seq
         slot = seq % self._ring.num_slots
         if self._inflight[slot]:
             raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
-        self._ring.write_plan(slot, plan)
+        self._ring.write_plan(slot, plan, steps)
         self._ring.publish_plan(slot, seq)
         if self._bell is not None:
             self._bell.ring()
@@ -166,6 +171,15 @@ class WorkerDevice:
 
         DeviceError if the step failed (the worker's message), the worker died or was replaced,
         or step_timeout_s passed."""
+        return self._collect(ticket, lambda slot: self._ring.read_result(slot, copy=True))
+
+    def run_burst(self, plan: StepPlan, steps: int) -> list[StepResult]:
+        """Run `steps` decode steps of one plan in the worker (ModelRunner.execute_burst) and wait for
+        their results; DeviceError as await_result."""
+        return self._collect(self.launch(plan, steps), self._ring.read_results)
+
+    def _collect(self, ticket: Ticket, read):
+        """Wait for a launched ticket and return read(slot); the slot is free again afterwards."""
         slot, seq = ticket.slot, ticket.seq
         if self._closed:
             raise DeviceError("the device is closed")
@@ -178,7 +192,7 @@ class WorkerDevice:
             error = self._ring.result_error(slot)
             if error is not None:
                 raise DeviceError(f"step {seq} failed in the worker: {error}")
-            return self._ring.read_result(slot, copy=True)
+            return read(slot)
         finally:
             self._inflight[slot] = 0
 

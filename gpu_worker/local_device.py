@@ -77,6 +77,8 @@ class LocalDevice:
             raise DeviceError(f"step {ticket.seq} failed: {outcome.error!r}") from outcome.error
         return outcome.result
 
+    burst_limit = 1 << 16  # steps run inline: no ring to size
+
     def run_burst(self, plan: StepPlan, steps: int) -> list[StepResult]:
         """Run `steps` decode steps of one plan now, on the calling thread (ModelRunner.execute_burst).
 

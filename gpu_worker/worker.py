@@ -6,8 +6,9 @@ says WorkerReady(info), and then loops: wait for plan seq k in slot k % N (spin 
 the doorbell), run it, write the result (or the error), publish, ring. It exits on Shutdown, when the
 engine core's end of the doorbell closes, or when its parent process dies.
 
-A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` and `read_logits()`. The
-plan's arrays are views into the shared slot: a runner copies what it keeps past execute().
+A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` and `read_logits()` (and
+`execute_burst(plan, steps)` for tickets of several steps). The plan's arrays are views into the shared
+slot: a runner copies what it keeps past execute().
 """
 
 from __future__ import annotations
@@ -72,10 +73,9 @@ class WorkerLoop:
             t1 = time.monotonic_ns()
             self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
-            self.run_step(slot)
+            self.steps += self.run_step(slot)
             t0 = time.monotonic_ns()  # publishing the result counts as the next wait
             self.busy_ns += t0 - t1
-            self.steps += 1
             # The step is counted before its result is visible: whoever has the result sees the count.
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, t0)
             ring.publish_result(slot, seq)
@@ -95,17 +95,20 @@ class WorkerLoop:
             self.bell.wait(WAIT_SLICE_S)
         return True
 
-    def run_step(self, slot: int) -> None:
-        """Execute the slot's plan and write its result, or its error (serve publishes it); the worker
-        keeps serving."""
+    def run_step(self, slot: int) -> int:
+        """Execute the slot's plan (one step, or a decode burst's) and write its results, or its error
+        (serve publishes it); the worker keeps serving. Returns the steps the plan asked for."""
         ring = self.ring
         t0 = time.perf_counter_ns()
+        steps = ring.plan_steps(slot)
         try:
-            result = self.runner.execute(ring.read_plan(slot))
-            ring.write_result(slot, result, exec_ns=time.perf_counter_ns() - t0)
+            plan = ring.read_plan(slot)
+            results = self.runner.execute_burst(plan, steps) if steps > 1 else [self.runner.execute(plan)]
+            ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
             traceback.print_exc(file=sys.stderr)
             ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+        return steps
 
     def should_exit(self) -> bool:
         """Whether the engine said Shutdown, its end of the doorbell closed, or our parent died."""

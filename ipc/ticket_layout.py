@@ -18,7 +18,7 @@ import numpy as np
 from .plan import StepPlan, StepResult
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 2
+VERSION = 3
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -29,12 +29,12 @@ CTRL_BYTES = 256  # two 128-byte halves: engine-written and worker-written (no f
 
 # Header int64 indices.
 H_MAGIC, H_VERSION, H_OWNER_PID, H_SLOT_BYTES = 0, 1, 2, 3
-H_GEOMETRY = 4  # the nine RingGeometry fields, in order
-N_GEOMETRY = 9  # RingGeometry's fields in the header
+H_GEOMETRY = 4  # the ten RingGeometry fields, in order
+N_GEOMETRY = 10  # RingGeometry's fields in the header
 H_WORKER = 16  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_ns (worker-written)
 # Control block int64 indices (relative to the slot's first int64).
-C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI = 0, 1, 2, 3, 4, 5, 6, 7
-C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS = range(16, 23)
+C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI, C_STEPS = 0, 1, 2, 3, 4, 5, 6, 7, 8  # C_STEPS: a burst's steps
+C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_RES_STEPS = range(16, 24)
 HAS_LOGPROBS, HAS_TOP = 1, 2
 
 # Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
@@ -71,12 +71,13 @@ assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fie
 )
 PLAN_NAMES = tuple(f[0] for f in PLAN_FIELDS)
 
-# StepResult arrays: tokens and logprobs per row, top-N per row (RN), the error message (E).
+# StepResult arrays, one result per step of a burst, step after step: tokens and logprobs per row (RS),
+# top-N per row (RNS), the error message (E).
 RESULT_FIELDS = (
-    ("tokens", np.int32, "R"),
-    ("logprobs", np.float32, "R"),
-    ("top_ids", np.int32, "RN"),
-    ("top_logprobs", np.float32, "RN"),
+    ("tokens", np.int32, "RS"),
+    ("logprobs", np.float32, "RS"),
+    ("top_ids", np.int32, "RNS"),
+    ("top_logprobs", np.float32, "RNS"),
     ("error", np.uint8, "E"),
 )
 
@@ -94,6 +95,7 @@ class RingGeometry:
     max_logprobs: int = 20
     error_msg_bytes: int = 4096
     max_swaps: int = 4096  # block copies per step, each way
+    max_burst: int = 1  # decode steps one ticket may ask for (results held per step)
 
     def capacity(self, kind: str) -> int:
         """Elements a region of this length kind holds."""
@@ -104,7 +106,8 @@ class RingGeometry:
             "RB": self.max_rows * self.max_blocks_per_row,
             "RK": self.max_rows * self.max_ban_ids,
             "H": self.max_hist_tokens,
-            "RN": self.max_rows * self.max_logprobs,
+            "RS": self.max_rows * self.max_burst,
+            "RNS": self.max_rows * self.max_logprobs * self.max_burst,
             "E": self.error_msg_bytes,
             "SO": 2 * self.max_swaps,
             "SI": 2 * self.max_swaps,
@@ -167,8 +170,19 @@ def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
     return t, r, b, k, h, so, si
 
 
-def result_counts(result: StepResult, g: RingGeometry) -> tuple[int, int, int]:
-    """(R, N, flags) of a result, checked against its own arrays and the ring's capacity."""
+def result_counts(results: list[StepResult], g: RingGeometry) -> tuple[int, int, int]:
+    """(R, N, flags) of a burst's results (one per step, alike in shape), checked against their own arrays
+    and the ring's capacity."""
+    if not 1 <= len(results) <= g.max_burst:
+        raise ValueError(f"{len(results)} step results, the ticket ring holds 1 to {g.max_burst}")
+    counts = {_counts(result, g) for result in results}
+    if len(counts) > 1:
+        raise ValueError("the steps of a burst must have results of one shape")
+    return counts.pop()
+
+
+def _counts(result: StepResult, g: RingGeometry) -> tuple[int, int, int]:
+    """(R, N, flags) of one result."""
     r = len(result.tokens)
     if r > g.max_rows:
         raise ValueError(f"result has {r} rows, the ticket ring holds at most {g.max_rows}")

@@ -48,10 +48,12 @@ from .ticket_layout import (
     C_RES_FLAGS,
     C_RES_N,
     C_RES_R,
+    C_RES_STEPS,
     C_RESULT_SEQ,
     C_SI,
     C_SO,
     C_STATUS,
+    C_STEPS,
     C_T,
     H_GEOMETRY,
     H_MAGIC,
@@ -203,19 +205,26 @@ class TicketRing:
 
     # ---- plans (engine writes, worker reads) ----------------------------------------------
 
-    def write_plan(self, slot: int, plan: StepPlan) -> None:
+    def write_plan(self, slot: int, plan: StepPlan, steps: int = 1) -> None:
         """Copy a plan's arrays and counts into a slot; ValueError (nothing written) if it does not fit.
 
-        Values are cast to the slot's dtypes (the StepPlan ones) as numpy assignment does."""
+        steps > 1 asks for a decode burst (ModelRunner.execute_burst). Values are cast to the slot's
+        dtypes (the StepPlan ones) as numpy assignment does."""
+        if not 1 <= steps <= self.geometry.max_burst:
+            raise ValueError(f"a ticket of {steps} steps, the ticket ring holds 1 to {self.geometry.max_burst}")
         counts = plan_counts(plan, self.geometry)
         for name, view in zip(PLAN_NAMES, self._plan_views(slot, counts)):
             view[...] = getattr(plan, name)
         c = self._ctrl[slot]
-        self._q[c + C_T : c + C_SI + 1] = counts
+        self._q[c + C_T : c + C_STEPS + 1] = (*counts, steps)
 
     def publish_plan(self, slot: int, seq: int) -> None:
         """Make the plan written in a slot visible as ticket seq (after write_plan)."""
         self._seqs[self._ctrl[slot] + C_PLAN_SEQ] = seq
+
+    def plan_steps(self, slot: int) -> int:
+        """How many steps the slot's plan asks for (1, or a decode burst's)."""
+        return self._seqs[self._ctrl[slot] + C_STEPS]
 
     def plan_seq(self, slot: int) -> int:
         """The seq of the latest plan published in a slot (0: none yet)."""
@@ -251,16 +260,23 @@ class TicketRing:
 
     def write_result(self, slot: int, result: StepResult, exec_ns: int = 0) -> None:
         """Copy a step's result into a slot; ValueError (nothing written) if it does not fit."""
-        r, n, flags = result_counts(result, self.geometry)
+        self.write_results(slot, [result], exec_ns)
+
+    def write_results(self, slot: int, results: list[StepResult], exec_ns: int = 0) -> None:
+        """Copy a burst's results (one per step, step after step) into a slot; ValueError (nothing
+        written) if they do not fit."""
+        r, n, flags = result_counts(results, self.geometry)
         tokens, logprobs, top_ids, top_logprobs, _ = self._result_regions[slot]
-        np.copyto(tokens[:r], result.tokens, casting="same_kind")
-        if flags & HAS_LOGPROBS:
-            np.copyto(logprobs[:r], result.logprobs, casting="same_kind")
-        if flags & HAS_TOP:
-            np.copyto(top_ids[: r * n], result.top_ids.reshape(-1), casting="same_kind")
-            np.copyto(top_logprobs[: r * n], result.top_logprobs.reshape(-1), casting="same_kind")
+        for k, result in enumerate(results):
+            np.copyto(tokens[k * r : (k + 1) * r], result.tokens, casting="same_kind")
+            if flags & HAS_LOGPROBS:
+                np.copyto(logprobs[k * r : (k + 1) * r], result.logprobs, casting="same_kind")
+            if flags & HAS_TOP:
+                at = k * r * n
+                np.copyto(top_ids[at : at + r * n], result.top_ids.reshape(-1), casting="same_kind")
+                np.copyto(top_logprobs[at : at + r * n], result.top_logprobs.reshape(-1), casting="same_kind")
         c = self._ctrl[slot]
-        self._q[c + C_STATUS : c + C_EXEC_NS + 1] = (STATUS_OK, r, n, flags, 0, exec_ns)
+        self._q[c + C_STATUS : c + C_RES_STEPS + 1] = (STATUS_OK, r, n, flags, 0, exec_ns, len(results))
 
     def write_error(self, slot: int, message: str, exec_ns: int = 0) -> None:
         """Record that a slot's step failed, with a message (truncated to error_msg_bytes)."""
@@ -268,7 +284,7 @@ class TicketRing:
         error = self._result_regions[slot][4]
         error[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         c = self._ctrl[slot]
-        self._q[c + C_STATUS : c + C_EXEC_NS + 1] = (STATUS_ERROR, 0, 0, 0, len(raw), exec_ns)
+        self._q[c + C_STATUS : c + C_RES_STEPS + 1] = (STATUS_ERROR, 0, 0, 0, len(raw), exec_ns, 0)
 
     def publish_result(self, slot: int, seq: int) -> None:
         """Make the result (or error) written in a slot visible as the answer to ticket seq."""
@@ -286,24 +302,31 @@ class TicketRing:
         raw = self._result_regions[slot][4][: self._seqs[c + C_ERR_LEN]].tobytes()
         return raw.decode("utf-8", "replace")
 
-    def read_result(self, slot: int, copy: bool = False) -> StepResult:
-        """The slot's result: zero-copy views valid until the slot is reused, or copies (copy=True)."""
+    def read_result(self, slot: int, copy: bool = False, step: int = 0) -> StepResult:
+        """The slot's result (of a burst's step `step`): zero-copy views valid until the slot is reused,
+        or copies (copy=True)."""
         c = self._ctrl[slot]
         q = self._seqs
         r, n, flags = q[c + C_RES_R], q[c + C_RES_N], q[c + C_RES_FLAGS]
         tokens, logprobs, top_ids, top_logprobs, _ = self._result_regions[slot]
-        result = StepResult(tokens=tokens[:r], timings={"worker_execute_s": q[c + C_EXEC_NS] * 1e-9})
+        at, at_n = step * r, step * r * n
+        result = StepResult(tokens=tokens[at : at + r], timings={"worker_execute_s": q[c + C_EXEC_NS] * 1e-9})
         if flags & HAS_LOGPROBS:
-            result.logprobs = logprobs[:r]
+            result.logprobs = logprobs[at : at + r]
         if flags & HAS_TOP:
-            result.top_ids = top_ids[: r * n].reshape(r, n)
-            result.top_logprobs = top_logprobs[: r * n].reshape(r, n)
+            result.top_ids = top_ids[at_n : at_n + r * n].reshape(r, n)
+            result.top_logprobs = top_logprobs[at_n : at_n + r * n].reshape(r, n)
         if copy:
             result.tokens = result.tokens.copy()
             for name in ("logprobs", "top_ids", "top_logprobs"):
                 if getattr(result, name) is not None:
                     setattr(result, name, getattr(result, name).copy())
         return result
+
+    def read_results(self, slot: int) -> list[StepResult]:
+        """Copies of every step's result in the slot (one, or a burst's)."""
+        steps = self._seqs[self._ctrl[slot] + C_RES_STEPS]
+        return [self.read_result(slot, copy=True, step=k) for k in range(steps)]
 
     def spin_for_result(self, slot: int, seq: int, until_ns: int) -> bool:
         """Spin until result seq is published in slot (True) or time.monotonic_ns() reaches until_ns."""

@@ -84,7 +84,13 @@ def _seq(max_tokens=50, *, out=0, stream=False, plain=True, prompt=10) -> Sequen
     ],
 )
 def test_burst_length(rows, expected):
-    assert burst_length(rows, 8, max_model_len=64) == expected
+    assert burst_length(rows, 8, 1, max_model_len=64) == expected
+
+
+def test_streamed_rows_burst_up_to_their_stream_interval():
+    assert burst_length([_seq(stream=True), _seq(stream=True)], 8, 4, max_model_len=64) == 4
+    assert burst_length([_seq(stream=True), _seq()], 8, 4, max_model_len=64) == 4  # the stricter row
+    assert burst_length([_seq(), _seq()], 1, 4, max_model_len=64) == 1  # final-only rows: bursts off
 
 
 def test_execute_burst_refuses_a_prefill_plan(tiny_model_dir, plans):

@@ -44,8 +44,9 @@ def server(model_dir):
         yield s
 
 
-async def _stream_all(port: int, params=params_for, prompts=PROMPTS):
-    """Run every prompt concurrently; return (token ids, text, finish reason) per prompt."""
+async def _stream_all(port: int, params=params_for, prompts=PROMPTS, sizes: list | None = None):
+    """Run every prompt concurrently; return (token ids, text, finish reason) per prompt (and the token
+    count of each of its deltas into sizes[i], when given)."""
     async with AsyncClient("127.0.0.1", port, timeout=120) as client:
 
         async def one(i: int):
@@ -54,6 +55,8 @@ async def _stream_all(port: int, params=params_for, prompts=PROMPTS):
                 ids += d.token_ids
                 text.append(d.text)
                 finish = d.finish_reason or finish
+                if sizes is not None:
+                    sizes[i].append(len(d.token_ids))
             return ids, "".join(text), finish
 
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))
@@ -120,6 +123,21 @@ def test_synchronous_loop_streams_the_same(model_dir, reference):
     with running_server(model_dir, "--no-pipeline") as s:
         got = asyncio.run(_stream_all(s.port))
     assert [g[0] for g in got] == [r.token_ids for r in reference]
+
+
+def test_a_stream_interval_runs_decode_bursts_and_streams_the_same(model_dir, reference):
+    """--stream-interval 4: the worker runs up to 4 decode steps per ticket; every stream is still the
+    offline engine's, its first token at once, then 4 a delta until the last."""
+    sizes = [[] for _ in range(N)]
+    with running_server(model_dir, "--stream-interval", "4") as s:
+        got = asyncio.run(_stream_all(s.port, sizes=sizes))
+        with s.client() as c:
+            ticks = c.stats().steps
+    for i, (ids, text, finish) in enumerate(got):
+        assert (ids, text, finish) == (reference[i].token_ids, reference[i].text, "length"), f"request {i}"
+        assert sizes[i][0] == 1 and all(n >= 4 for n in sizes[i][1:-1]), sizes[i]
+    # 24 tokens a request: one tick a token would be 24 decode ticks or more; bursts of 4 need about 6.
+    assert ticks < 20, f"{ticks} engine ticks: the decode steps did not run as bursts"
 
 
 def test_worker_sigkill_under_32_streams_loses_nothing(model_dir):
