@@ -11,11 +11,18 @@ runs the burst, each row fed its own previous token. The tokens are those single
 each step samples from the same logits with the same (seed, position) key. A row that stops inside a
 burst (EOS or a stop id) keeps running to the burst's end, and what it computes past its stop is
 never committed; max_tokens and the model's length bound the burst, so they end rows at its last step.
+
+A burst stays in flight until the next tick, which commits it and, when the batch may go on as it is,
+launches the next one before the tick's outputs go out: the device waits only for the commit and the
+next plan, not for the frontend (a burst is launched after its predecessor is committed, so unlike
+the lane's steps it is never a guess).
 """
 
 from __future__ import annotations
 
-from metrale.ipc.plan import DeviceError
+from dataclasses import dataclass
+
+from metrale.ipc.plan import DeviceError, Ticket
 
 from .commit import commit_tokens
 from .decode_lane import fail_rows
@@ -39,23 +46,42 @@ def burst_length(active: list[Sequence], final_limit: int, stream_limit: int, ma
     return steps
 
 
-def step_decode_burst(active: list[Sequence], steps: int, io: StepIo) -> bool:
-    """Run `steps` decode steps of every row and commit them in order. False (nothing run) when the
-    KV pool cannot cover the burst: the caller steps once instead (blocks already reserved stay)."""
+@dataclass(slots=True)
+class Burst:
+    """A launched burst: its ticket, its rows (in plan order) and how many steps it runs."""
+
+    ticket: Ticket
+    rows: list[Sequence]
+    steps: int
+
+
+def launch_burst(active: list[Sequence], steps: int, io: StepIo) -> Burst | None:
+    """Launch `steps` decode steps of every row. None (nothing launched) when the KV pool cannot cover the
+    burst (the caller steps once instead; blocks already reserved stay) or the launch failed (rows told)."""
     pool = io.pool
     if not all(io.apply(ReserveKv(s, steps)) for s in active if pool.blocks_needed(s, s.num_computed + steps)):
-        return False
+        return None
     n = len(active)
     plan = io.builder.build(active, [1] * n, [NO_MASK] * n, lookahead=steps - 1)
     try:
-        results = io.device.run_burst(plan, steps)
+        return Burst(io.device.launch(plan, steps), list(active), steps)
     except DeviceError as e:
         fail_rows(active, io, e)
-        return True
+        return None
+
+
+def settle_burst(burst: Burst, io: StepIo) -> None:
+    """Await a burst and commit its steps in order; a row that finished (a stop, or an abort while the
+    burst ran) has the rest of its tokens dropped."""
+    try:
+        results = io.device.await_burst(burst.ticket)
+    except DeviceError as e:
+        fail_rows(burst.rows, io, e)
+        return
+    rows = burst.rows
     for result in results:
-        stopped = [s.finished for s in active]  # ended earlier in the burst: the rest of its tokens are void
-        for s, gone in zip(active, stopped):
+        stopped = [s.finished for s in rows]
+        for s, gone in zip(rows, stopped):
             if not gone:
                 s.num_computed += 1
-        commit_tokens(io, active, result.tokens, result, stopped)
-    return True
+        commit_tokens(io, rows, result.tokens, result, stopped)

@@ -1,10 +1,11 @@
 """EngineCore: requests in, one batch of token deltas out per tick. No sockets here (see core.py).
 
-A tick reads top to bottom: keep the decode lane running if nothing needs the device quiet, or else drain
-it; with nothing in flight, retire what finished, schedule, and run the step (a decode burst when the device
-steps inline and no row is watched token by token, else in the lane when it is all decodes). Every tick
-commits at most one token per request, in either loop; a burst commits up to decode_burst tokens of
-requests that report only at their finish.
+A tick reads top to bottom: settle the decode burst in flight and, if the batch may go on as it is, launch
+the next; or keep the decode lane running if nothing needs the device quiet, or else drain it; with nothing in
+flight, retire what finished, schedule, and run the step (a decode burst when no row is watched token by
+token and the device can run one, else in the lane when it is all decodes). Every tick commits at most one
+token per request in either loop; a burst commits up to decode_burst tokens of requests that report only at
+their finish, or up to stream_interval tokens of streamed ones.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from metrale.ipc.plan import Device, DeviceError
 from metrale.ipc.sampling import SamplingParams
 
 from .commit import commit_tokens
-from .decode_burst import burst_length, step_decode_burst
+from .decode_burst import Burst, burst_length, launch_burst, settle_burst
 from .decode_lane import discard_row, drain, fail_rows, step_decode_pipelined
 from .kv_blocks import KvBlockPool
 from .pipeline import Pipeline, PipelineFaults, SpecialTokens, init_row_state, row_mask
@@ -46,7 +47,7 @@ class EngineOptions:
     seed: int | None = None  # draws the seeds of requests that bring none
     recover_from_device_loss: bool = False  # requeue (True) or fail (False) the requests of a dead worker
     preemption_mode: str = "recompute"  # or "swap" (needs the device's swap space: ModelInfo.num_swap_blocks)
-    decode_burst: int = 1  # most decode steps per tick for final-only plain rows, on a device with run_burst
+    decode_burst: int = 1  # most decode steps per tick for final-only plain rows, on a device with await_burst
     # A streamed request's tokens are reported every this many (its first and its last at once): the
     # frontend's --stream-interval, applied where the tokens are made, so the ticks between send nothing.
     stream_interval: int = 1
@@ -111,10 +112,11 @@ class EngineCore:
         self.pipeline = Pipeline(faults=faults or PipelineFaults())
         self.io.faults = self.pipeline.faults
         self.io.recover = options.recover_from_device_loss
-        # Bursts need a device that runs several steps of one plan (run_burst, up to its burst_limit):
+        # Bursts need a device that runs several steps of one ticket (await_burst, up to its burst_limit):
         # up to decode_burst steps for rows that report at their finish, stream_interval for streamed ones.
-        device_limit = getattr(device, "burst_limit", 1) if callable(getattr(device, "run_burst", None)) else 1
+        device_limit = getattr(device, "burst_limit", 1) if callable(getattr(device, "await_burst", None)) else 1
         self._burst_limits = (min(options.decode_burst, device_limit), min(options.stream_interval, device_limit))
+        self.burst: Burst | None = None  # the decode burst in flight
         self.requests: dict[str, Sequence] = {}
         self._rng = random.Random(options.seed)
         self._arrivals = 0
@@ -180,7 +182,7 @@ class EngineCore:
         seq.finish("abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self.pipeline.has_inflight()
+        return bool(self.requests) or self.pipeline.has_inflight() or self.burst is not None
 
     # ---- the tick -------------------------------------------------------------------
 
@@ -188,6 +190,12 @@ class EngineCore:
         """Run one tick and return what it produced."""
         self.num_steps += 1
         running = self.scheduler.running
+        if self.burst is not None:
+            burst, self.burst = self.burst, None
+            settle_burst(burst, self.io)
+            if not self.io.device_lost and self._quiet_decode():
+                self._launch_burst(running)  # before the outputs go out: the device waits for nothing else
+            return self._take_outputs()
         if self.pipeline.has_inflight():
             if self._lane_may_continue():
                 step_decode_pipelined(running, self.pipeline, self.io)
@@ -200,7 +208,7 @@ class EngineCore:
         step = self.scheduler.schedule()
         if not step.seqs:
             self._fail_unschedulable()
-        elif step.decode_only and self._burst(step.seqs):
+        elif step.decode_only and len(step) == len(running) and self._launch_burst(step.seqs):
             pass
         elif self.options.pipeline and step.decode_only and len(step) == len(self.scheduler.running):
             step_decode_pipelined(self.scheduler.running, self.pipeline, self.io)
@@ -219,7 +227,7 @@ class EngineCore:
         Their KV is recomputed from prompt + output; with greedy or seeded sampling the streams then
         continue exactly as if nothing happened.
         """
-        self.pipeline.inflight = self.pipeline.next = None
+        self.pipeline.inflight = self.pipeline.next = self.burst = None
         self.scheduler.retire_finished()
         self.scheduler.requeue_all()
         self.io.device_lost = None
@@ -234,15 +242,19 @@ class EngineCore:
 
     def drain(self) -> list[RequestOutputDelta]:
         """Settle everything in flight (before shutdown or a worker swap)."""
+        if self.burst is not None:
+            burst, self.burst = self.burst, None
+            settle_burst(burst, self.io)
         drain(self.scheduler.running, self.pipeline, self.io)
         return self._take_outputs()
 
-    def _burst(self, seqs: list[Sequence]) -> bool:
-        """Run the decode step as a burst when its rows allow one; False when they do not (nothing ran)."""
-        if len(seqs) != len(self.scheduler.running):
-            return False
+    def _launch_burst(self, seqs: list[Sequence]) -> bool:
+        """Launch the decode step as a burst when its rows allow one (it is settled next tick); False when
+        they do not, or the pool cannot hold it (nothing launched)."""
         steps = self._burst_length(seqs)
-        return steps > 1 and step_decode_burst(seqs, steps, self.io)
+        if steps > 1:
+            self.burst = launch_burst(seqs, steps, self.io)
+        return self.burst is not None
 
     def _burst_length(self, seqs: list[Sequence]) -> int:
         """How many steps a burst of these rows may run (1: none)."""
@@ -252,13 +264,15 @@ class EngineCore:
         return burst_length(seqs, final, streamed, self.info.max_model_len)
 
     def _lane_may_continue(self) -> bool:
-        """True when nothing needs the device quiet: no arrival to admit, nothing to retire, no prefill,
-        and no burst the rows could run instead (the lane drains, and the next tick bursts)."""
-        running = self.scheduler.running
-        return (
-            not self.scheduler.has_admissible()
-            and all(not s.finished and s.num_tokens - s.num_computed <= 1 for s in running)
-            and self._burst_length(running) <= 1
+        """True when nothing needs the device quiet and no burst could run instead (then the lane drains,
+        and the next tick bursts)."""
+        return self._quiet_decode() and self._burst_length(self.scheduler.running) <= 1
+
+    def _quiet_decode(self) -> bool:
+        """True when the running rows may go on decoding as they are: no arrival to admit, nothing to
+        retire, no prefill."""
+        return not self.scheduler.has_admissible() and all(
+            not s.finished and s.num_tokens - s.num_computed <= 1 for s in self.scheduler.running
         )
 
     def _fail_unschedulable(self) -> None:

@@ -150,7 +150,7 @@ class WorkerDevice:
     def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
         """Write the plan into the next slot, publish it and ring the worker; ValueError if it does not fit.
 
-        steps > 1: a decode burst (see run_burst). RuntimeError if the slot is still in flight (await a
+        steps > 1: a decode burst (see await_burst). RuntimeError if the slot is still in flight (await a
         ticket first). With no worker attached the ticket is still made, and awaiting it raises DeviceError."""
         if self._closed:
             raise DeviceError("the device is closed")
@@ -173,10 +173,10 @@ class WorkerDevice:
         or step_timeout_s passed."""
         return self._collect(ticket, lambda slot: self._ring.read_result(slot, copy=True))
 
-    def run_burst(self, plan: StepPlan, steps: int) -> list[StepResult]:
-        """Run `steps` decode steps of one plan in the worker (ModelRunner.execute_burst) and wait for
-        their results; DeviceError as await_result."""
-        return self._collect(self.launch(plan, steps), self._ring.read_results)
+    def await_burst(self, ticket: Ticket) -> list[StepResult]:
+        """Wait for a ticket launched with steps > 1 (ModelRunner.execute_burst in the worker): one result
+        per step, copies; DeviceError as await_result."""
+        return self._collect(ticket, self._ring.read_results)
 
     def _collect(self, ticket: Ticket, read):
         """Wait for a launched ticket and return read(slot); the slot is free again afterwards."""

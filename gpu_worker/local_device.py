@@ -24,7 +24,7 @@ _STOP = None  # the queue item that ends the thread
 class _Outcome:
     """A finished step: its result, or the exception it raised."""
 
-    result: StepResult | None = None
+    result: StepResult | list[StepResult] | None = None  # a list for a burst
     error: BaseException | None = None
 
 
@@ -47,20 +47,31 @@ class LocalDevice:
             self._thread = threading.Thread(target=self._serve, name="metrale-local-device", daemon=True)
             self._thread.start()
 
-    def launch(self, plan: StepPlan) -> Ticket:
-        """Queue the step (or, unthreaded, run it now) and return its ticket."""
+    burst_limit = 1 << 16  # no ring to size: a burst's steps are only bounded by the engine
+
+    def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
+        """Queue the step (or, unthreaded, run it now) and return its ticket; steps > 1: a decode burst
+        (ModelRunner.execute_burst, awaited with await_burst)."""
         if self._closed:
             raise DeviceError("the device is closed")
         seq = self._next_seq
         self._next_seq += 1
         if self.threaded:
-            self._queue.put((seq, plan))
+            self._queue.put((seq, plan, steps))
         else:
-            self._run(seq, plan)
+            self._run(seq, plan, steps)
         return Ticket(slot=0, seq=seq)
 
     def await_result(self, ticket: Ticket) -> StepResult:
         """Wait for the ticket's step; DeviceError if it failed, or the device closed or died first."""
+        return self._await(ticket)
+
+    def await_burst(self, ticket: Ticket) -> list[StepResult]:
+        """Wait for a ticket launched with steps > 1: one result per step."""
+        return self._await(ticket)
+
+    def _await(self, ticket: Ticket):
+        """The ticket's outcome (a result, or a burst's list of them); DeviceError as await_result."""
         with self._done:
             while ticket.seq not in self._outcomes:
                 if ticket.seq >= self._next_seq:
@@ -76,22 +87,6 @@ class LocalDevice:
         if outcome.error is not None:
             raise DeviceError(f"step {ticket.seq} failed: {outcome.error!r}") from outcome.error
         return outcome.result
-
-    burst_limit = 1 << 16  # steps run inline: no ring to size
-
-    def run_burst(self, plan: StepPlan, steps: int) -> list[StepResult]:
-        """Run `steps` decode steps of one plan now, on the calling thread (ModelRunner.execute_burst).
-
-        For an engine with nothing in flight: the device thread, if any, is idle. DeviceError if a step fails.
-        """
-        if self._closed:
-            raise DeviceError("the device is closed")
-        if self._finished != self._next_seq:
-            raise DeviceError("a decode burst while launched steps are unsettled")
-        try:
-            return self.runner.execute_burst(plan, steps)
-        except Exception as exc:
-            raise DeviceError(f"decode burst failed: {exc!r}") from exc
 
     def read_logits(self, ticket: Ticket) -> np.ndarray:
         """float32 [R, V] raw logits of the ticket's (settled) step; zero rows did not sample."""
@@ -138,11 +133,11 @@ class LocalDevice:
                 return
             self._run(*item)
 
-    def _run(self, seq: int, plan: StepPlan) -> None:
-        """Execute one step and publish its outcome."""
+    def _run(self, seq: int, plan: StepPlan, steps: int) -> None:
+        """Execute one step (or a burst of them) and publish its outcome."""
         outcome = _Outcome()
         try:
-            outcome.result = self.runner.execute(plan)
+            outcome.result = self.runner.execute_burst(plan, steps) if steps > 1 else self.runner.execute(plan)
             self._runner_step[seq] = self.runner.steps_executed - 1
             self._runner_step.pop(seq - 4, None)  # the runner keeps only the last few steps' logits
         except Exception as exc:  # a failed step is reported to its awaiter, never kills the thread

@@ -140,12 +140,14 @@ def test_a_stream_interval_runs_decode_bursts_and_streams_the_same(model_dir, re
     assert ticks < 20, f"{ticks} engine ticks: the decode steps did not run as bursts"
 
 
-def test_worker_sigkill_under_32_streams_loses_nothing(model_dir):
-    """SIGKILL the worker mid-stream: every stream completes, identical to the run without the kill."""
+@pytest.mark.parametrize("flags", [(), ("--stream-interval", "4")], ids=["steps", "bursts"])
+def test_worker_sigkill_under_32_streams_loses_nothing(model_dir, flags):
+    """SIGKILL the worker mid-stream (a step or a decode burst in flight): every stream completes,
+    identical to the run without the kill."""
     long = lambda i: params_for(i, max_tokens=64)  # noqa: E731
     with LLM(str(model_dir), show_progress=False) as llm:
         expected = llm.generate(PROMPTS, [long(i) for i in range(N)])
-    with running_server(model_dir) as s:
+    with running_server(model_dir, *flags) as s:
         worker = s.children()["gpu_worker"]
 
         async def run_and_kill():
