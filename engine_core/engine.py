@@ -208,8 +208,8 @@ class EngineCore:
         step = self.scheduler.schedule()
         if not step.seqs:
             self._fail_unschedulable()
-        elif step.decode_only and len(step) == len(running) and self._launch_burst(step.seqs):
-            pass
+        elif step.decode_only and len(step) == len(self.scheduler.running) and self._launch_burst(step.seqs):
+            pass  # settled (and continued) by the next tick
         elif self.options.pipeline and step.decode_only and len(step) == len(self.scheduler.running):
             step_decode_pipelined(self.scheduler.running, self.pipeline, self.io)
         else:

@@ -117,7 +117,11 @@ class StepResult:
 
 
 class Device(Protocol):
-    """The model as the engine core sees it. Implementations: LocalDevice, WorkerDevice, FakeDevice."""
+    """The model as the engine core sees it. Implementations: LocalDevice, WorkerDevice, FakeDevice.
+
+    A device that can run decode bursts (LocalDevice, WorkerDevice) also takes `launch(plan, steps)` for up
+    to its `burst_limit` steps and answers such a ticket with `await_burst(ticket) -> list[StepResult]`.
+    """
 
     def launch(self, plan: StepPlan) -> Ticket:
         """Start a step without waiting for it. Steps run in launch order."""
