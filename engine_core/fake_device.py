@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket
+from metrale.ipc.plan import (
+    FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket, moved_on,
+)
 
 from .host_sampler import sample_row, uniform_noise
 
@@ -63,7 +65,9 @@ class FakeDevice:
         step_cost: float = 0.0,
         faults: FakeFaults | None = None,
         num_swap_blocks: int = 0,
+        max_burst: int = 1,
     ):
+        """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst)."""
         self.info = ModelInfo(
             name="fake",
             vocab_size=vocab_size,
@@ -82,25 +86,37 @@ class FakeDevice:
         self.host_kv = np.full(num_swap_blocks * block_size, -1, dtype=np.int64)
         self.prev_tokens = np.zeros(0, dtype=np.int64)
         self.records: list[StepRecord] = []
-        self._results: dict[int, StepResult | DeviceError] = {}
+        self.burst_limit = max_burst
+        self._results: dict[int, StepResult | list[StepResult] | DeviceError] = {}
         self._logits: dict[int, np.ndarray] = {}
         self._launched = 0
 
     # ---- Device protocol ------------------------------------------------------------
 
-    def launch(self, plan: StepPlan) -> Ticket:
+    def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
         if self.faults.dead:
             raise DeviceLost("the worker process is gone")
+        assert 1 <= steps <= self.burst_limit, f"a ticket of {steps} steps on a device that bursts up to {self.burst_limit}"
         n = self._launched
         self._launched += 1
         try:
-            self._results[n] = self._execute(n, plan)
+            if steps == 1:
+                self._results[n] = self._execute(n, plan)
+            else:
+                bs = self.info.block_size
+                self._results[n] = [self._execute(n, moved_on(plan, k, bs) if k else plan) for k in range(steps)]
         except DeviceError as e:
             self._results[n] = e
-        self.clock.advance(self.step_cost)
+        self.clock.advance(self.step_cost * steps)
         return Ticket(slot=0, seq=n)
 
     def await_result(self, ticket: Ticket) -> StepResult:
+        return self._await(ticket)
+
+    def await_burst(self, ticket: Ticket) -> list[StepResult]:
+        return self._await(ticket)
+
+    def _await(self, ticket: Ticket):
         if self.faults.dead:
             self._results.pop(ticket.seq, None)
             raise DeviceLost("the worker process is gone")

@@ -8,7 +8,6 @@ The runner is not thread-safe: one caller at a time (LocalDevice and the worker 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -25,14 +24,13 @@ from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.sampler import Sampler, SamplerOutput
-from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult
+from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
 GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
 GPU_RESERVED_BYTES = 1 << 30  # left for activations, logits and the sampler's scratch
 LOGITS_KEPT = 2  # steps whose logits read_logits can still return (the settled one and one ahead)
 
-_NO_SWAP = np.zeros((0, 2), dtype=np.int32)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -149,7 +147,7 @@ class ModelRunner:
         r = plan.num_rows
         if plan.num_tokens != r or not plan.sample.all() or len(plan.hist_tokens):
             raise ValueError("a decode burst needs one token per row, every row sampling, no penalty history")
-        later = [self._moved_on(plan, k) for k in range(1, steps)]
+        later = [moved_on(plan, k, self.block_size) for k in range(1, steps)]
         self._check(plan)
         if later:
             self._check(later[-1])
@@ -207,17 +205,6 @@ class ModelRunner:
             self._keep_tokens(plan, rows, out.tokens)
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
             return self._result(plan, rows, out, start)
-
-    def _moved_on(self, plan: StepPlan, k: int) -> StepPlan:
-        """The decode plan k positions on, every row fed its own previous token (a burst's k-th step)."""
-        bs = self.block_size
-        each_row = self._rows(plan.num_rows)
-        positions = plan.positions + k
-        slots = plan.block_tables[each_row, positions // bs].astype(np.int64) * bs + positions % bs
-        return dataclasses.replace(
-            plan, positions=positions, seq_lens=plan.seq_lens + k, slot_mapping=slots, feed_from_row=each_row,
-            swap_out=_NO_SWAP, swap_in=_NO_SWAP,  # the plan's swap copies happen once, before its own step
-        )
 
     def _check(self, plan: StepPlan) -> None:
         """ValueError for a malformed plan or an index outside the model or the cache: caught here on

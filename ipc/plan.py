@@ -7,6 +7,7 @@ row with many tokens, a decode is a row with one. Rows with sample[r] produce on
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -103,6 +104,22 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+
+_NO_SWAP = np.zeros((0, 2), dtype=np.int32)
+
+
+def moved_on(plan: StepPlan, k: int, block_size: int) -> StepPlan:
+    """A decode plan k positions on, every row fed its own previous token: a decode burst's k-th step.
+
+    The plan's block tables must already cover the new positions; its swap copies belong to its own step."""
+    each_row = np.arange(plan.num_rows, dtype=np.int32)
+    positions = plan.positions + k
+    slots = plan.block_tables[each_row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return dataclasses.replace(
+        plan, positions=positions, seq_lens=plan.seq_lens + k, slot_mapping=slots, feed_from_row=each_row,
+        swap_out=_NO_SWAP, swap_in=_NO_SWAP,
+    )
 
 
 @dataclass(slots=True)

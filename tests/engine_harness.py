@@ -55,11 +55,12 @@ def run_workload(
     num_swap_blocks: int = 0,
     recover: bool = True,
     stream_interval: int = 1,
+    max_burst: int = 1,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each."""
     dev = FakeDevice(
         num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len,
-        num_swap_blocks=num_swap_blocks,
+        num_swap_blocks=num_swap_blocks, max_burst=max_burst,
     )
     eng = EngineCore(
         dev,

@@ -1,4 +1,4 @@
-"""The pipelined decode lane streams exactly what the synchronous loop streams (FakeDevice)."""
+"""The pipelined decode lane, and decode bursts, stream exactly what the synchronous loop streams (FakeDevice)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,36 @@ def test_pipelined_streams_equal_synchronous_for_any_workload(reqs, small_pool, 
     small_piped = run_workload(reqs, pipeline=True, **small)
     assert small_piped.streams == small_sync.streams == reference.streams
     assert small_piped.finish == small_sync.finish == reference.finish
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(requests().map(lambda r: Req(r.prompt, r.params, r.arrive_tick)), min_size=1, max_size=12),
+    small_pool=st.integers(14, 40),
+    seqs=st.sampled_from([2, 4, 8]),
+    burst=st.integers(2, 6),
+    mode=st.sampled_from(["recompute", "swap"]),
+)
+def test_bursts_stream_what_the_synchronous_loop_streams(reqs, small_pool, seqs, burst, mode):
+    """Streamed every `burst` tokens, plain decode batches run as bursts of up to `burst` steps: with arrivals,
+    stops inside bursts, think budgets and min_tokens (which keep their batch out of bursts) and a dry pool,
+    every request's tokens and finish are the synchronous loop's, and no block leaks. (No aborts: when an
+    abort lands depends on how many tokens were delivered, which the interval changes.)"""
+    reference = run_workload(reqs, pipeline=False, max_num_seqs=seqs)
+    small = dict(num_kv_blocks=small_pool, max_num_seqs=seqs, preemption_mode=mode, num_swap_blocks=small_pool)
+    for kw in ({"max_num_seqs": seqs}, small):
+        bursts = run_workload(reqs, pipeline=True, stream_interval=burst, max_burst=burst, **kw)
+        assert bursts.streams == reference.streams
+        assert bursts.finish == reference.finish
+
+
+def test_plain_batches_really_run_as_bursts():
+    """Six greedy requests streamed every 4 tokens: the device runs far fewer tickets than tokens."""
+    reqs = _finishing_workload()
+    bursts = run_workload(reqs, pipeline=True, stream_interval=4, max_burst=4)
+    steps = run_workload(reqs, pipeline=True)
+    assert bursts.streams == steps.streams
+    assert bursts.device._launched < steps.device._launched / 2
 
 
 def _finishing_workload() -> list[Req]:

@@ -93,10 +93,15 @@ def test_multibyte_text_round_trips(server, model_dir):
 
 
 def test_abort_frees_its_kv_blocks(server):
+    _abort_and_expect_blocks_freed(server)
+
+
+def _abort_and_expect_blocks_freed(server, after_deltas: int = 3) -> None:
+    """Leave a long stream after a few deltas (an abort) and wait until the engine holds no block."""
     with server.client() as client:
         stream = client.generate(PROMPTS[0], params=SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
         for i, _ in enumerate(stream):
-            if i == 3:
+            if i == after_deltas:
                 break
         stream.close()  # closing the stream aborts the request
         deadline = time.monotonic() + 10
@@ -133,6 +138,7 @@ def test_a_stream_interval_runs_decode_bursts_and_streams_the_same(model_dir, re
         got = asyncio.run(_stream_all(s.port, sizes=sizes))
         with s.client() as c:
             ticks = c.stats().steps
+        _abort_and_expect_blocks_freed(s, after_deltas=2)  # the abort lands while a burst runs
     for i, (ids, text, finish) in enumerate(got):
         assert (ids, text, finish) == (reference[i].token_ids, reference[i].text, "length"), f"request {i}"
         assert sizes[i][0] == 1 and all(n >= 4 for n in sizes[i][1:-1]), sizes[i]
