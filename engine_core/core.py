@@ -47,6 +47,7 @@ from .worker_device import WorkerDevice
 log = logging.getLogger("metrale.engine_core")
 
 IDLE_POLL_MS = 200  # how often an idle engine core checks that its parent lives
+MAX_STREAM_BURST = 32  # decode steps per ticket at most, whatever --stream-interval says
 
 
 class EngineCoreArgs(msgspec.Struct, kw_only=True):
@@ -72,7 +73,8 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
         max_blocks_per_row=-(-args.max_model_len // e.block_size) + 1,
         max_ban_ids=MAX_BAN_IDS,
         max_hist_tokens=max(65536, e.max_num_seqs * args.max_model_len),
-        max_burst=max(1, args.serve.stream_interval),  # streamed rows burst up to their interval
+        # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
+        max_burst=max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
     )
 
 

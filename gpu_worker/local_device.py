@@ -31,6 +31,8 @@ class _Outcome:
 class LocalDevice:
     """A Device whose steps run on a ModelRunner in this process."""
 
+    burst_limit = 1 << 16  # no ring to size: a burst's steps are bounded by the engine alone
+
     def __init__(self, runner: ModelRunner, threaded: bool = True):
         """Wrap runner; with threaded, start the one thread that executes launched steps in order."""
         self.runner = runner
@@ -46,8 +48,6 @@ class LocalDevice:
         if threaded:
             self._thread = threading.Thread(target=self._serve, name="metrale-local-device", daemon=True)
             self._thread.start()
-
-    burst_limit = 1 << 16  # no ring to size: a burst's steps are only bounded by the engine
 
     def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
         """Queue the step (or, unthreaded, run it now) and return its ticket; steps > 1: a decode burst
