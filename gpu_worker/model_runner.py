@@ -162,7 +162,7 @@ class ModelRunner:
         """
         self._check(plan)
         with torch.inference_mode():
-            prepared = self._prepare(plan)
+            prepared = self._prepare(plan, self._staging.put("input_ids", plan.input_ids))
             hidden = self._forward(prepared)
             logits = self._logits_of(plan, hidden, np.flatnonzero(plan.sample))
         if sync and self.device.type == "cuda":
@@ -191,8 +191,7 @@ class ModelRunner:
         prev_sample, self._last_sample = self._last_sample, None  # a failure leaves no feed source
         with torch.inference_mode():
             self.swap.apply(plan)  # swapped-out blocks leave before this step may reuse them
-            prepared = self._prepare(plan)
-            self._apply_feeds(plan, prepared.input_ids, prev_sample)
+            prepared = self._prepare(plan, self._inputs(plan, prev_sample))
             hidden = self._forward(prepared)
             rows = np.flatnonzero(plan.sample)
             if len(rows) == 0:
@@ -200,8 +199,10 @@ class ModelRunner:
                 self._last_sample = plan.sample.copy()
                 return StepResult(tokens=np.full(plan.num_rows, -1, dtype=np.int32), timings=_timings(start))
             logits = self._logits_of(plan, hidden, rows)
-            # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync.
-            out = self.sampler(logits, plan, torch.from_numpy(rows), greedy)
+            # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync. When
+            # every row samples, a greedy pick goes straight where the next step's feeds read it.
+            kept = self._kept(plan.num_rows) if len(rows) == plan.num_rows else None
+            out = self.sampler(logits, plan, torch.from_numpy(rows), greedy, out=kept)
             self._keep_tokens(plan, rows, out.tokens)
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
             return self._result(plan, rows, out, start)
@@ -228,9 +229,8 @@ class ModelRunner:
         if -(-int(plan.seq_lens.max()) // self.block_size) > plan.block_tables.shape[1]:
             raise ValueError("invalid plan: block_tables narrower than the longest row's seq_len needs")
 
-    def _prepare(self, plan: StepPlan) -> _Prepared:
-        """Copy the plan's (checked) token arrays to the device and build the attention metadata."""
-        input_ids = self._staging.put("input_ids", plan.input_ids)
+    def _prepare(self, plan: StepPlan, input_ids: torch.Tensor) -> _Prepared:
+        """Copy the plan's (checked) positions and slots to the device and build the attention metadata."""
         positions = self._staging.put("positions", plan.positions)
         slot_mapping = self.kv_cache.slot_index(self._staging.put("slot_mapping", plan.slot_mapping))
         meta = build_metadata(
@@ -249,21 +249,23 @@ class ModelRunner:
             dynamic = self._staging.put("token_seq_lens", np.repeat(plan.seq_lens, np.diff(plan.query_start)))
         return _Prepared(input_ids, positions, meta, dynamic)
 
-    def _apply_feeds(self, plan: StepPlan, input_ids: torch.Tensor, prev: np.ndarray | None) -> None:
-        """Fed rows take their input from the previous step's sampled token of row feed_from_row[r].
+    def _inputs(self, plan: StepPlan, prev: np.ndarray | None) -> torch.Tensor:
+        """The step's input ids on the device: the plan's, except that a fed row takes the previous step's
+        sampled token of row feed_from_row[r].
 
         prev is the previous step's sample mask (None if it failed or there was none).
         """
         r = plan.num_rows
         if plan.num_tokens == r and np.array_equal(plan.feed_from_row, self._rows(r)):
-            # A decode step launched ahead: row i is fed from row i, one token each (one copy).
+            # Every row fed from itself (a decode step launched ahead, a burst's step): the kept tokens are the
+            # inputs as they are; this step's picks overwrite them only after the forward has read them.
             if prev is None or len(prev) < r or not prev[:r].all():
                 raise ValueError(f"rows 0..{r - 1} are fed from themselves: not all sampled in the previous step")
-            input_ids.copy_(self._last_tokens[:r])
-            return
+            return self._last_tokens[:r]
+        input_ids = self._staging.put("input_ids", plan.input_ids)
         fed = np.flatnonzero(plan.feed_from_row >= 0)
         if len(fed) == 0:
-            return
+            return input_ids
         src = plan.feed_from_row[fed]
         if prev is None or int(src.max()) >= len(prev) or not prev[src].all():
             raise ValueError(f"rows {fed.tolist()} are fed from rows {src.tolist()}: not all sampled in the previous step")
@@ -271,6 +273,7 @@ class ModelRunner:
             raise ValueError("a fed row must have exactly one token")
         token_idx = self._staging.put("fed_tokens", plan.query_start[fed])
         input_ids[token_idx] = self._last_tokens[self._staging.put("fed_src", src)]
+        return input_ids
 
     def _rows(self, r: int) -> np.ndarray:
         """0..r-1 as int32 (the feed_from_row of an all-self-fed step), from a kept array grown on demand."""
@@ -289,13 +292,19 @@ class ModelRunner:
         last = self._staging.put("last_token", plan.query_start[rows + 1] - 1)
         return self.model.compute_logits(hidden[last])
 
+    def _kept(self, r: int) -> torch.Tensor:
+        """The first r entries of the kept tokens (grown first when r exceeds them)."""
+        if r > self._last_tokens.shape[0]:
+            self._last_tokens = torch.empty(2 * r, dtype=torch.int64, device=self.device)
+        return self._last_tokens[:r]
+
     def _keep_tokens(self, plan: StepPlan, rows: np.ndarray, tokens: torch.Tensor) -> None:
         """Remember this step's sampled tokens on the device: the next step's feeds read them."""
         r = plan.num_rows
-        if r > self._last_tokens.shape[0]:
-            self._last_tokens = torch.empty(2 * r, dtype=torch.int64, device=self.device)
-        if len(tokens) == r:  # every row sampled (a decode step): one copy
-            self._last_tokens[:r].copy_(tokens)
+        kept = self._kept(r)
+        if len(tokens) == r:  # every row sampled (a decode step): one copy, none if the pick wrote them there
+            if tokens.data_ptr() != kept.data_ptr():
+                kept.copy_(tokens)
         else:
             self._last_tokens[:r].fill_(-1)
             self._last_tokens[self._staging.put("rows", rows)] = tokens

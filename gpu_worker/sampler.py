@@ -62,15 +62,16 @@ def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
             z.mul_(_as_int64(mult))
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first index among ties).
+def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax (the first index among ties), int64, written into out when given.
 
     On a CPU where the model runner loaded the native kernels, one vectorised pass per row (about 3x
     faster than torch's); otherwise max().indices, itself ~3x faster than torch.argmax on CPU.
     """
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and cpu_kernels.loaded():
-        return cpu_kernels.argmax_rows(x.contiguous())
-    return x.max(dim=-1).indices
+        return cpu_kernels.argmax_rows(x.contiguous(), out)
+    indices = x.max(dim=-1).indices
+    return indices if out is None else out.copy_(indices)
 
 
 def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -157,17 +158,20 @@ class Sampler:
         self._capacity = 0
         self._work = self._hash = self._scratch = self._noise = self._mask = None
 
-    def __call__(self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor, greedy: bool | None = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor, greedy: bool | None = None, out: torch.Tensor | None = None
+    ) -> SamplerOutput:
         """Sample one token for each of the S rows of logits (plan row rows[i] for logits[i]).
 
-        greedy: plain_greedy's answer for these rows when the caller knows it already (a decode burst)."""
+        greedy: plain_greedy's answer for these rows when the caller knows it already (a decode burst).
+        out: int64 [S] where a plain greedy pick may write its tokens (other picks return their own)."""
         # Pass rows on the CPU: the plan's arrays are host numpy, and a device rows tensor costs a sync.
         rows_np = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
         rows_np = rows_np.astype(np.int64, copy=False)
         if greedy is None:
             greedy = _plain_greedy(plan, None if len(rows_np) == plan.num_rows else rows_np)
         if greedy:
-            return SamplerOutput(argmax(logits), None, None, None)
+            return SamplerOutput(argmax(logits, out), None, None, None)
         batch = _gather(plan, rows_np, self.vocab_size)
         work = self._scratch_rows(len(rows_np))
         work.copy_(logits)

@@ -130,9 +130,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """int64 [S]: each row's argmax of float32 or bfloat16 x [S, V], the first index among ties."""
-    out = torch.empty(x.shape[0], dtype=torch.int64)
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [S]: each row's argmax of float32 or bfloat16 x [S, V], the first index among ties (into out
+    when given: contiguous int64 [S])."""
+    if out is None:
+        out = torch.empty(x.shape[0], dtype=torch.int64)
     torch.ops.metrale_cpu.argmax_rows(x, out)
     return out
 
