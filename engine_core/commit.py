@@ -41,11 +41,11 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
 def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:
     """Finish seq if tok ends it: EOS, a stop id, max_tokens, or the model's context."""
     p = seq.params
-    if seq.num_output >= p.min_tokens and (
-        (not p.ignore_eos and tok in io.eos_ids) or tok in p.stop_token_ids
-    ):
+    num_tokens = len(seq.tokens)
+    num_output = num_tokens - seq.num_prompt
+    if num_output >= p.min_tokens and ((not p.ignore_eos and tok in io.eos_ids) or tok in p.stop_token_ids):
         seq.finish("stop")
-    elif seq.num_output >= p.max_tokens or seq.num_tokens >= io.max_model_len:
+    elif num_output >= p.max_tokens or num_tokens >= io.max_model_len:
         seq.finish("length")
 
 
