@@ -48,11 +48,10 @@ def burst_length(active: list[Sequence], final_limit: int, stream_limit: int, ma
 
 @dataclass(slots=True)
 class Burst:
-    """A launched burst: its ticket, its rows (in plan order) and how many steps it runs."""
+    """A launched burst: its ticket and its rows (in plan order)."""
 
     ticket: Ticket
     rows: list[Sequence]
-    steps: int
 
 
 def launch_burst(active: list[Sequence], steps: int, io: StepIo) -> Burst | None:
@@ -64,7 +63,7 @@ def launch_burst(active: list[Sequence], steps: int, io: StepIo) -> Burst | None
     n = len(active)
     plan = io.builder.build(active, [1] * n, [NO_MASK] * n, lookahead=steps - 1)
     try:
-        return Burst(io.device.launch(plan, steps), list(active), steps)
+        return Burst(io.device.launch(plan, steps), list(active))
     except DeviceError as e:
         fail_rows(active, io, e)
         return None

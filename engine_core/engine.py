@@ -206,11 +206,12 @@ class EngineCore:
             return self._take_outputs()
         self.scheduler.retire_finished()
         step = self.scheduler.schedule()
+        every_row_decodes = step.decode_only and len(step) == len(self.scheduler.running)
         if not step.seqs:
             self._fail_unschedulable()
-        elif step.decode_only and len(step) == len(self.scheduler.running) and self._launch_burst(step.seqs):
+        elif every_row_decodes and self._launch_burst(step.seqs):
             pass  # settled (and continued) by the next tick
-        elif self.options.pipeline and step.decode_only and len(step) == len(self.scheduler.running):
+        elif self.options.pipeline and every_row_decodes:
             step_decode_pipelined(self.scheduler.running, self.pipeline, self.io)
         else:
             run_step(step.seqs, step.num_new, self.io)

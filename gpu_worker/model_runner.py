@@ -256,7 +256,9 @@ class ModelRunner:
         prev is the previous step's sample mask (None if it failed or there was none).
         """
         r = plan.num_rows
-        if plan.num_tokens == r and np.array_equal(plan.feed_from_row, self._rows(r)):
+        if len(self._arange) < r:
+            self._arange = np.arange(2 * r, dtype=np.int32)
+        if plan.num_tokens == r and np.array_equal(plan.feed_from_row, self._arange[:r]):
             # Every row fed from itself (a decode step launched ahead, a burst's step): the kept tokens are the
             # inputs as they are; this step's picks overwrite them only after the forward has read them.
             if prev is None or len(prev) < r or not prev[:r].all():
@@ -274,12 +276,6 @@ class ModelRunner:
         token_idx = self._staging.put("fed_tokens", plan.query_start[fed])
         input_ids[token_idx] = self._last_tokens[self._staging.put("fed_src", src)]
         return input_ids
-
-    def _rows(self, r: int) -> np.ndarray:
-        """0..r-1 as int32 (the feed_from_row of an all-self-fed step), from a kept array grown on demand."""
-        if len(self._arange) < r:
-            self._arange = np.arange(2 * r, dtype=np.int32)
-        return self._arange[:r]
 
     def _forward(self, p: _Prepared) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens."""
@@ -306,7 +302,7 @@ class ModelRunner:
             if tokens.data_ptr() != kept.data_ptr():
                 kept.copy_(tokens)
         else:
-            self._last_tokens[:r].fill_(-1)
+            kept.fill_(-1)
             self._last_tokens[self._staging.put("rows", rows)] = tokens
         self._last_sample = plan.sample.copy()
 
