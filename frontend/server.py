@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import itertools
-import json
 import logging
 import os
 import signal
@@ -29,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -54,6 +52,7 @@ from metrale.ipc.messages import (
     StatsResponse,
 )
 from metrale.ipc.sampling import SamplingParams
+from metrale.model_facts import resolve_model
 
 from .detokenizer import Decoder
 from .engine_link import EngineLink
@@ -78,7 +77,7 @@ class FrontendConfig:
     engine_input_address: str  # ipc:// the frontend binds; the engine core connects a PULL
     engine_output_address: str  # ipc:// the frontend binds; the engine core connects a PUSH
     client_address: str = "tcp://127.0.0.1:7410"  # a port of * binds any free port (see client_endpoint)
-    max_model_len: int | None = None  # until EngineReady says; default config.json's max_position_embeddings
+    max_model_len: int | None = None  # until EngineReady says; default the model's (metrale.model_facts)
     max_frame_bytes: int = 8 << 20  # larger frames get Error "too_long"
     hard_frame_bytes: int = 64 << 20  # larger frames make libzmq drop the connection
     max_id_chars: int = 256
@@ -112,7 +111,7 @@ class FrontendServer:
         self.http_endpoint: str | None = None  # "http://host:port" once the HTTP API listens
         self.metrics = Metrics()
         self.link = EngineLink()
-        max_model_len = config.max_model_len or _model_max_len(config.model_dir, self.tokenizer)
+        max_model_len = config.max_model_len or resolve_model(config.model_dir).max_model_len
         self.requests = LiveRequests(self.tokenizer, self.link, self.metrics, clock, self._send,
                                      self.tokenizer.vocab_size, max_model_len, config.stream_interval)
         self._started = clock()
@@ -453,16 +452,6 @@ class FrontendServer:
             if not state.local and (state.fd is None or state.fd == fd):
                 some_id = next(iter(state.requests))
                 self._send(client, state.envelope, Delta(id=some_id))
-
-
-def _model_max_len(model_dir: str, tokenizer: Tokenizer) -> int | None:
-    """config.json's max_position_embeddings, else tokenizer_config's model_max_length."""
-    path = Path(model_dir) / "config.json"
-    if path.is_file():
-        value = json.loads(path.read_text(encoding="utf-8")).get("max_position_embeddings")
-        if isinstance(value, int) and value > 0:
-            return value
-    return tokenizer.model_max_length
 
 
 def main(config: FrontendConfig, health_source: HealthSource | None = None) -> None:

@@ -8,7 +8,6 @@ The runner is not thread-safe: one caller at a time (LocalDevice and the worker 
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import time
@@ -24,6 +23,7 @@ from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.sampler import Sampler, SamplerOutput
+from metrale.model_facts import resolve_model
 from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
@@ -89,12 +89,14 @@ class ModelRunner:
         max_num_seqs: int = 256,
         show_progress: bool = True,
         swap_space: int = 0,
+        max_model_len: int | None = None,
     ):
         """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)
         and swap_space bytes of host blocks for swap preemption."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
-        self.model, config = load_model(model_dir, dtype=dtype, device=self.device, show_progress=show_progress)
+        self.facts = resolve_model(model_dir, max_model_len)
+        self.model, _ = load_model(model_dir, dtype=dtype, device=self.device, show_progress=show_progress)
         # The native CPU kernels (layers/cpu_kernels.py): decode attention reading keys stored
         # head-dim-major (see layers/kv_cache.py), the KV write, RMSNorm and the greedy argmax.
         self._native = self.device.type == "cpu" and cpu_kernels.available()
@@ -112,8 +114,8 @@ class ModelRunner:
         self.info = ModelInfo(
             name=self.model_dir.name,
             vocab_size=cfg.vocab_size,
-            max_model_len=cfg.max_model_len,
-            eos_token_ids=_eos_token_ids(self.model_dir, config),
+            max_model_len=self.facts.max_model_len,
+            eos_token_ids=self.facts.eos_token_ids,
             num_kv_blocks=num_blocks,
             block_size=block_size,
             dtype=_DTYPE_NAMES[self.model.dtype],
@@ -339,7 +341,7 @@ class ModelRunner:
         )
         if kv_cache_memory is not None:
             return max(1, int(kv_cache_memory) // per_block)
-        cap = self.max_num_seqs * math.ceil(cfg.max_model_len / self.block_size) + 1
+        cap = self.max_num_seqs * math.ceil(self.facts.max_model_len / self.block_size) + 1
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * GPU_KV_CACHE_FRACTION) - GPU_RESERVED_BYTES
@@ -356,16 +358,3 @@ def _outside(values: np.ndarray, end: int) -> bool:
 def _timings(start: float) -> dict[str, float]:
     """The step's host wall time (it includes the device, since the result is on the host)."""
     return {"execute_s": time.perf_counter() - start}
-
-
-def _eos_token_ids(model_dir: pathlib.Path, config: dict) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json's eos_token_id (int or list), else config.json's."""
-    eos = None
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        eos = json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")
-    if eos is None:
-        eos = config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))

@@ -12,6 +12,7 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     """What model to load and how the engine core schedules it. Same names in LLM(...) and `metrale serve`."""
 
     model: str | None = None  # a Hugging Face folder; None = the built-in tiny demo model
+    max_model_len: int | None = None  # cap on prompt + output; None: what the model's config allows
     dtype: str = "auto"  # auto | float32 | bfloat16
     device: str | None = None  # cuda when present, else cpu
     block_size: int = 16
@@ -60,6 +61,7 @@ class EngineArgs(msgspec.Struct, kw_only=True):
             "max_num_seqs": self.max_num_seqs,
             "show_progress": self.show_progress,
             "swap_space": int(self.swap_space_gb * 2**30) if self.preemption_mode == "swap" else 0,
+            "max_model_len": self.max_model_len,
         }
 
 

@@ -126,6 +126,7 @@ class Supervisor:
     ):
         from metrale.frontend.tokenizer import Tokenizer
         from metrale.llm import resolve_model_dir, special_tokens_of
+        from metrale.model_facts import resolve_model
 
         self.config = config
         self.policy = policy or RestartPolicy()
@@ -133,7 +134,8 @@ class Supervisor:
         self.model_dir = resolve_model_dir(config.engine.model)
         tokenizer = Tokenizer.from_dir(self.model_dir)
         self.special_tokens = dataclasses.asdict(special_tokens_of(tokenizer))
-        self.max_model_len = _max_model_len(self.model_dir)
+        self.facts = resolve_model(self.model_dir, config.engine.max_model_len)
+        self.max_model_len = self.facts.max_model_len
         if config.port == 0:
             config.port = free_port(config.host)
         if config.host not in ("127.0.0.1", "localhost", "::1"):
@@ -359,11 +361,6 @@ def default_worker_threads(cores: int) -> int:
     per token beside the worker's 0.89) and a spare core would halve the model (measured on 2 cores, batch 32,
     float32: serve/offline 0.79 with one worker thread, 0.92 with two)."""
     return cores if cores <= 2 else cores - 1
-
-
-def _max_model_len(model_dir: str) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings", 2048))
 
 
 def _run_frontend(config_json: str, health_path: str) -> None:

@@ -1,0 +1,190 @@
+"""The model facts every process plans with, resolved once from the model's own files.
+
+`resolve_model(path)` reads config.json (and generation_config.json) of a Hugging Face folder and derives what
+the supervisor, the frontend, the engine core and the worker all need to agree on: the architecture, the
+vocabulary, the longest sequence (rope scaling included), the end-of-sequence ids, the per-layer sliding
+windows and the kind of per-sequence state. Nobody else reads config.json for these: they ask this module
+(or receive its `ModelFacts`). No torch here: the engine core and the frontend import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import msgspec
+
+# What a launched-ahead step leaves behind: paged KV only ("attention": an over-run position is simply never
+# read, the seed's Rewind), or recurrent state that a step overwrites ("recurrent": the seed's RepickOnly).
+STATE_ATTENTION = "attention"
+STATE_RECURRENT = "recurrent"
+
+# Rope types whose max_position_embeddings is the base length that `factor` stretches (vLLM's rule); llama3 and
+# longrope checkpoints already state the extended length.
+_STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+class ModelError(ValueError):
+    """The model path cannot be served; the message names the path and what is wrong (one line)."""
+
+
+class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What every process knows about the model being served."""
+
+    path: str  # the model folder (or file) as given, resolved
+    name: str  # for logs and the HTTP API's model id
+    architecture: str
+    model_type: str
+    vocab_size: int
+    max_model_len: int  # longest prompt + output, after any user cap
+    max_position_embeddings: int  # the checkpoint's base context (rope tables are built for max_model_len)
+    eos_token_ids: tuple[int, ...]
+    rope_type: str
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window in tokens, or None
+    state_kind: str = STATE_ATTENTION
+    config: dict = {}  # the checkpoint's config.json, for the worker that builds the model
+
+
+def resolve_model(path: str | Path, max_model_len: int | None = None) -> ModelFacts:
+    """The facts of the model at path; ModelError (one line naming the path) when it cannot be read.
+
+    max_model_len caps the derived length (the user's --max-model-len); larger than the model allows is an
+    error, as in vLLM.
+    """
+    facts = _resolve(str(Path(path).expanduser().resolve()))
+    if max_model_len is None:
+        return facts
+    if max_model_len < 2:
+        raise ModelError(f"max_model_len must be >= 2 (got {max_model_len})")
+    if max_model_len > facts.max_model_len:
+        raise ModelError(
+            f"max_model_len {max_model_len} is longer than {facts.name} allows ({facts.max_model_len}, from its config.json)"
+        )
+    return msgspec.structs.replace(facts, max_model_len=max_model_len)
+
+
+@functools.lru_cache(maxsize=8)
+def _resolve(path: str) -> ModelFacts:
+    root = Path(path)
+    if not root.exists():
+        raise ModelError(f"--model {path}: no such file or directory")
+    if not root.is_dir():
+        raise ModelError(f"--model {path}: not a model folder (expected a Hugging Face folder with config.json)")
+    config = _read_json(root / "config.json", required=True)
+    generation = _read_json(root / "generation_config.json", required=False)
+    return facts_from_config(config, generation, path=path, name=root.name)
+
+
+def facts_from_config(config: dict, generation: dict, *, path: str, name: str) -> ModelFacts:
+    """The facts a config.json dict (and a generation_config dict) state."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
+    cfg = {**config, **text} if text else config  # multimodal wrappers keep the decoder's facts here
+    try:
+        num_layers = int(cfg["num_hidden_layers"])
+        vocab_size = int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{path}: config.json lacks a valid {e}") from None
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    rope = rope_parameters(cfg)
+    rope_type = str(rope.get("rope_type", rope.get("type", "default")) or "default")
+    return ModelFacts(
+        path=path,
+        name=name,
+        architecture=architecture_of(config),
+        model_type=str(cfg.get("model_type", "")),
+        vocab_size=vocab_size,
+        max_model_len=derived_max_model_len(cfg, rope, rope_type, max_pos),
+        max_position_embeddings=max_pos,
+        eos_token_ids=_eos_ids(generation, cfg),
+        rope_type=rope_type,
+        layer_windows=layer_windows(cfg, num_layers),
+        state_kind=STATE_RECURRENT if _has_recurrent_layers(cfg) else STATE_ATTENTION,
+        config=config,
+    )
+
+
+def architecture_of(config: dict) -> str:
+    """The checkpoint's architecture name (the first of config.json's `architectures`)."""
+    archs = config.get("architectures") or []
+    return str(archs[0]) if archs else f"<none; model_type={config.get('model_type')!r}>"
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """The rope settings in either form transformers writes (`rope_parameters` or the older `rope_scaling`)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(params, dict) and "rope_type" not in params and "type" not in params and params:
+        # transformers 5 may nest per layer type: {"full_attention": {...}, "sliding_attention": {...}}
+        nested = [v for v in params.values() if isinstance(v, dict)]
+        if nested:
+            return dict(params.get("full_attention") or nested[0])
+    return dict(params) if isinstance(params, dict) else {}
+
+
+def derived_max_model_len(cfg: dict, rope: dict, rope_type: str, max_pos: int) -> int:
+    """The longest sequence the model serves: max_position_embeddings, stretched by the rope factor for the
+    types that stretch a base length (yarn from its original length), as vLLM derives it."""
+    factor = float(rope.get("factor", 1.0) or 1.0)
+    if rope_type not in _STRETCHING_ROPE or factor <= 1.0 or cfg.get("model_type") in ("gemma3", "gemma3_text"):
+        return max_pos  # Gemma 3 states its long context already and scales only its global layers' rope
+    if rope_type == "yarn":
+        base = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos)
+        return int(base * factor)
+    return int(max_pos * factor)
+
+
+def layer_windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window, following transformers' rules per family."""
+    window = cfg.get("sliding_window")
+    model_type = cfg.get("model_type", "")
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    window = int(window)
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        first = int(cfg.get("max_window_layers", num_layers))  # Qwen: layers from max_window_layers on slide
+        return tuple(window if i >= first else None for i in range(num_layers))
+    if model_type == "gemma2":  # even layers slide
+        return tuple(window if i % 2 == 0 else None for i in range(num_layers))
+    if model_type in ("gemma3", "gemma3_text"):
+        every = int(cfg.get("sliding_window_pattern", 6))
+        return tuple(window if (i + 1) % every else None for i in range(num_layers))
+    return (window,) * num_layers
+
+
+def _has_recurrent_layers(cfg: dict) -> bool:
+    """True for models with per-sequence recurrent state (Mamba, hybrid attention/SSM)."""
+    if cfg.get("model_type") in ("mamba", "mamba2"):
+        return True
+    layer_types = cfg.get("layers_block_type") or cfg.get("layer_types") or []
+    return any(t in ("mamba", "mamba2", "linear_attention") for t in layer_types)
+
+
+def _eos_ids(generation: dict, cfg: dict) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's eos_token_id (int or list), else config.json's (what
+    transformers' generate stops on)."""
+    eos = generation.get("eos_token_id")
+    if eos is None:
+        eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    values = eos if isinstance(eos, list) else [eos]
+    return tuple(dict.fromkeys(int(e) for e in values if isinstance(e, int) and not isinstance(e, bool)))
+
+
+def _read_json(path: Path, *, required: bool) -> dict:
+    if not path.is_file():
+        if required:
+            raise ModelError(f"--model {path.parent}: no config.json (expected a Hugging Face model folder)")
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: unreadable ({e})") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path}: not a JSON object")
+    return value
