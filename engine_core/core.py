@@ -35,12 +35,12 @@ from metrale.ipc.messages import (
     StatsRequest,
     StatsResponse,
 )
+from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.plan import DeviceError
 from metrale.ipc.tickets import RingGeometry
 
 from .engine import EngineCore, EngineOptions
 from .pipeline import SpecialTokens
-from .scheduler import SchedulerBusy
 from .step_builder import MAX_BAN_IDS
 from .worker_device import WorkerDevice
 
@@ -145,12 +145,10 @@ class EngineCoreProcess:
             return
         if isinstance(msg, AddRequest):
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids)
-            except SchedulerBusy as e:
-                self._refuse(msg.request_id, f"busy: {e}")
-            except ValueError as e:
-                code = "too_long" if "prompt has" in str(e) else "bad_request"
-                self._refuse(msg.request_id, f"{code}: {e}")
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
+                                        cache_salt=msg.cache_salt)
+            except Refused as e:
+                self._refuse(msg.request_id, e.code, e.message)
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
@@ -160,15 +158,15 @@ class EngineCoreProcess:
             stats.worker_busy_s, stats.worker_idle_s = worker.busy_ns / 1e9, worker.idle_ns / 1e9
             self._send(StatsResponse(id=msg.id, stats=stats))
 
-    def _refuse(self, request_id: str, error: str) -> None:
-        self._send(EngineOutputs(outputs=[RequestOutputDelta(request_id, [], "error", None, error)]))
+    def _refuse(self, request_id: str, code: ErrorCode, message: str) -> None:
+        self._send(EngineOutputs(outputs=[RequestOutputDelta(request_id, [], "error", None, message, code.value)]))
 
     def _replace_worker(self, lost: str) -> None:
         """The worker died: settle its requests by the policy, wait for the supervisor's new one, serve on."""
         t_lost = time.monotonic()
         if self.args.serve.on_worker_fault == "fail":
             for seq in self.engine.scheduler.running:
-                seq.finish("error", f"worker_fault: the GPU worker died ({lost}); the request was stopped")
+                seq.finish("error", f"the GPU worker died ({lost}); the request was stopped", ErrorCode.WORKER_FAULT)
         self.engine.recover()  # nothing runs on the dead worker: requeue (or, failed, free) what it held
         failed = self.engine.drain()  # nothing is in flight any more: this only collects the errors
         if failed:

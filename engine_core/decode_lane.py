@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from metrale.ipc.errors import ErrorCode
 from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy
 
 from .commit import commit_tokens
@@ -225,7 +226,7 @@ def fail_rows(active: list[Sequence], io: StepIo, error: Exception) -> None:
         return
     log.error("decode step failed: %s", error)
     for s in active:
-        s.finish("error", f"worker_fault: {error}")
+        s.finish("error", str(error), ErrorCode.WORKER_FAULT)
 
 
 def _await_quietly(io: StepIo, inf: Inflight) -> None:

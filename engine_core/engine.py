@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metrale.config import EngineArgs
+from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import EngineStats, RequestOutputDelta
 from metrale.ipc.plan import Device, DeviceError
 from metrale.ipc.sampling import SamplingParams
@@ -137,21 +138,25 @@ class EngineCore:
         output_token_ids: list[int] = (),
         *,
         stream: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; ValueError (naming the field) or SchedulerBusy if it cannot be served.
+        """Queue a request; Refused (a ValueError with its ErrorCode, naming the field) if it cannot be served.
 
         stream=False: its tokens are reported once, in the delta that finishes it (vLLM's FINAL_ONLY; the
         offline LLM's requests without stop strings), which spares a delta per request per tick.
         """
         if request_id in self.requests and not self.requests[request_id].finished:
-            raise ValueError(f"request id {request_id!r} is already live")
-        params.validate(self.info.vocab_size)
+            raise Refused(ErrorCode.BAD_REQUEST, f"request id {request_id!r} is already live")
+        try:
+            params.validate(self.info.vocab_size)
+        except ValueError as e:
+            raise Refused(ErrorCode.BAD_REQUEST, str(e)) from None
         if not prompt_token_ids:
-            raise ValueError("prompt must have at least one token")
+            raise Refused(ErrorCode.BAD_REQUEST, "prompt must have at least one token")
         vocab = self.info.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token_ids must be in [0, {vocab}) (got {bad[:5]})")
+            raise Refused(ErrorCode.BAD_REQUEST, f"token_ids must be in [0, {vocab}) (got {bad[:5]})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(
             request_id=request_id,
@@ -161,6 +166,7 @@ class EngineCore:
             num_prompt=len(prompt_token_ids),
             arrival=self._arrivals,
             stream=stream,
+            cache_salt=cache_salt,
         )
         self.scheduler.check_admissible(seq)
         self._arrivals += 1
@@ -306,6 +312,7 @@ class EngineCore:
                         seq.finish_reason if finishing else None,
                         seq.pending_logprobs or None,
                         seq.error if finishing else None,
+                        seq.error_code.value if finishing and seq.error_code is not None else None,
                     )
                 )
                 self.generated_tokens += len(seq.pending)

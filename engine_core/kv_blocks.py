@@ -3,14 +3,35 @@
 A block is in exactly one of three states: used (refcount > 0), cached (refcount 0 but holding a
 full, settled block of tokens that a later request may reuse, evicted LRU) or free. The invariant
 every test checks: free + used + cached == total.
+
+A cached block is keyed by a 128-bit BLAKE2b digest of its parent's digest and its tokens, and a hit is
+confirmed by comparing the stored parent and tokens: a digest collision (or a forged one) can never hand
+one request another's KV. The chain starts from the request's cache salt, so requests with different
+salts (tenants) never share a block.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
+
+BlockHash = bytes
+
+
+def block_hash(parent: BlockHash, tokens: list[int]) -> BlockHash:
+    """The digest of one full block: its parent's digest and its token ids."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def chain_root(cache_salt: str | None) -> BlockHash:
+    """Where a request's chain of block digests starts: empty, or a digest of its cache salt."""
+    if not cache_salt:
+        return b""
+    return hashlib.blake2b(b"salt:" + cache_salt.encode("utf-8"), digest_size=16).digest()
 
 
 @dataclass(slots=True)
@@ -33,8 +54,9 @@ class KvBlockPool:
     refcount: list[int] = field(init=False)
     _free: deque[int] = field(init=False)
     _cached: OrderedDict[int, None] = field(init=False)  # refcount-0 hashed blocks, LRU first
-    _hash_of: dict[int, int] = field(init=False)  # block -> hash of (parent hash, its tokens)
-    _block_of: dict[int, int] = field(init=False)  # hash -> block
+    _hash_of: dict[int, BlockHash] = field(init=False)  # block -> digest of (parent digest, its tokens)
+    _block_of: dict[BlockHash, int] = field(init=False)  # digest -> block
+    _content: dict[int, tuple[BlockHash, tuple[int, ...]]] = field(init=False)  # block -> (parent, tokens)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
@@ -43,6 +65,7 @@ class KvBlockPool:
         self._cached = OrderedDict()
         self._hash_of = {}
         self._block_of = {}
+        self._content = {}
 
     # ---- counts ---------------------------------------------------------------------
 
@@ -100,7 +123,7 @@ class KvBlockPool:
             self._release(block)
         seq.block_table.clear()
         seq.hashed_blocks = 0
-        seq.prefix_hash = 0
+        seq.prefix_hash = b""
 
     def _take(self) -> int:
         if self._free:
@@ -108,6 +131,7 @@ class KvBlockPool:
         else:
             block, _ = self._cached.popitem(last=False)
             del self._block_of[self._hash_of.pop(block)]
+            del self._content[block]
         self.refcount[block] = 1
         return block
 
@@ -133,19 +157,19 @@ class KvBlockPool:
         bs = self.block_size
         full = (seq.num_tokens - 1) // bs
         self.stats.queried_tokens += seq.num_tokens
-        parent = 0
+        parent = root = chain_root(seq.cache_salt)
         for i in range(full):
-            chunk = tuple(seq.tokens[i * bs : (i + 1) * bs])
-            h = hash((parent, chunk))
+            chunk = seq.tokens[i * bs : (i + 1) * bs]
+            h = block_hash(parent, chunk)
             block = self._block_of.get(h)
-            if block is None:
-                break
+            if block is None or self._content[block] != (parent, tuple(chunk)):
+                break  # a miss, or a digest collision: never share a block whose tokens differ
             if self.refcount[block] == 0:
                 del self._cached[block]
             self.refcount[block] += 1
             seq.block_table.append(block)
             parent = h
-        seq.prefix_hash = parent
+        seq.prefix_hash = parent if seq.block_table else root
         seq.hashed_blocks = len(seq.block_table)
         reused = len(seq.block_table) * bs
         seq.num_computed = reused
@@ -158,12 +182,16 @@ class KvBlockPool:
         if not self.enable_prefix_caching or seq.num_computed < (seq.hashed_blocks + 1) * bs:
             return  # off, or no block filled since the last call
         upto = min(seq.num_computed // bs, len(seq.block_table))
+        if seq.hashed_blocks == 0:
+            seq.prefix_hash = chain_root(seq.cache_salt)
         for i in range(seq.hashed_blocks, upto):  # incremental: each block is hashed once
-            h = hash((seq.prefix_hash, tuple(seq.tokens[i * bs : (i + 1) * bs])))
+            chunk = seq.tokens[i * bs : (i + 1) * bs]
+            h = block_hash(seq.prefix_hash, chunk)
             block = seq.block_table[i]
             if h not in self._block_of and block not in self._hash_of:
                 self._block_of[h] = block  # else another sequence holds the same content already
                 self._hash_of[block] = h
+                self._content[block] = (seq.prefix_hash, tuple(chunk))
             seq.prefix_hash = h
         seq.hashed_blocks = max(seq.hashed_blocks, upto)
 
@@ -174,3 +202,4 @@ class KvBlockPool:
         self._cached.clear()
         self._hash_of.clear()
         self._block_of.clear()
+        self._content.clear()

@@ -5,13 +5,18 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from metrale.ipc.errors import ErrorCode, Refused
+
 from .kv_blocks import KvBlockPool
 from .sequence import Sequence, SeqStatus
 from .swap import SwapSpace
 
 
-class SchedulerBusy(RuntimeError):
+class SchedulerBusy(Refused):
     """The waiting queue is full: the request is refused, nothing else changes."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.BUSY, message)
 
 
 @dataclass(slots=True)
@@ -60,10 +65,11 @@ class Scheduler:
         return [s for _, _, s in sorted(self._waiting)]
 
     def check_admissible(self, seq: Sequence) -> None:
-        """Raise ValueError (too long) or SchedulerBusy (queue full) before a request is queued."""
+        """Raise Refused (too_long) or SchedulerBusy (queue full) before a request is queued."""
         limit = min(self.config.max_model_len, self.pool.num_blocks * self.pool.block_size)
         if seq.num_tokens >= limit:
-            raise ValueError(
+            raise Refused(
+                ErrorCode.TOO_LONG,
                 f"prompt has {seq.num_tokens} tokens; this server accepts at most {limit - 1} "
                 f"(max_model_len {self.config.max_model_len}, KV capacity {self.pool.num_blocks * self.pool.block_size} tokens)"
             )
@@ -83,7 +89,13 @@ class Scheduler:
         if head is None:
             return False
         k = min(head.num_tokens - head.num_computed, self.config.max_num_batched_tokens)
-        return self.pool.blocks_needed(head, head.num_computed + k) <= self.pool.num_available
+        return self._fits(head, head.num_computed + k)
+
+    def _fits(self, seq: Sequence, num_tokens: int) -> bool:
+        """The admission rule (swap-in, admit, and has_admissible ask it alike): seq's blocks for num_tokens
+        fit, keeping one block spare while others run so their next decodes do not preempt at once."""
+        watermark = 1 if self.running else 0
+        return self.pool.blocks_needed(seq, num_tokens) <= self.pool.num_available - watermark
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running or self.swapped)
@@ -180,8 +192,7 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:
         """Resume the head of the swapped queue into fresh device blocks; False if they do not fit."""
         k = min(seq.num_tokens - seq.num_computed, budget)
-        watermark = 1 if self.running else 0
-        if self.pool.blocks_needed(seq, seq.num_computed + k) > self.pool.num_available - watermark:
+        if not self._fits(seq, seq.num_computed + k):
             return False
         self.swapped.pop(0)
         self.pool.allocate(seq, seq.num_computed + k)
@@ -212,8 +223,7 @@ class Scheduler:
         if seq.num_computed == 0 and not seq.block_table:
             self.pool.match_prefix(seq)
         k = min(seq.num_tokens - seq.num_computed, budget)
-        watermark = 1 if self.running else 0  # keep one block so running decodes do not preempt at once
-        if self.pool.blocks_needed(seq, seq.num_computed + k) > self.pool.num_available - watermark:
+        if not self._fits(seq, seq.num_computed + k):
             self.pool.free(seq)  # give back a prefix match; it is matched again next time
             seq.num_computed = 0
             return False

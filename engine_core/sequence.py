@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from metrale.ipc.errors import ErrorCode
 from metrale.ipc.messages import TokenLogprob
 from metrale.ipc.sampling import SamplingParams
 
@@ -37,6 +38,7 @@ class Sequence:
     host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
     finish_reason: str | None = None
     error: str | None = None
+    error_code: ErrorCode | None = None  # with finish_reason "error"
     slot_idx: int = -1  # stable row order within a batch (the seed's slot index)
     # Committed since the last output was taken: what the next RequestOutputDelta carries.
     pending: list[int] = field(default_factory=list)
@@ -55,7 +57,8 @@ class Sequence:
     plain: bool = False
     # Prefix caching (kv_blocks): how many leading blocks are hashed, and the last one's hash.
     hashed_blocks: int = 0
-    prefix_hash: int = 0
+    prefix_hash: bytes = b""
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
 
     @property
     def num_tokens(self) -> int:
@@ -82,9 +85,10 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt :]
 
-    def finish(self, reason: str, error: str | None = None) -> None:
-        """Mark the sequence stopped; later commits for it are skipped."""
+    def finish(self, reason: str, error: str | None = None, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+        """Mark the sequence stopped (with reason "error": why, and its code); later commits for it are skipped."""
         if self.status != SeqStatus.FINISHED:
             self.status = SeqStatus.FINISHED
             self.finish_reason = reason
             self.error = error
+            self.error_code = code if reason == "error" else None

@@ -22,8 +22,8 @@ What the engine core must do:
    not know. After an AbortRequest it need not send anything more for that id (a final delta is ignored).
 3. Per tick, send one ``EngineOutputs`` with a ``RequestOutputDelta`` per request that produced something:
    new ids in order; ``finish_reason`` ("stop" | "length" | "abort" | "error") exactly once, on the last one.
-   With "error", ``error`` is ``"<code>: <message>"`` where code is one of the protocol's error codes (e.g.
-   ``"worker_fault: worker died"``) or just a message (code "internal"). Stop strings are the frontend's
+   With "error", ``error`` is the message and ``error_code`` an ErrorCode value (ipc/errors.py: e.g.
+   ``"worker_fault"``; none means "internal"). Stop strings are the frontend's
    job; EOS, stop_token_ids, max_tokens and max_model_len are the engine core's.
 4. Answer ``StatsRequest{id}`` with ``StatsResponse{id, stats}`` (same id).
 
@@ -48,7 +48,6 @@ import zmq.asyncio
 
 from metrale.ipc.messages import AbortRequest, EngineStats, RequestOutputDelta, StatsRequest, StatsResponse
 
-ERROR_CODES = frozenset({"bad_request", "too_long", "busy", "internal", "worker_fault", "unknown_id"})
 _RECENT_ABORTS = 4096  # engine ids remembered as aborted, so a late output is not answered twice
 _OUTBOX_RETRY_S = 0.005  # while the engine core's input socket has no peer
 
@@ -197,13 +196,3 @@ class EngineLink:
         pending = self._pending_stats.pop(internal, None)
         if pending is not None:
             pending.fail("the engine core did not answer")
-
-
-def engine_error(error: str | None) -> tuple[str, str]:
-    """An engine core's error string as (code, message): "<code>: <message>" or a bare message."""
-    if not error:
-        return "internal", "the engine core failed the request"
-    code, sep, rest = error.partition(":")
-    if sep and code.strip() in ERROR_CODES:
-        return code.strip(), rest.strip() or error
-    return "internal", error

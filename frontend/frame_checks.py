@@ -11,16 +11,17 @@ from __future__ import annotations
 import msgspec
 import zmq
 
+from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import ClientMessage, Generate
 
+MAX_CACHE_SALT_CHARS = 256
 
-class Rejected(Exception):
+
+class Rejected(Refused):
     """A request the server will not run; becomes Error{code, message} (under request_id for a bad frame)."""
 
-    def __init__(self, code: str, message: str, request_id: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    def __init__(self, code: ErrorCode | str, message: str, request_id: str = "") -> None:
+        super().__init__(ErrorCode(code), message)
         self.request_id = request_id
 
 
@@ -49,6 +50,10 @@ def check_generate(msg: Generate, vocab_size: int) -> None:
     """Exactly one of prompt and token_ids, token ids in the vocabulary, valid sampling; else Rejected."""
     if (msg.prompt is None) == (msg.token_ids is None):
         raise Rejected("bad_request", "exactly one of prompt and token_ids must be given")
+    if msg.prompt is not None and not msg.prompt or msg.token_ids is not None and not msg.token_ids:
+        raise Rejected("bad_request", "the prompt is empty")
+    if msg.cache_salt is not None and not 0 < len(msg.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise Rejected("bad_request", f"cache_salt must have 1..{MAX_CACHE_SALT_CHARS} characters")
     if msg.token_ids is not None:
         bad = [t for t in msg.token_ids if not 0 <= t < vocab_size]
         if bad:

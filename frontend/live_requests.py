@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from metrale.ipc.errors import ErrorCode
 from metrale.ipc.messages import AddRequest, Delta, Error, Generate, RequestOutputDelta
 from metrale.ipc.sampling import SamplingParams
 
 from .detokenizer import Decoder, IncrementalDetokenizer
-from .engine_link import EngineLink, engine_error
+from .engine_link import EngineLink
 from .frame_checks import Rejected, check_generate
 from .metrics import Metrics
 from .tokenizer import Tokenizer
@@ -53,6 +54,7 @@ class RequestState:
     held_text: str = ""
     held_logprobs: list | None = None
     sent_tokens: bool = False  # a Delta with tokens went out (the first tokens are never held)
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -94,7 +96,8 @@ class LiveRequests:
         if state is None:
             state = self.clients[client] = ClientState(envelope=envelope, fd=fd, local=local)
         state.fd = fd if fd is not None else state.fd
-        req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock())
+        req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock(),
+                           cache_salt=msg.cache_salt)
         state.requests[msg.id] = req
         return req
 
@@ -160,6 +163,7 @@ class LiveRequests:
             prompt_token_ids=req.prompt_ids,
             params=req.params,
             output_token_ids=list(req.detok.output_ids),
+            cache_salt=req.cache_salt,
         )
         self.link.send(add)
 
@@ -182,7 +186,8 @@ class LiveRequests:
             self.link.on_orphan(out, aborts)
             return
         if out.finish_reason == "error":
-            code, message = engine_error(out.error)
+            code = out.error_code or ErrorCode.INTERNAL.value
+            message = out.error or "the engine core failed the request"
             self.send_final(req, Error(id=req.client_id, code=code, message=message))
             return
         before = len(req.detok.output_ids)

@@ -230,7 +230,7 @@ class FrontendServer:
         try:
             msg = read_client_frame(self._client_decoder, payload.buffer, cfg.max_frame_bytes, cfg.max_id_chars)
         except Rejected as exc:
-            self._reject(client, envelope, exc.request_id, exc.code, exc.message)
+            self._reject(client, envelope, exc.request_id, exc.code.value, exc.message)
             return
         if isinstance(msg, Generate):
             self._on_generate(client, envelope, source_fd(payload), msg)
@@ -246,7 +246,7 @@ class FrontendServer:
         try:
             req = self.requests.register(client, envelope, fd, msg)
         except Rejected as exc:
-            self._reject(client, envelope, msg.id, exc.code, exc.message)
+            self._reject(client, envelope, msg.id, exc.code.value, exc.message)
             return
         self.requests.tokenize_then_admit(req, msg)
 
@@ -309,17 +309,18 @@ class FrontendServer:
         token_ids: list[int] | None = None,
         add_special_tokens: bool = True,
         decoder: Decoder | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Start a request exactly as a Generate frame would; its Deltas (or its one Error) go to sink.
 
         sink is called on the event loop; the last message is a Delta with a finish_reason or an Error. A decoder
         replaces the tokenizer for detokenizing (e.g. one that keeps reasoning tags in the text).
         """
-        msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params)
+        msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params, cache_salt=cache_salt)
         try:
             req = self.requests.register(key, (), None, msg, local=True)
         except Rejected as exc:
-            sink(Error(id=request_id, code=exc.code, message=exc.message))
+            sink(Error(id=request_id, code=exc.code.value, message=exc.message))
             return
         req.sink, req.decoder = sink, decoder
         self.requests.tokenize_then_admit(req, msg, add_special_tokens)

@@ -29,6 +29,7 @@ class Generate(msgspec.Struct, tag="generate", kw_only=True):
     prompt: str | None = None
     token_ids: list[int] | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV blocks
 
 
 class Abort(msgspec.Struct, tag="abort", kw_only=True):
@@ -68,7 +69,7 @@ class Error(msgspec.Struct, tag="error", kw_only=True):
     """A request failed (or a frame was rejected). id is "" when none could be read."""
 
     id: str
-    code: str  # "bad_request" | "too_long" | "busy" | "internal" | "worker_fault" | "unknown_id"
+    code: str  # an ErrorCode value (ipc/errors.py; docs/protocol.md §4.1)
     message: str
 
 
@@ -129,6 +130,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     params: SamplingParams
     # Tokens already streamed to the client (resubmission after an engine-core restart).
     output_token_ids: list[int] = []
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort_req", kw_only=True):
@@ -150,6 +152,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
+    error_code: str | None = None  # with finish_reason "error": an ErrorCode value (ipc/errors.py)
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", kw_only=True):

@@ -30,6 +30,7 @@ class Run:
     delta_sizes: dict[str, list[int]] = field(default_factory=dict)  # tokens per delta, as reported
     finish: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    error_codes: dict[str, str] = field(default_factory=dict)
     ticks: int = 0
     recoveries: int = 0
     engine: EngineCore | None = None
@@ -101,6 +102,7 @@ def run_workload(
                 run.finish[d.request_id] = d.finish_reason
                 if d.error:
                     run.errors[d.request_id] = d.error
+                    run.error_codes[d.request_id] = d.error_code
         if eng.device_lost:
             run.recoveries += 1
             dev.revive()  # the supervisor's new worker: empty KV

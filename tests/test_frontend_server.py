@@ -50,6 +50,7 @@ class Script:
     tokens: list[int] = field(default_factory=list)
     finish: str = "length"  # "length" | "stop" | "error" | "endless" (cycle tokens forever) | "hold" (emit nothing)
     error: str | None = None
+    error_code: str | None = None
 
 
 class FakeEngine:
@@ -135,7 +136,7 @@ class FakeEngine:
                 if script.finish == "hold":
                     continue
                 if script.finish == "error":
-                    outputs.append(RequestOutputDelta(rid, [], "error", None, script.error))
+                    outputs.append(RequestOutputDelta(rid, [], "error", None, script.error, script.error_code))
                     del self._live[rid]
                     continue
                 n = min(self.tokens_per_tick, max_tokens - pos)
@@ -463,7 +464,9 @@ def test_long_text_prompt_is_served_while_others_stream(stack):
 
 
 def test_engine_error_becomes_request_error(stack):
-    stack.scripts["fail me"] = Script(finish="error", error="worker_fault: the worker died")
+    # The code travels in its own field: a message that looks like "<code>: ..." is not parsed.
+    stack.scripts["fail me"] = Script(finish="error", error="the worker died", error_code="worker_fault")
+    stack.scripts["looks coded"] = Script(finish="error", error="worker_fault: not a code")
     stack.scripts["fail plainly"] = Script(finish="error", error="out of blocks")
     with pytest.raises(RequestError) as err:
         stack.client.complete("fail me")
@@ -471,6 +474,9 @@ def test_engine_error_becomes_request_error(stack):
     with pytest.raises(RequestError) as err:
         stack.client.complete("fail plainly")
     assert (err.value.code, err.value.message) == ("internal", "out of blocks")
+    with pytest.raises(RequestError) as err:
+        stack.client.complete("looks coded")
+    assert (err.value.code, err.value.message) == ("internal", "worker_fault: not a code")
 
 
 def test_malformed_frames_get_an_error_and_the_server_keeps_serving(stack):
