@@ -37,9 +37,11 @@ from metrale.ipc.messages import (
 )
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.plan import DeviceError
+from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, WORKER_HUNG, StatusSender
 from metrale.ipc.tickets import RingGeometry
 
 from .engine import EngineCore, EngineOptions
+from .hang_watch import HangWatch
 from .pipeline import SpecialTokens
 from .step_builder import MAX_BAN_IDS
 from .worker_device import WorkerDevice
@@ -47,6 +49,7 @@ from .worker_device import WorkerDevice
 log = logging.getLogger("metrale.engine_core")
 
 IDLE_POLL_MS = 200  # how often an idle engine core checks that its parent lives
+HEARTBEAT_S = 0.5  # while it works, the engine core tells the frontend at least this often that it progresses
 MAX_STREAM_BURST = 32  # decode steps per ticket at most, whatever --stream-interval says
 
 
@@ -61,6 +64,7 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     special_tokens: dict[str, int | None] = {}
     ready_timeout_s: float = 600.0
     served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
+    status_address: str = ""  # the supervisor's status inbox (ipc/status_channel.py)
 
 
 def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
@@ -97,7 +101,15 @@ class EngineCoreProcess:
         self.waiting_for_worker = False  # SIGTERM then exits at once (nothing is running)
         self._recovered_at: float | None = None  # when the last replacement worker was ready (for its log line)
         self._unproven = True  # the current worker has not served a step yet
-        info = self.device.wait_ready(args.ready_timeout_s)
+        self._sent_at = time.monotonic()  # the last frame to the frontend (outputs or a heartbeat)
+        self.status = StatusSender(args.status_address, "engine_core") if args.status_address else None
+        device.on_hang = self._report_hang
+        try:
+            info = self.device.wait_ready(args.ready_timeout_s)
+        except DeviceError as e:
+            if self.status is not None:  # the worker could not start: a start-up failure, not a crash to retry
+                self.status.send(FAILED, str(e))
+            raise
         # A lost device is always left to this process, which applies --on-worker-fault (_replace_worker).
         options = EngineOptions.from_args(args.serve.engine, recover_from_device_loss=True)
         options.stream_interval = args.serve.stream_interval
@@ -113,11 +125,15 @@ class EngineCoreProcess:
             self._take_inputs(block=not busy)
             if not self.engine.has_unfinished():
                 continue
-            outputs = self.engine.step()
-            if outputs:
-                self._send(EngineOutputs(outputs=outputs))
-                if self._unproven or self._recovered_at is not None:
-                    self._note_worker_progress()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a request's failure must not take the process down
+                log.exception("engine core: a tick failed; its requests are retried alone, then failed")
+                outputs = self.engine.contain_failure(exc)
+            if outputs or time.monotonic() - self._sent_at >= HEARTBEAT_S:
+                self._send(EngineOutputs(outputs=outputs))  # an empty one is the heartbeat: work goes on
+            if outputs and (self._unproven or self._recovered_at is not None):
+                self._note_worker_progress()
             if self.engine.device_lost:
                 self._replace_worker(self.engine.device_lost)
 
@@ -149,6 +165,9 @@ class EngineCoreProcess:
                                         cache_salt=msg.cache_salt)
             except Refused as e:
                 self._refuse(msg.request_id, e.code, e.message)
+            except Exception as e:  # noqa: BLE001 - a bug admitting one request fails that request only
+                log.exception("engine core: admitting request %s failed", msg.request_id)
+                self._refuse(msg.request_id, ErrorCode.INTERNAL, f"the engine core could not admit it: {e}")
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
@@ -205,10 +224,18 @@ class EngineCoreProcess:
                     f.write(str(stats.worker_pid))
                 os.replace(tmp, self.args.served_path)
 
+    def _report_hang(self, why: str) -> None:
+        """The device killed a hung worker: the supervisor names it as the fault (then restarts it)."""
+        if self.status is not None:
+            self.status.send(WORKER_HUNG, why)
+
     def _send(self, msg: EngineOutput) -> None:
         self.outbox.send(self.encoder.encode(msg))
+        self._sent_at = time.monotonic()
 
     def close(self) -> None:
+        if self.status is not None:
+            self.status.close()
         self.inbox.close(0)
         self.outbox.close()
         self.ctx.term()
@@ -230,9 +257,14 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides the shutdown order
-    device = WorkerDevice(ring_geometry(args), token=args.ring_token)
+    device = WorkerDevice(ring_geometry(args), token=args.ring_token,
+                          hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
     try:
-        proc = EngineCoreProcess(args, device)
+        try:
+            proc = EngineCoreProcess(args, device)
+        except DeviceError as e:  # the worker could not start (reported to the supervisor): not a crash
+            log.error("engine core: %s", e)
+            return EXIT_CONFIG
         proc.run()
     finally:
         if proc is not None:

@@ -35,6 +35,8 @@ from .swap import SwapSpace
 
 log = logging.getLogger(__name__)
 
+MAX_ENGINE_FAILURES = 2  # a request running at this many failed ticks is failed, not retried
+
 
 @dataclass(slots=True)
 class EngineOptions:
@@ -238,6 +240,39 @@ class EngineCore:
         self.scheduler.retire_finished()
         self.scheduler.requeue_all()
         self.io.device_lost = None
+
+    def contain_failure(self, exc: BaseException) -> list[RequestOutputDelta]:
+        """A tick raised: fail the request that caused it, not the process.
+
+        Every request it was running is suspect: what is in flight is abandoned, each is requeued with its
+        committed tokens (their streams go on unchanged) and runs alone until it is past the failing point
+        (Scheduler._may_start), so the next failure names one request. A request that was running at
+        MAX_ENGINE_FAILURES failures is failed with an internal error instead.
+        """
+        self._abandon_inflight()
+        for seq in self.scheduler.running:
+            seq.failures += 1
+            seq.suspect_until = seq.num_tokens + 1
+            if seq.failures >= MAX_ENGINE_FAILURES:
+                log.error("request %s failed the engine %d times; failing it", seq.request_id, seq.failures)
+                seq.finish("error", f"the engine failed {seq.failures} times while running this request "
+                                    f"({type(exc).__name__}: {exc})", ErrorCode.INTERNAL)
+        self.scheduler.retire_finished()
+        self.scheduler.requeue_all()  # KV written by the failed tick is not trusted: recompute, forget the cache
+        self.io.device_lost = None
+        return self._take_outputs()
+
+    def _abandon_inflight(self) -> None:
+        """Await (and drop) every ticket in flight, so the device's slots are free again."""
+        tickets = [inf.ticket for inf in (self.pipeline.inflight, self.pipeline.next) if inf is not None]
+        burst = self.burst
+        self.pipeline.inflight = self.pipeline.next = self.burst = None
+        for wait, ticket in [(self.device.await_result, t) for t in tickets] + (
+                [(self.device.await_burst, burst.ticket)] if burst is not None else []):
+            try:
+                wait(ticket)
+            except Exception:  # noqa: BLE001 - the step is dropped either way
+                pass
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's LLM.reset_prefix_cache); False, doing nothing, while

@@ -38,6 +38,7 @@ class FakeFaults:
 
     fail_steps: set[int] = field(default_factory=set)  # these steps raise DeviceError when awaited
     dead: bool = False  # the worker is gone: every launch and await fails
+    poison_seq_len: int | None = None  # a plan with a row this long raises ValueError at launch (a host-side bug)
 
 
 @dataclass(slots=True)
@@ -97,6 +98,9 @@ class FakeDevice:
         if self.faults.dead:
             raise DeviceLost("the worker process is gone")
         assert 1 <= steps <= self.burst_limit, f"a ticket of {steps} steps on a device that bursts up to {self.burst_limit}"
+        poison = self.faults.poison_seq_len
+        if poison is not None and len(plan.seq_lens) and int(plan.seq_lens.max()) >= poison:
+            raise ValueError(f"poisoned plan: a row reaches {poison} tokens")
         n = self._launched
         self._launched += 1
         try:

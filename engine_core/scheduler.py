@@ -89,7 +89,15 @@ class Scheduler:
         if head is None:
             return False
         k = min(head.num_tokens - head.num_computed, self.config.max_num_batched_tokens)
-        return self._fits(head, head.num_computed + k)
+        return self._may_start(head) and self._fits(head, head.num_computed + k)
+
+    def _may_start(self, seq: Sequence) -> bool:
+        """Whether seq may join the running batch at all: a suspect (a request running when the engine
+        failed) runs alone until it is past the point of the failure, so a request that breaks the engine
+        is found without failing the requests beside it."""
+        if seq.suspect_until > seq.num_tokens and self.running:
+            return False
+        return not any(s.suspect_until > s.num_tokens for s in self.running)
 
     def _fits(self, seq: Sequence, num_tokens: int) -> bool:
         """The admission rule (swap-in, admit, and has_admissible ask it alike): seq's blocks for num_tokens
@@ -192,7 +200,7 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:
         """Resume the head of the swapped queue into fresh device blocks; False if they do not fit."""
         k = min(seq.num_tokens - seq.num_computed, budget)
-        if not self._fits(seq, seq.num_computed + k):
+        if not (self._may_start(seq) and self._fits(seq, seq.num_computed + k)):
             return False
         self.swapped.pop(0)
         self.pool.allocate(seq, seq.num_computed + k)
@@ -220,6 +228,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:
         """Start (or resume) the head of the waiting queue with a first chunk; False if it does not fit."""
+        if not self._may_start(seq):
+            return False
         if seq.num_computed == 0 and not seq.block_table:
             self.pool.match_prefix(seq)
         k = min(seq.num_tokens - seq.num_computed, budget)

@@ -51,6 +51,9 @@ class Sequence:
     in_fence: bool = False
     in_tool: bool = False
     num_preemptions: int = 0
+    # Engine failures while it ran (EngineCore.contain_failure); until it holds suspect_until tokens it runs alone.
+    failures: int = 0
+    suspect_until: int = 0
     sampling_row: tuple = ()  # the step builder's cached layout of params (step_builder.sampling_row)
     # No mask, penalty or row state can ever matter for it (pipeline.is_plain, set on admission): the
     # decode lane skips the per-row mask and row-state work. False is always safe.

@@ -4,7 +4,9 @@ The engine core owns the ring and the doorbell's listening socket; a worker proc
 supervisor, or by WorkerDevice.spawn for tests and offline use) attaches to them and says WorkerReady.
 launch() writes a plan into slot seq % N, publishes seq, rings; await_result() spins briefly, then
 waits on the doorbell in short slices, checking that the worker lives, so a dead worker is a
-DeviceError within one slice (10 ms by default) and never a hang. A restarted worker attaches to the
+DeviceError within one slice (10 ms by default) and never a hang. A worker that lives but makes no
+progress (stopped, deadlocked, a kernel that never returns) is killed once its step runs past HangWatch's
+deadline, and is then lost like a dead one. A restarted worker attaches to the
 same ring: wait_ready() accepts it, and every step launched before it is abandoned (DeviceError).
 
 No torch here: the engine core runs on numpy and plain Python.
@@ -13,9 +15,11 @@ No torch here: the engine core runs on numpy and plain Python.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -24,6 +28,8 @@ import psutil
 from metrale.ipc.doorbell import Attached, Bell, BellListener, Shutdown, WorkerFailed, WorkerReady, bell_path
 from metrale.ipc.plan import DeviceError, DeviceLost, ModelInfo, StepPlan, StepResult, Ticket
 from metrale.ipc.tickets import SPIN_IS_SAFE, RingGeometry, TicketRing, WorkerStats
+
+from .hang_watch import HangWatch
 
 DEFAULT_SPIN_US = 100.0
 WAIT_SLICE_S = 0.01
@@ -41,7 +47,7 @@ class WorkerDevice:
         token: str | None = None,
         spin_us: float = DEFAULT_SPIN_US,
         wait_slice_s: float = WAIT_SLICE_S,
-        step_timeout_s: float | None = None,
+        hang_watch: HangWatch | None = None,
     ) -> None:
         """Create the ring ("metrale-<our pid>-<token>") and its doorbell; no worker yet (see wait_ready).
 
@@ -56,7 +62,11 @@ class WorkerDevice:
         self._spin_ns = int(spin_us * 1000) if SPIN_IS_SAFE else 0
         self._slice_s = wait_slice_s
         self._pid_checked_ns = 0  # when _why_gone last read the process table for the worker
-        self._step_timeout_s = step_timeout_s
+        self.hang = hang_watch or HangWatch()
+        self.on_hang: Callable[[str], None] | None = None  # told why, when a hung worker is killed
+        self._launched_ns = [0] * self._ring.num_slots
+        self._work = [1] * self._ring.num_slots  # tokens x steps of the ticket in each slot
+        self._progress_ns = time.monotonic_ns()  # the last result seen (or the worker's start)
         self._bell: Bell | None = None
         self._info: ModelInfo | None = None
         self._pid: int | None = None
@@ -138,6 +148,8 @@ class WorkerDevice:
         self._bell, self._info, self._pid, self._gone = bell, ready.info, ready.pid, None
         self._first_seq = self._next_seq
         self._inflight = [0] * self._ring.num_slots
+        self.hang.reset()
+        self._progress_ns = time.monotonic_ns()
         return ready.info
 
     # ---- the Device protocol -----------------------------------------------------------------
@@ -163,14 +175,16 @@ class WorkerDevice:
         if self._bell is not None:
             self._bell.ring()
         self._inflight[slot] = seq
+        self._launched_ns[slot] = time.monotonic_ns()
+        self._work[slot] = max(1, len(plan.input_ids)) * steps
         self._next_seq = seq + 1
         return Ticket(slot, seq)
 
     def await_result(self, ticket: Ticket) -> StepResult:
         """Wait for a launched step. The result's arrays are copies (they stay valid for good).
 
-        DeviceError if the step failed (the worker's message), the worker died or was replaced,
-        or step_timeout_s passed."""
+        DeviceError if the step failed (the worker's message); DeviceLost if the worker died, was
+        replaced, or hung (it is then killed)."""
         return self._collect(ticket, lambda slot: self._ring.read_result(slot, copy=True))
 
     def await_burst(self, ticket: Ticket) -> list[StepResult]:
@@ -260,27 +274,52 @@ class WorkerDevice:
     def _wait_result(self, slot: int, seq: int) -> None:
         """Return once result seq is published in slot; DeviceError if the worker dies or times out."""
         ring = self._ring
+        # The worker runs tickets in order: this one started no earlier than its launch and the last result.
+        started = max(self._launched_ns[slot], self._progress_ns)
         if ring.result_seq(slot) == seq:
+            self._progressed(slot, started)
             return
         start = time.monotonic_ns()
         # Spin only when nothing is queued behind this step: then the wake-up's latency would idle the
         # worker. With a later step launched (the pipelined lane), the worker goes straight on to it,
         # and the spin would only take a core from it.
         if seq + 1 == self._next_seq and ring.spin_for_result(slot, seq, start + self._spin_ns):
+            self._progressed(slot, started)
             return
-        give_up = None if self._step_timeout_s is None else start + int(self._step_timeout_s * 1e9)
+        deadline = started + self.hang.limit_ns(self._work[slot])
         bell = self._bell
         while ring.result_seq(slot) != seq:
             if seq < self._first_seq:
                 raise DeviceLost(f"step {seq} was abandoned: the worker was restarted")
-            gone = self._why_gone(time.monotonic_ns())
+            now = time.monotonic_ns()
+            gone = self._why_gone(now)
             if gone is not None:
                 if ring.result_seq(slot) == seq:
                     return  # published just before the worker went
                 raise DeviceLost(f"step {seq} lost: {gone}")
-            if give_up is not None and time.monotonic_ns() > give_up:
-                raise DeviceError(f"step {seq} took longer than {self._step_timeout_s} s")
+            if now > deadline:
+                raise DeviceLost(f"step {seq} lost: {self._kill_hung(now - started)}")
             bell.wait(self._slice_s)
+        self._progressed(slot, started)
+
+    def _progressed(self, slot: int, started: int) -> None:
+        """A result came: the worker progresses; its step time feeds the hang deadline."""
+        now = time.monotonic_ns()
+        self.hang.record(now - started, self._work[slot])
+        self._progress_ns = now
+
+    def _kill_hung(self, stalled_ns: int) -> str:
+        """SIGKILL a worker that made no progress for stalled_ns; returns why (it is then gone, like a dead one)."""
+        why = (f"the worker process (pid {self._pid}) made no progress for {stalled_ns / 1e9:.1f} s "
+               f"(longer than its recent steps allow); it was killed as hung")
+        try:
+            os.kill(self._pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._gone = why
+        if self.on_hang is not None:
+            self.on_hang(why)
+        return why
 
     def _why_gone(self, now_ns: int) -> str | None:
         """Why the worker can no longer answer (None while it lives); remembered once known.

@@ -38,6 +38,8 @@ from .client_protocol import (
     query_answer,
     server_address,
     timeout_error,
+    unreachable,
+    UNREACHABLE_CHECK_S,
 )
 
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
@@ -75,6 +77,7 @@ class AsyncClient:
         self._waiters: dict[str, asyncio.Queue] = {}
         self._writers: list[asyncio.Future] = []  # sends waiting for room in the socket's queue
         self._closed = False
+        self._heard = False  # a frame came from the server (so something listens there)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -244,6 +247,14 @@ class AsyncClient:
         try:
             if not q.empty():
                 item = q.get_nowait()
+            elif not self._heard and self.timeout > UNREACHABLE_CHECK_S:
+                try:
+                    item = await asyncio.wait_for(q.get(), UNREACHABLE_CHECK_S)
+                except asyncio.TimeoutError:
+                    error = await asyncio.get_running_loop().run_in_executor(None, unreachable, self.address)
+                    if error is not None:
+                        raise error from None
+                    item = await asyncio.wait_for(q.get(), self.timeout - UNREACHABLE_CHECK_S)
             elif _timeout is not None:  # one timer handle; wait_for costs a task per message
                 async with _timeout(self.timeout):
                     item = await q.get()
@@ -257,6 +268,7 @@ class AsyncClient:
 
     def _route(self, frame: bytes) -> None:
         """Hand one server frame to its request's queue (frames of finished requests are dropped)."""
+        self._heard = True
         msg = decode_answer(frame)
         if msg is None:
             return

@@ -87,6 +87,10 @@ class ChatTemplate:
         return text
 
 
+# OpenAI's message roles ("developer": its newer "system"; "function": the legacy tool role) and Llama 3's "ipython".
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
 def normalize_messages(messages: object) -> list[dict]:
     """OpenAI chat messages as templates expect them: text parts joined into one string, tool arguments as objects."""
     if not isinstance(messages, list) or not messages:
@@ -95,6 +99,13 @@ def normalize_messages(messages: object) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ChatTemplateError(f"messages[{i}] must be an object with a string role")
+        role = message["role"]
+        if role not in CHAT_ROLES:
+            raise ChatTemplateError(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if "content" not in message and not (role == "assistant" and message.get("tool_calls")):
+            raise ChatTemplateError(f"messages[{i}] ({role}) has no content")
+        if message.get("content") is None and role != "assistant":
+            raise ChatTemplateError(f"messages[{i}].content must not be null for the {role} role")
         item = dict(message)
         item["content"] = _text_content(message.get("content"), i)
         if isinstance(item.get("tool_calls"), list):

@@ -6,6 +6,8 @@ answers to waiting requests by id; only how they wait differs (a thread and queu
 
 from __future__ import annotations
 
+import socket
+
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ log = logging.getLogger("metrale.frontend.client")
 
 DEFAULT_PORT = 7410
 DEFAULT_TIMEOUT_S = 60.0
+# A request that has heard nothing this long checks that something listens at all (then fails at once if not).
+UNREACHABLE_CHECK_S = 2.0
 
 
 class RequestError(Exception):
@@ -126,6 +130,23 @@ def query_answer(reply: Stats | Health | Error, request_id: str) -> Stats | Heal
     if isinstance(reply, Error):
         raise RequestError(reply.code, reply.message, request_id)
     return reply
+
+
+class ServerUnreachable(TimeoutError):
+    """Nothing listens at the client's address (raised within UNREACHABLE_CHECK_S, not after the timeout)."""
+
+
+def unreachable(address: str) -> ServerUnreachable | None:
+    """ServerUnreachable when nothing accepts TCP connections at address (a tcp:// one); None otherwise."""
+    if not address.startswith("tcp://"):
+        return None
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            return None
+    except (OSError, ValueError) as e:
+        return ServerUnreachable(f"no metrale server at {address}: nothing is listening there ({e}); "
+                                 "start one with `metrale serve`, or check --host and --port")
 
 
 def timeout_error(address: str, request_id: str, timeout: float) -> TimeoutError:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from .http_chat import ChatCompletions
 from .http_completions import Completions
-from .http_errors import errors_as_json, json_response
+from .http_errors import ApiError, errors_as_json, json_response
 from .http_params import ServedModel
 from .http_reply import TokenTexts
 from .metrics import CONTENT_TYPE
@@ -78,7 +78,10 @@ class HttpApi:
             self._runner = None
 
     async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the one model this server serves."""
+        """GET /v1/models: the one model this server serves (503 until an engine core can serve it)."""
+        health = self.server.health()
+        if not health.ready:
+            raise ApiError(503, f"not ready: waiting for {health.waiting_for}", type="server_error", code="not_ready")
         model = {"id": self.model.id, "object": "model", "created": self.created, "owned_by": "metrale",
                  "root": str(self.model.dir), "parent": None, "max_model_len": self.server.max_model_len}
         return json_response({"object": "list", "data": [model]})

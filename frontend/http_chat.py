@@ -61,6 +61,7 @@ class ChatCompletions:
         _refuse_unsupported(body)
         prompt = self._render(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        explicit_max = max_tokens is not None  # then it must fit beside the prompt (400 otherwise)
         if max_tokens is None:
             max_tokens = self.server.max_model_len or 16  # the engine core stops at max_model_len
         if body.top_logprobs is not None and not body.logprobs:
@@ -70,13 +71,14 @@ class ChatCompletions:
         check_count(body.n)
         decoder = self.decoder if params.skip_special_tokens else None
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)
-        run = Run(self.server)
+        run = Run(self.server, self.texts)
         try:
             choices = []
             for j in range(body.n):
                 splitter = ReasoningSplitter(self.reasoning, opens_reasoning) if self.reasoning else None
                 choices.append(Choice(index=j, prompt_index=0, splitter=splitter))
-                run.start(j, seeded(params, j), prompt=prompt, add_special_tokens=False, decoder=decoder)
+                run.start(j, seeded(params, j), prompt=prompt, add_special_tokens=False, decoder=decoder,
+                          cache_salt=body.cache_salt, strict_length=explicit_max)
             await run.wait_first("messages")
             reply = Reply("chatcmpl", "chat.completion", self.model.id, body.stream_options)
             if body.stream:
@@ -101,6 +103,7 @@ class ChatCompletions:
 
     def _chunk(self, c: Choice, msg: Delta) -> list[dict]:
         """A chat stream's choice entry for one Delta (the first one carries the role; none when it says nothing)."""
+        logprobs = c.kept_logprobs(msg, self.texts)
         reasoning, content = c.splitter.push(msg.text) if c.splitter else ("", msg.text)
         if msg.finish_reason is not None and c.splitter:
             r, t = c.splitter.flush()
@@ -113,11 +116,11 @@ class ChatCompletions:
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
-        if not delta and msg.finish_reason is None and not msg.logprobs:
+        if not delta and msg.finish_reason is None and not logprobs:
             return []
         entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": msg.finish_reason}
-        if msg.logprobs:
-            entry["logprobs"] = {"content": self._logprobs(msg.logprobs)}
+        if logprobs:
+            entry["logprobs"] = {"content": self._logprobs(logprobs)}
         return [entry]
 
     def _choice(self, c: Choice) -> dict:

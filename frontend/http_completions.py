@@ -46,16 +46,18 @@ class Completions:
         self.model.check(body.model)
         _refuse_unsupported(body)
         prompts = _prompts(body.prompt)
+        # Given, max_tokens must fit beside the prompt (400 otherwise); null: the rest of the context.
         max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
         params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size)
         check_count(len(prompts) * body.n)
-        run = Run(self.server)
+        run = Run(self.server, self.texts)
         try:
             choices = []
             for p, (text, ids) in enumerate(prompts):
                 for j in range(body.n):
                     choices.append(Choice(index=len(choices), prompt_index=p))
-                    run.start(len(choices) - 1, seeded(params, j), prompt=text, token_ids=ids)
+                    run.start(len(choices) - 1, seeded(params, j), prompt=text, token_ids=ids,
+                              cache_salt=body.cache_salt, strict_length=body.max_tokens is not None)
             await run.wait_first("prompt")
             echo = [self._echo(text, ids) for text, ids in prompts] if body.echo else None
             reply = Reply("cmpl", "text_completion", self.model.id, body.stream_options)
@@ -72,11 +74,12 @@ class Completions:
 
     def _chunk(self, c: Choice, msg: Delta) -> list[dict]:
         """A completion stream's choice entries for one Delta (none when it says nothing)."""
-        if not msg.text and msg.finish_reason is None and not msg.logprobs:
+        logprobs = c.kept_logprobs(msg, self.texts)
+        if not msg.text and msg.finish_reason is None and not logprobs:
             return []
         entry = _text_choice(c.index, msg.text, msg.finish_reason)
-        if msg.logprobs:
-            entry["logprobs"] = self._logprobs(msg.logprobs, c.text_offset)
+        if logprobs:
+            entry["logprobs"] = self._logprobs(logprobs, c.text_offset)
         c.text_offset += len(msg.text)
         return [entry]
 

@@ -19,6 +19,7 @@ _ENGINE_ERRORS = {
     "bad_request": (400, "invalid_request_error", "invalid_value"),
     "too_long": (400, "invalid_request_error", "context_length_exceeded"),
     "busy": (503, "server_error", "server_busy"),
+    "shutdown": (503, "server_error", "shutting_down"),
     "worker_fault": (500, "server_error", "worker_fault"),
     "internal": (500, "server_error", "internal_error"),
 }

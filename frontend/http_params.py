@@ -48,6 +48,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     adaptive_sampling: bool | None = None
     priority: int | None = None
+    cache_salt: str | None = None  # prefix-cache namespace: requests with different salts never share KV
 
 
 # Simple sampling fields copied as they are when given.

@@ -37,6 +37,21 @@ class Choice:
     completion_tokens: int = 0
     started: bool = False  # a streamed chat choice sends its role first
     text_offset: int = 0  # characters streamed so far (completions logprobs' text_offset)
+    text_chars: int = 0  # characters of output text seen so far
+    logprob_chars: int = 0  # characters of the tokens whose logprobs were kept
+
+    def kept_logprobs(self, msg: Delta, token_text) -> list[TokenLogprob]:
+        """msg's logprobs that belong to the output text: when a stop string ends the request, the tokens
+        whose text it cut are dropped, so logprobs and text agree (`[' Paris']` for text ' Paris', not
+        `[' Paris', '.']`). token_text(id) is a token's own text."""
+        self.text_chars += len(msg.text)
+        kept = []
+        for item in msg.logprobs or ():
+            if msg.finish_reason == "stop" and self.logprob_chars >= self.text_chars:
+                break
+            kept.append(item)
+            self.logprob_chars += len(token_text(item.token_id))
+        return kept
 
     def fold(self, msg: Delta) -> None:
         """Count one Delta into the choice (its text is kept only when the whole answer is built at the end)."""
@@ -49,19 +64,22 @@ class Choice:
 class Run:
     """The engine requests behind one HTTP request, filed under one in-process client key."""
 
-    def __init__(self, server: FrontendServer) -> None:
+    def __init__(self, server: FrontendServer, token_text=None) -> None:
         self.server = server
+        self.token_text = token_text or (lambda token_id: "")  # a token's own text (logprobs follow the text)
         self.key = server.open_local()
         self.queue: asyncio.Queue[Delta | Error] = asyncio.Queue()
         self.live: set[str] = set()
         self._buffered: list[Delta | Error] = []
 
     def start(self, index: int, params: SamplingParams, *, prompt: str | None = None,
-              token_ids: list[int] | None = None, add_special_tokens: bool = True, decoder=None) -> None:
+              token_ids: list[int] | None = None, add_special_tokens: bool = True, decoder=None,
+              cache_salt: str | None = None, strict_length: bool = False) -> None:
         """Submit one choice; its messages arrive on the queue with id str(index)."""
         self.live.add(str(index))
         self.server.generate_local(self.key, str(index), self.queue.put_nowait, params, prompt=prompt,
-                                   token_ids=token_ids, add_special_tokens=add_special_tokens, decoder=decoder)
+                                   token_ids=token_ids, add_special_tokens=add_special_tokens, decoder=decoder,
+                                   cache_salt=cache_salt, strict_length=strict_length)
 
     async def wait_first(self, param: str | None) -> None:
         """Wait for every choice's first message; ApiError (and the others aborted) when one is an Error."""
@@ -94,7 +112,7 @@ class Run:
             c = choices[int(msg.id)]
             c.text.append(msg.text)
             if msg.logprobs:
-                c.logprobs.extend(msg.logprobs)
+                c.logprobs.extend(c.kept_logprobs(msg, self.token_text))
             c.fold(msg)
 
     def close(self) -> None:

@@ -29,6 +29,8 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger("metrale.frontend.server")
 
+# A request running at this many engine-core deaths is failed instead of resubmitted again: it may be what kills it.
+MAX_ENGINE_DEATHS = 2
 _SYNC_ENCODE_CHARS = 8192  # longer prompts are tokenized off the event loop (~1 ms per 1,500 characters)
 
 LocalSink = Callable[[Delta | Error], None]
@@ -54,7 +56,11 @@ class RequestState:
     held_text: str = ""
     held_logprobs: list | None = None
     sent_tokens: bool = False  # a Delta with tokens went out (the first tokens are never held)
+    engine_deaths: int = 0  # engine cores that died while running it (MAX_ENGINE_DEATHS fails it)
     cache_salt: str | None = None
+    # max_tokens must fit beside the prompt (the HTTP API, as vLLM and OpenAI: a 400 with the numbers);
+    # else the engine core stops the request at max_model_len (finish_reason "length").
+    strict_length: bool = False
 
 
 @dataclass(slots=True)
@@ -83,6 +89,19 @@ class LiveRequests:
         self.clients: dict[bytes, ClientState] = {}  # a client is here while it has live requests
         self._by_engine_id: dict[str, RequestState] = {}
         self.background: set[asyncio.Task] = set()  # long prompts being tokenized
+        self.refusing: tuple[ErrorCode, str] | None = None  # (code, why) while new requests are refused
+        self.idle = asyncio.Event()  # set while no request is live
+        self.idle.set()
+
+    @property
+    def num_live(self) -> int:
+        """Requests registered and not yet ended."""
+        return sum(len(state.requests) for state in self.clients.values())
+
+    @property
+    def num_submitted(self) -> int:
+        """Live requests the engine core is running (submitted under an engine id)."""
+        return len(self._by_engine_id)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -93,12 +112,15 @@ class LiveRequests:
         if state is not None and msg.id in state.requests:
             raise Rejected("bad_request", f"duplicate id {msg.id!r}: a request with it is running")
         check_generate(msg, self.vocab_size)
+        if self.refusing is not None:
+            raise Rejected(*self.refusing)
         if state is None:
             state = self.clients[client] = ClientState(envelope=envelope, fd=fd, local=local)
         state.fd = fd if fd is not None else state.fd
         req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock(),
                            cache_salt=msg.cache_salt)
         state.requests[msg.id] = req
+        self.idle.clear()
         return req
 
     def tokenize_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool = True) -> None:
@@ -135,6 +157,13 @@ class LiveRequests:
                        "(the prompt and at least one new token must fit)")
             self.send_final(req, Error(id=req.client_id, code="too_long", message=message))
             return
+        if req.strict_length and self.max_model_len is not None and \
+                len(prompt_ids) + req.params.max_tokens > self.max_model_len:
+            message = (f"this model's maximum context length is {self.max_model_len} tokens, but {len(prompt_ids) + req.params.max_tokens} "
+                       f"were requested ({len(prompt_ids)} in the prompt, {req.params.max_tokens} in the completion); "
+                       "reduce the prompt or max_tokens")
+            self.send_final(req, Error(id=req.client_id, code="too_long", message=message))
+            return
         req.prompt_ids = prompt_ids
         req.detok = IncrementalDetokenizer(req.decoder or self.tokenizer, prompt_ids, req.params)
         if self.link.up:
@@ -168,11 +197,29 @@ class LiveRequests:
         self.link.send(add)
 
     def resubmit_all(self) -> None:
-        """Submit every live request under a new engine id, aborting the id it had (a fresh engine core is up)."""
+        """Submit every live request under a new engine id, aborting the id it had (a fresh engine core is up).
+
+        A request that was running at MAX_ENGINE_DEATHS engine-core deaths is failed instead: it may be the
+        request that kills the engine, and resubmitting it again would kill the next one."""
         self.link.abort([req.engine_id for req in self._each() if req.engine_id])
-        for req in self._each():
+        for req in list(self._each()):
+            if req.engine_id:
+                req.engine_deaths += 1
+                if req.engine_deaths >= MAX_ENGINE_DEATHS:
+                    message = (f"the engine core died {req.engine_deaths} times while running this request; "
+                               "it is not resubmitted again")
+                    log.error("frontend: failing request %r: %s", req.client_id, message)
+                    self.send_final(req, Error(id=req.client_id, code=ErrorCode.INTERNAL.value, message=message))
+                    continue
             if req.detok is not None:  # else it is submitted once its prompt is tokenized
                 self._submit(req)
+
+    def end_all(self, code: ErrorCode, message: str) -> None:
+        """End every live request with Error(code, message) and tell the engine core to drop them."""
+        engine_ids = [req.engine_id for req in self._each() if req.engine_id]
+        for req in list(self._each()):
+            self.send_final(req, Error(id=req.client_id, code=code.value, message=message))
+        self.link.abort(engine_ids)
 
     def _each(self) -> Iterator[RequestState]:
         """Every live request."""
@@ -291,6 +338,8 @@ class LiveRequests:
             state.requests.pop(req.client_id, None)
             if not state.requests:
                 del self.clients[req.client]
+        if not self.clients:
+            self.idle.set()
 
     def drop_client(self, client: bytes, why: str) -> None:
         """Abort every live request of a client that is gone."""
@@ -305,3 +354,5 @@ class LiveRequests:
                 engine_ids.append(req.engine_id)
         log.info("frontend: client %s %s; aborting %d request(s)", client.hex(), why, len(state.requests))
         self.link.abort(engine_ids)
+        if not self.clients:
+            self.idle.set()

@@ -51,7 +51,9 @@ from metrale.ipc.messages import (
     StatsQuery,
     StatsResponse,
 )
+from metrale.ipc.errors import ErrorCode
 from metrale.ipc.sampling import SamplingParams
+from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, StatusSender
 from metrale.model_facts import resolve_model
 
 from .detokenizer import Decoder
@@ -63,6 +65,7 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+_CLOSE_LINGER_MS = 2000  # a shutdown's final frames get this long to reach their clients
 _PROBE_DELAYS_S = (0.05, 0.5)  # after a disconnect event: libzmq tears the pipe down just after reporting it
 _LOCAL_PREFIX = b"\x00local-"  # ROUTER ids are 5 bytes from libzmq or never start with 0: no collision
 
@@ -89,6 +92,13 @@ class FrontendConfig:
     http_port: int | None = None  # serve the OpenAI-compatible HTTP API here too (0: any free port)
     served_model_name: str | None = None  # the HTTP API's model id; default the model folder's name
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
+    status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
+    shutdown_timeout_s: float = 0.0  # on SIGTERM, live requests get this long to finish before they are ended
+    stall_s: float = 30.0  # /health is unhealthy when requests are live and the engine was silent this long
+
+
+class BindError(OSError):
+    """An address the frontend must listen on is taken; the message names the port."""
 
 
 class FrontendServer:
@@ -126,6 +136,10 @@ class FrontendServer:
         self._router_sync: zmq.Socket | None = None  # the same socket without futures, for batched sends
         self._monitor: zmq.asyncio.Socket | None = None
         self._batch: list[list[bytes]] | None = None  # frames queued while one engine message is handled
+        self._status = StatusSender(config.status_address, "frontend") if config.status_address else None
+        self._draining = False  # shutting down: new requests are refused, live ones get shutdown_timeout_s
+        self._engine_heard_at = clock()  # the engine core's last message (its heartbeat while it works)
+        self._rejections_logged: set[str] = set()  # codes whose rejections were logged at INFO once
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -145,8 +159,13 @@ class FrontendServer:
                 from .http_api import HttpApi  # aiohttp is imported only by a server that serves HTTP
 
                 http = HttpApi(self)
-                self.http_endpoint = await http.start(self.config.http_host, self.config.http_port)
+                try:
+                    self.http_endpoint = await http.start(self.config.http_host, self.config.http_port)
+                except OSError as exc:
+                    raise BindError(exc.errno, f"HTTP port {self.config.http_port} on {self.config.http_host} "
+                                               f"cannot be bound ({os.strerror(exc.errno) if exc.errno else exc}); choose another with --http-port") from None
             self.bound.set()
+            self._report_serving()
             tasks = [
                 asyncio.create_task(self._serve_clients(), name="frontend-clients"),
                 asyncio.create_task(self._serve_engine(), name="frontend-engine"),
@@ -176,6 +195,29 @@ class FrontendServer:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
 
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new requests, give live ones shutdown_timeout_s to finish, end the rest with Error
+        "shutdown" (every live request gets a final message), then stop. A second call stops at once."""
+        if self._draining or self._loop is None:
+            self.shutdown()
+            return
+        self._draining = True
+        self.requests.refusing = (ErrorCode.SHUTDOWN, "the server is shutting down")
+        log.info("frontend: shutting down; %d live requests get %.1f s to finish", self.requests.num_live,
+                 self.config.shutdown_timeout_s)
+        task = self._loop.create_task(self._drain_then_stop(), name="frontend-drain")
+        self.requests.background.add(task)
+
+    async def _drain_then_stop(self) -> None:
+        """Wait (up to shutdown_timeout_s) for live requests to end; end those left with Error "shutdown"."""
+        try:
+            await asyncio.wait_for(self.requests.idle.wait(), self.config.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        self.requests.end_all(ErrorCode.SHUTDOWN, "the server is shutting down; the request was stopped")
+        await asyncio.sleep(0)  # let in-process sinks (HTTP streams) take their final messages
+        self.shutdown()
+
     def _open_sockets(self, ctx: zmq.asyncio.Context) -> None:
         """Bind the client ROUTER (with its monitor) and the two engine ipc:// sockets."""
         cfg = self.config
@@ -188,7 +230,12 @@ class FrontendServer:
             router.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_s * 1000))
             router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.heartbeat_s * 3000))
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        router.bind(cfg.client_address)
+        try:
+            router.bind(cfg.client_address)
+        except zmq.ZMQError as exc:
+            port = cfg.client_address.rsplit(":", 1)[-1]
+            raise BindError(exc.errno, f"port {port} ({cfg.client_address}, the ZMQ client address) cannot be bound "
+                                       f"({os.strerror(exc.errno)}); choose another with --port") from None
         self._router_sync = zmq.Socket.shadow(router.underlying)  # not closed itself: closing router closes it
         self.client_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.link.open(ctx, cfg.engine_input_address, cfg.engine_output_address)
@@ -204,7 +251,8 @@ class FrontendServer:
                 pass
         for sock in (self._monitor, self._router):
             if sock is not None:
-                sock.close(linger=0)
+                # Final messages (a shutdown's errors) may still be queued: give them a moment to go out.
+                sock.close(linger=_CLOSE_LINGER_MS if self._draining else 0)
         self._router_sync = None
         self.link.close()
 
@@ -270,17 +318,31 @@ class FrontendServer:
         )
 
     def _health(self, request_id: str) -> Health:
-        """Health from the supervisor's source when there is one, else what this process knows."""
-        fault = None
+        """Health from the supervisor's source when there is one, else what this process knows; healthy only
+        when the engine can serve and is making progress."""
+        health = None
         if self.health_source is not None:
             try:
-                return msgspec.structs.replace(self.health_source(), id=request_id)
+                health = msgspec.structs.replace(self.health_source(), id=request_id)
             except Exception as exc:  # a broken source must not leave the client without an answer
                 log.exception("frontend: the health source failed")
-                fault = f"health source failed: {exc}"
-        uptime = self.clock() - self._started
-        me = ProcessHealth(name="frontend", pid=os.getpid(), uptime_s=uptime, restarts=0, alive=True)
-        return Health(id=request_id, healthy=self.link.up and fault is None, processes=[me], last_fault=fault)
+                health = Health(id=request_id, healthy=False, last_fault=f"health source failed: {exc}")
+        if health is None:
+            uptime = self.clock() - self._started
+            me = ProcessHealth(name="frontend", pid=os.getpid(), uptime_s=uptime, restarts=0, alive=True)
+            health = Health(id=request_id, healthy=True, processes=[me])
+        health.ready = self.link.up and not self._draining
+        stalled = self.clock() - self._engine_heard_at if self.requests.num_submitted else 0.0
+        health.progress_s = stalled
+        if self._draining:
+            health.waiting_for = "nothing: the server is shutting down"
+        elif not self.link.up:
+            health.waiting_for = "the engine core: it is starting (loading the model) or restarting"
+        elif stalled > self.config.stall_s:
+            health.waiting_for = (f"progress: the engine core completed no step for {stalled:.0f} s with "
+                                  f"{self.requests.num_submitted} requests live")
+        health.healthy = health.healthy and health.waiting_for is None
+        return health
 
     # ---- in-process clients (the HTTP API) -------------------------------------------
 
@@ -310,6 +372,7 @@ class FrontendServer:
         add_special_tokens: bool = True,
         decoder: Decoder | None = None,
         cache_salt: str | None = None,
+        strict_length: bool = False,
     ) -> None:
         """Start a request exactly as a Generate frame would; its Deltas (or its one Error) go to sink.
 
@@ -322,7 +385,7 @@ class FrontendServer:
         except Rejected as exc:
             sink(Error(id=request_id, code=exc.code.value, message=exc.message))
             return
-        req.sink, req.decoder = sink, decoder
+        req.sink, req.decoder, req.strict_length = sink, decoder, strict_length
         self.requests.tokenize_then_admit(req, msg, add_special_tokens)
 
     def abort_local(self, key: bytes) -> None:
@@ -362,6 +425,7 @@ class FrontendServer:
         """Receive engine-core frames forever."""
         while True:
             data = await self.link.recv()
+            self._engine_heard_at = self.clock()
             try:
                 self._on_engine_message(self._engine_decoder.decode(data))
             except msgspec.DecodeError:
@@ -394,14 +458,29 @@ class FrontendServer:
     def _engine_came_up(self) -> None:
         """A fresh engine core: submit every live request under a new engine id, aborting the id it had."""
         self.link.up = True
+        self._engine_heard_at = self.clock()
+        self._rejections_logged.clear()
         self.engine_ready.set()
         self.requests.resubmit_all()
+        self._report_serving()
+
+    def _report_serving(self) -> None:
+        """Tell the supervisor (once bound and with an engine up) that requests can be served."""
+        if self._status is not None and self.link.up and self.bound.is_set():
+            self._status.send(SERVING, client_endpoint=self.client_endpoint or "", http_endpoint=self.http_endpoint or "")
 
     # ---- server → clients ------------------------------------------------------------
 
     def _reject(self, client: bytes, envelope: tuple[bytes, ...], request_id: str, code: str, message: str) -> None:
-        """Answer a frame with Error; its id is "" when none could be read."""
-        log.info("frontend: rejected %r: %s: %s", request_id, code, message)
+        """Answer a frame with Error; its id is "" when none could be read. The first rejection of each code
+        (since the engine came up) is logged at INFO, the rest at DEBUG: a client probing a starting server, or
+        a fuzzer, must not flood the log."""
+        if code in self._rejections_logged:
+            log.debug("frontend: rejected %r: %s: %s", request_id, code, message)
+        else:
+            self._rejections_logged.add(code)
+            log.info("frontend: rejected %r: %s: %s (further %s rejections are logged at debug level)", request_id,
+                     code, message, code)
         self._send(client, envelope, Error(id=request_id, code=code, message=message))
 
     def _send(self, client: bytes, envelope: tuple[bytes, ...], msg: msgspec.Struct) -> None:
@@ -464,7 +543,14 @@ def main(config: FrontendConfig, health_source: HealthSource | None = None) -> N
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, server.shutdown)
+            loop.add_signal_handler(sig, server.begin_shutdown)
         await server.run()
 
-    uvloop.run(serve())
+    try:
+        uvloop.run(serve())
+    except BindError as exc:
+        log.error("frontend: %s", exc.strerror)
+        if server._status is not None:
+            server._status.send(FAILED, exc.strerror)
+            server._status.close()
+        raise SystemExit(EXIT_CONFIG) from None

@@ -31,6 +31,8 @@ from .client_protocol import (
     query_answer,
     server_address,
     timeout_error,
+    unreachable,
+    UNREACHABLE_CHECK_S,
 )
 
 _STOP_IO = b""  # the I/O thread exits when it reads an empty frame from its inbox
@@ -53,6 +55,7 @@ class Client:
         self._lock = threading.RLock()  # guards _waiters and the outbox (re-entrant: __del__ may run under it)
         self._waiters: dict[str, queue.SimpleQueue] = {}
         self._closed = False
+        self._heard = False  # a frame came from the server (so something listens there)
         inbox_addr = f"inproc://metrale-client-{new_id()}"
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
@@ -152,9 +155,19 @@ class Client:
         return query_answer(reply, request_id)
 
     def _wait(self, q: queue.SimpleQueue, request_id: str):
-        """The next message for a request; TimeoutError when the server stays silent for `timeout`."""
+        """The next message for a request; TimeoutError when the server stays silent for `timeout`
+        (ServerUnreachable within seconds when nothing listens at the address at all)."""
         try:
-            item = q.get(timeout=self.timeout)
+            if self._heard or self.timeout <= UNREACHABLE_CHECK_S:
+                item = q.get(timeout=self.timeout)
+            else:
+                try:
+                    item = q.get(timeout=UNREACHABLE_CHECK_S)
+                except queue.Empty:
+                    error = unreachable(self.address)
+                    if error is not None:
+                        raise error from None
+                    item = q.get(timeout=self.timeout - UNREACHABLE_CHECK_S)
         except queue.Empty:
             raise timeout_error(self.address, request_id, self.timeout) from None
         if isinstance(item, BaseException):
@@ -197,6 +210,7 @@ class Client:
 
     def _route(self, data: bytes) -> None:
         """Put one server frame on its request's queue."""
+        self._heard = True
         msg = decode_answer(data)
         if msg is None:
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import time
@@ -26,6 +27,8 @@ import msgspec
 
 from metrale.ipc.doorbell import Attached, Bell, Shutdown, WorkerFailed, WorkerReady, bell_path
 from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
+
+log = logging.getLogger("metrale.gpu_worker")
 
 DEFAULT_FACTORY = "metrale.gpu_worker.model_runner:ModelRunner"
 DEFAULT_SPIN_US = 100.0  # then block on the doorbell; the spin yields the core every turn (TicketRing._spin)
@@ -139,13 +142,18 @@ def run_worker(config: WorkerConfig) -> int:
     )
     ring = TicketRing.attach(config.ring_name)
     try:
+        t0 = time.monotonic()
+        log.info("loading %s", config.runner_kwargs.get("model_dir", "the model"))
         try:
             runner = load_factory(config.factory)(**config.runner_kwargs)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, then we exit
             traceback.print_exc(file=sys.stderr)
             bell.send(WorkerFailed(pid=os.getpid(), message=f"{type(exc).__name__}: {exc}"))
             return 1
-        bell.send(WorkerReady(pid=os.getpid(), info=runner.info))
+        info = runner.info
+        log.info("ready in %.1f s: %s in %s; KV cache of %d blocks x %d tokens (%d tokens)", time.monotonic() - t0,
+                 info.name, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size)
+        bell.send(WorkerReady(pid=os.getpid(), info=info))
         first_seq = _await_attached(bell, parent_pid)
         if first_seq is None:
             return 0
@@ -205,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the worker process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gpu-worker %(levelname)s %(message)s")
     config = parse_args(argv)
     try:
         return run_worker(config)

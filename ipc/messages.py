@@ -112,9 +112,12 @@ class Health(msgspec.Struct, tag="health_reply", kw_only=True):
     """Answer to HealthQuery."""
 
     id: str
-    healthy: bool
+    healthy: bool  # every process alive, the engine ready and making progress
     processes: list[ProcessHealth] = []
     last_fault: str | None = None
+    ready: bool = True  # an engine core is up and the server takes requests
+    waiting_for: str | None = None  # why it is not healthy now: what it waits for
+    progress_s: float = 0.0  # seconds since the engine core last reported progress, while requests are live
 
 
 ServerMessage = Delta | Error | Stats | Health

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -41,13 +42,20 @@ def main() -> None:
               help="send a request's tokens every N tokens (its first and last at once): less CPU per token, burstier streams.")
 @click.option("--seed", default=None, type=int)
 @click.option("--worker-threads", default=None, type=int, help="torch threads of the worker on a CPU (default: cores - 1, or every core on a box of two or fewer).")
+@click.option("--max-model-len", default=None, type=click.IntRange(min=2), help="cap on prompt + output tokens (default: what the model's config allows).")
+@click.option("--shutdown-timeout", default=0.0, type=click.FloatRange(min=0), show_default=True,
+              help="on Ctrl-C / SIGTERM, let live requests finish for up to this many seconds (new ones get 503 / shutdown).")
+@click.option("--worker-hang-timeout", default=10.0, type=click.FloatRange(min=0.1), show_default=True,
+              help="a worker whose step runs this long (and far longer than its recent steps) is killed as hung and restarted.")
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
-    from metrale.supervisor import Supervisor
+    from metrale.supervisor import StartupError, Supervisor
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _check_device(o["device"])
     engine = EngineArgs(
         model=o["model"],
+        max_model_len=o["max_model_len"],
         dtype=o["dtype"],
         device=o["device"],
         block_size=o["block_size"],
@@ -66,22 +74,53 @@ def serve(**o) -> None:
     try:
         engine.validate()
     except ValueError as e:
-        raise click.BadParameter(str(e))
+        _fail(str(e))
     config = ServeConfig(
         engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"],
-        stream_interval=o["stream_interval"],
+        stream_interval=o["stream_interval"], shutdown_timeout_s=o["shutdown_timeout"],
+        worker_hang_timeout_s=o["worker_hang_timeout"],
     )
-    sup = Supervisor(config)
+    try:
+        sup = Supervisor(config)
+    except StartupError as e:
+        _fail(str(e))
     stop = lambda *_: sup._stop.set()  # noqa: E731 - the watch loop notices and returns
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        sup.start()
-        click.echo(f"metrale serving {sup.model_dir} on {sup.client_address} (pid {__import__('os').getpid()})", err=False)
+        try:
+            sup.start()
+        except StartupError as e:
+            sup.stop()
+            _fail(str(e))
+        http = f", HTTP on {sup.endpoints.http_endpoint}" if sup.endpoints and sup.endpoints.http_endpoint else ""
+        click.echo(f"metrale serving {sup.model_dir} on {sup.client_address}{http} (pid {os.getpid()})")
         sys.stdout.flush()
         sup.watch()
     finally:
         sup.stop()
+    if sup.given_up is not None:
+        click.echo(f"metrale serve: stopped: {sup.given_up}", err=True)
+        sys.exit(1)
+
+
+def _fail(message: str) -> None:
+    """A mistake at start-up: one line naming it, exit code 2 (nothing is left running)."""
+    click.echo(f"metrale serve: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _check_device(device: str | None) -> None:
+    """--device cuda on a machine without CUDA is a start-up mistake, not a worker crash loop."""
+    if device is None or not device.startswith("cuda"):
+        if device not in (None, "cpu"):
+            _fail(f"--device {device}: unknown device (use cpu or cuda)")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+        _fail(f"--device {device}: CUDA is not available (torch {torch.__version__} is {build}); use --device cpu")
 
 
 @main.command()
@@ -107,6 +146,8 @@ def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: fl
                     click.echo(delta.text, nl=False)
         except RequestError as e:
             raise click.ClickException(f"{e.code}: {e.message}")
+        except TimeoutError as e:
+            raise click.ClickException(str(e))
     if not as_json:
         click.echo()
 

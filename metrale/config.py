@@ -76,3 +76,5 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_frame_bytes: int = 1 << 20
     on_worker_fault: str = "recover"  # recover | fail
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
+    shutdown_timeout_s: float = 0.0  # on SIGTERM / Ctrl-C, live requests get this long to finish
+    worker_hang_timeout_s: float = 10.0  # the least time a step may take before its worker counts as hung

@@ -9,8 +9,14 @@ Restarts. A dead worker is restarted on the same ring (the engine core requeues 
 engine core is restarted with a fresh worker (its ring is swept; the frontend resubmits every live request);
 a dead frontend is restarted on the same addresses. A child that dies "in a row" — without having done any
 work since its start (for the worker: served no step), and within RestartPolicy.window_s of it — waits
-longer before each restart; after RestartPolicy.max_in_a_row such deaths it is not restarted again and the
-server reports itself unhealthy (Health.healthy false, last_fault set) instead of looping.
+longer before each restart; after RestartPolicy.max_in_a_row such deaths it is not restarted again, and the
+server ends (`watch` returns, `given_up` says why) with a non-zero exit, so a service manager sees the failure
+instead of a supervisor running on without a child. A child that exits with EXIT_CONFIG (a port in use) is
+given up on at once: restarting it would fail the same way.
+
+Start-up is an event: the children report on a status channel in the run folder (ipc/status_channel.py),
+the frontend once it is bound and an engine core is up, a child that cannot run with why. So `start()` waits
+on that channel (never probing the client port, where another server might answer) and fails with one line.
 """
 
 from __future__ import annotations
@@ -38,11 +44,16 @@ import psutil
 from metrale.config import EngineArgs, ServeConfig
 from metrale.health_file import HealthFile, read_health
 from metrale.ipc.messages import Health, ProcessHealth
+from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, WORKER_HUNG, ChildStatus, StatusInbox
 
 log = logging.getLogger("metrale.supervisor")
 
 WATCH_INTERVAL_S = 0.05
 NEVER = float("inf")
+
+
+class StartupError(RuntimeError):
+    """`metrale serve` cannot start; the message is one line naming the thing and what to do."""
 
 
 @dataclass(slots=True)
@@ -126,15 +137,20 @@ class Supervisor:
     ):
         from metrale.frontend.tokenizer import Tokenizer
         from metrale.llm import resolve_model_dir, special_tokens_of
-        from metrale.model_facts import resolve_model
+        from metrale.model_facts import ModelError, resolve_model
 
         self.config = config
         self.policy = policy or RestartPolicy()
         self.clock = clock
         self.model_dir = resolve_model_dir(config.engine.model)
-        tokenizer = Tokenizer.from_dir(self.model_dir)
+        try:
+            self.facts = resolve_model(self.model_dir, config.engine.max_model_len)
+            tokenizer = Tokenizer.from_dir(self.model_dir)
+        except ModelError as e:
+            raise StartupError(str(e)) from None
+        except (OSError, ValueError) as e:
+            raise StartupError(f"--model {self.model_dir}: its tokenizer cannot be loaded ({e})") from None
         self.special_tokens = dataclasses.asdict(special_tokens_of(tokenizer))
-        self.facts = resolve_model(self.model_dir, config.engine.max_model_len)
         self.max_model_len = self.facts.max_model_len
         if config.port == 0:
             config.port = free_port(config.host)
@@ -150,8 +166,12 @@ class Supervisor:
         self.engine_pids: set[int] = set()
         self.healthy = True  # False once a child is given up on
         self.last_fault: str | None = None
+        self.given_up: str | None = None  # why the server ends: a child it no longer restarts
+        self._hung: str | None = None  # why the engine core killed the worker, until its death is noted
+        self.endpoints: ChildStatus | None = None  # the frontend's bound addresses, once serving
         self._stop = threading.Event()
         self._health_file = HealthFile(self.health_path, self.clock)
+        self.inbox = StatusInbox(self._ipc("status"))
 
     # ---- addresses and command lines ------------------------------------------------
 
@@ -182,6 +202,8 @@ class Supervisor:
             "http_host": self.config.host,
             "http_port": self.config.http_port,
             "stream_interval": self.config.stream_interval,
+            "status_address": self._ipc("status"),
+            "shutdown_timeout_s": self.config.shutdown_timeout_s,
         }
         return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), str(self.health_path)]
 
@@ -196,6 +218,7 @@ class Supervisor:
             max_model_len=self.max_model_len,
             special_tokens=self.special_tokens,
             served_path=str(self.served_path),
+            status_address=self._ipc("status"),
         )
         return [sys.executable, "-m", "metrale.engine_core.core", "--args", msgspec.json.encode(args).decode()]
 
@@ -206,7 +229,7 @@ class Supervisor:
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self, ready_timeout_s: float = 600.0) -> None:
-        """Start the three and wait until a request can be served; RuntimeError if a child dies first."""
+        """Start the three and wait until a request can be served; StartupError (one line) if one cannot run."""
         self.frontend.start(self.env, self.clock())
         self._start_engine()
         self._write_health()
@@ -224,29 +247,50 @@ class Supervisor:
         self.worker.start(self.env, now)
 
     def _wait_until_serving(self, timeout_s: float) -> None:
-        """Ask the frontend for stats until the engine core answers through it."""
-        from metrale.frontend.client import Client
-
+        """Wait for the frontend's SERVING on the status channel (a child's FAILED, or its death, ends it)."""
         deadline = time.monotonic() + timeout_s
-        with Client(self.config.host, self.config.port, timeout=1.0) as client:
-            while True:
-                for child in (self.frontend, self.engine, self.worker):
-                    if not child.alive:
-                        raise RuntimeError(f"{child.name} exited during startup (code {child.proc.returncode})")
-                try:
-                    client.stats()
+        while True:
+            status = self.inbox.receive(WATCH_INTERVAL_S * 4)
+            if status is not None:
+                if status.state == FAILED:
+                    raise StartupError(status.detail)
+                if status.state == SERVING:
+                    self.endpoints = status
                     return
-                except Exception as e:  # not up yet: the frontend or engine is still loading
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the server did not become ready within {timeout_s:.0f} s: {e}") from e
+                self._note(status)
+            for child in (self.frontend, self.engine, self.worker):
+                if not child.alive:
+                    late = self.inbox.receive(0.5)  # a child that failed says why just before it exits
+                    if late is not None and late.state == FAILED:
+                        raise StartupError(late.detail)
+                    raise StartupError(f"{child.name} {_how_it_ended(child.proc.returncode)} during start-up "
+                                       "(its log above says why)")
+            if self._stop.is_set():
+                raise StartupError("stopped during start-up")
+            if time.monotonic() > deadline:
+                raise StartupError(f"the server did not become ready within {timeout_s:.0f} s")
 
     def watch(self) -> None:
-        """Restart children that die, until stop() is called."""
+        """Restart children that die, until stop() is called or a child is given up on (given_up says why)."""
         while not self._stop.wait(WATCH_INTERVAL_S):
             self.check_children()
+            if self.given_up is not None:
+                return
+
+    def _note(self, status: ChildStatus) -> None:
+        """An event a child reported while serving."""
+        if status.state == WORKER_HUNG:
+            self._hung = status.detail
+            log.error("gpu_worker: %s", status.detail)
+        elif status.state == FAILED:
+            log.error("%s (pid %d): %s", status.name, status.pid, status.detail)
+            if status.name == "frontend":
+                self.last_fault = f"frontend: {status.detail}"
 
     def check_children(self) -> None:
         """One pass of the watch: note who died, restart whoever is due, publish health."""
+        while (status := self.inbox.receive(0)) is not None:
+            self._note(status)
         now = self.clock()
         if self._died(self.engine, now):
             self.worker.stop(grace_s=2.0)  # it served the dead engine's ring; a fresh one comes with the next
@@ -276,12 +320,22 @@ class Supervisor:
             return False
         worked = now - child.started >= self.policy.window_s or (child is self.worker and self._worker_served())
         child.in_a_row = 1 if worked else child.in_a_row + 1
-        self.last_fault = f"{child.name} (pid {child.pid}) {_how_it_ended(child.proc.returncode)}"
+        ended = _how_it_ended(child.proc.returncode)
+        if child is self.worker and self._hung is not None:  # the engine core killed it: say why
+            self.last_fault, self._hung = f"gpu_worker (pid {child.pid}) hung: {self._hung}", None
+        else:
+            self.last_fault = f"{child.name} (pid {child.pid}) {ended}"
         delay = self.policy.delay(child.in_a_row)
+        if child.proc.returncode == EXIT_CONFIG:
+            delay = None
+            self.last_fault = self.last_fault if self.last_fault.startswith(f"{child.name}:") else \
+                f"{child.name} (pid {child.pid}) cannot run as configured ({ended})"
         if delay is None:
             self.healthy = False
             child.restart_at = NEVER
-            self.last_fault += f"; it died {child.in_a_row} times in a row and is not restarted again"
+            if child.proc.returncode != EXIT_CONFIG:
+                self.last_fault += f"; it died {child.in_a_row} times in a row and is not restarted again"
+            self.given_up = self.last_fault
             log.error(self.last_fault)
         else:
             child.restart_at = now + delay
@@ -301,12 +355,16 @@ class Supervisor:
             return False
 
     def stop(self) -> None:
-        """Shut down in order and leave nothing behind. Idempotent."""
+        """Shut down in order and leave nothing behind. Idempotent.
+
+        The frontend goes first and is given shutdown_timeout_s (plus a margin) to let live requests finish and
+        to send every one left its final message, while the engine core and the worker still run."""
         self._stop.set()
-        self.frontend.stop(grace_s=5.0)
+        self.frontend.stop(grace_s=self.config.shutdown_timeout_s + 5.0)
         self.engine.stop(grace_s=10.0)
         self.worker.stop(grace_s=5.0)
         self._sweep()
+        self.inbox.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _sweep(self) -> None:

@@ -24,7 +24,7 @@ RICH_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' and not loop.first %}{{ raise_exception('system must come first') }}{% endif %}"
-    "{% if message['role'] == 'skip' %}{% continue %}{% endif %}"
+    "{% if message['role'] == 'function' %}{% continue %}{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
     "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n"
@@ -36,7 +36,7 @@ CONVERSATION = [
     {"role": "system", "content": "Be brief. Ünïcode ✓"},
     {"role": "user", "content": "What is 2 + 2?"},
     {"role": "assistant", "content": "4"},
-    {"role": "skip", "content": "never shown"},
+    {"role": "function", "content": "never shown"},
     {"role": "user", "content": "And 3 + 3?"},
 ]
 

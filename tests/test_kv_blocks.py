@@ -105,3 +105,40 @@ def test_prefix_caching_off_never_matches():
     pool.cache_full_blocks(a)
     pool.free(a)
     assert pool.num_cached == 0 and pool.match_prefix(seq(range(9), "b")) == 0
+
+
+def _cache(pool: KvBlockPool, s: Sequence) -> None:
+    """Allocate, 'compute' and cache every full block of s, then free it (its blocks stay cached)."""
+    pool.allocate(s, s.num_tokens)
+    s.num_computed = s.num_tokens
+    pool.cache_full_blocks(s)
+    pool.free(s)
+
+
+def test_a_digest_collision_never_shares_a_block(monkeypatch):
+    """Every block digest forced equal: a different prompt still gets no cached block of another (its tokens
+    are compared on a hit), while the same prompt still reuses its own."""
+    import metrale.engine_core.kv_blocks as kv
+
+    monkeypatch.setattr(kv, "block_hash", lambda parent, tokens: b"same digest for every block")
+    pool = KvBlockPool(16, 4)
+    _cache(pool, seq(range(9), "a"))
+    other = seq([100 + t for t in range(9)], "b")
+    assert pool.match_prefix(other) == 0 and other.block_table == []
+    again = seq(range(9), "a2")
+    assert pool.match_prefix(again) == 4  # the first block only: the second collides with the first's digest
+    pool.free(again)
+    pool.check_invariant()
+
+
+def test_requests_with_different_cache_salts_never_share_blocks():
+    pool = KvBlockPool(16, 4)
+    tenant_a = seq(range(13), "a")
+    tenant_a.cache_salt = "tenant-a"
+    _cache(pool, tenant_a)
+    for salt, reused in ((None, 0), ("tenant-b", 0), ("tenant-a", 12)):
+        s = seq(range(13), f"probe-{salt}")
+        s.cache_salt = salt
+        assert pool.match_prefix(s) == reused, salt
+        pool.free(s)
+    pool.check_invariant()

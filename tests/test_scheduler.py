@@ -150,3 +150,25 @@ def test_a_request_that_does_not_stream_reports_once_with_every_token(pipeline):
     (only,) = deltas["final-only"]
     assert len(deltas["streamed"]) > 1 and len(streamed) == 12
     assert only.finish_reason == "length" and only.new_token_ids == streamed
+
+
+def test_has_admissible_applies_the_watermark_admission_applies():
+    """A waiting head that needs exactly the free blocks is not admissible while others run (admission
+    keeps one block spare): the lane does not drain for an arrival that schedule() would not admit."""
+    from metrale.engine_core.kv_blocks import KvBlockPool
+    from metrale.engine_core.scheduler import Scheduler, SchedulerConfig
+    from metrale.engine_core.sequence import Sequence
+
+    pool = KvBlockPool(4, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), pool)
+    running = Sequence("run", greedy(4), 0, [1, 2, 3], 3, 0)
+    sched.add(running)
+    sched.schedule()
+    assert sched.running == [running] and pool.num_available == 3
+    head = Sequence("head", greedy(4), 0, list(range(12)), 12, 1)  # 3 blocks: exactly what is free
+    sched.add(head)
+    assert not sched.has_admissible()
+    assert head not in sched.schedule().seqs
+    sched.running.clear()
+    pool.free(running)
+    assert sched.has_admissible()  # with nothing running there is no watermark
