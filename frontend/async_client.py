@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from metrale.ipc.messages import Delta, EngineStats, Error, Health, HealthQuery, StatsQuery
+from metrale.ipc.messages import Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, StatsQuery
 from metrale.ipc.sampling import SamplingParams
 
 from .client_protocol import (
@@ -39,6 +39,7 @@ from .client_protocol import (
     server_address,
     timeout_error,
     unreachable,
+    ServerUnreachable,
     UNREACHABLE_CHECK_S,
 )
 
@@ -156,7 +157,11 @@ class AsyncClient:
         """Each server process's pid, uptime, restarts and the last fault."""
         return await self._ask(HealthQuery(id=new_id()))
 
-    async def _ask(self, msg: StatsQuery | HealthQuery):
+    async def model_info(self) -> ModelInfoReply:
+        """The served model: name, vocabulary size, max_model_len, eos ids and chat template."""
+        return await self._ask(ModelInfoQuery(id=new_id()))
+
+    async def _ask(self, msg: StatsQuery | HealthQuery | ModelInfoQuery):
         """Send a one-answer query and wait for its answer."""
         q = self._register(msg.id)
         try:
@@ -260,6 +265,8 @@ class AsyncClient:
                     item = await q.get()
             else:
                 item = await asyncio.wait_for(q.get(), self.timeout)
+        except ServerUnreachable:
+            raise
         except asyncio.TimeoutError:
             raise timeout_error(self.address, request_id, self.timeout) from None
         if isinstance(item, BaseException):

@@ -17,7 +17,7 @@ import them from.
 from __future__ import annotations
 
 from .async_client import AsyncClient
-from .client_protocol import DEFAULT_PORT, DEFAULT_TIMEOUT_S, ClientClosed, Completion, RequestError
+from .client_protocol import DEFAULT_PORT, DEFAULT_TIMEOUT_S, ClientClosed, Completion, RequestError, ServerUnreachable
 from .sync_client import Client, DeltaStream
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "Completion",
     "DeltaStream",
     "RequestError",
+    "ServerUnreachable",
 ]

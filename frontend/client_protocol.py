@@ -125,7 +125,7 @@ def is_noise(msg: Delta | Error) -> bool:
     return msg.finish_reason is None and not msg.text and not msg.token_ids and not msg.logprobs
 
 
-def query_answer(reply: Stats | Health | Error, request_id: str) -> Stats | Health:
+def query_answer(reply, request_id: str):
     """A one-answer query's reply; RequestError when the server answered Error."""
     if isinstance(reply, Error):
         raise RequestError(reply.code, reply.message, request_id)

@@ -46,6 +46,8 @@ from metrale.ipc.messages import (
     Generate,
     Health,
     HealthQuery,
+    ModelInfoQuery,
+    ModelInfoReply,
     ProcessHealth,
     Stats,
     StatsQuery,
@@ -121,7 +123,8 @@ class FrontendServer:
         self.http_endpoint: str | None = None  # "http://host:port" once the HTTP API listens
         self.metrics = Metrics()
         self.link = EngineLink()
-        max_model_len = config.max_model_len or resolve_model(config.model_dir).max_model_len
+        self.facts = resolve_model(config.model_dir, config.max_model_len)
+        max_model_len = self.facts.max_model_len
         self.requests = LiveRequests(self.tokenizer, self.link, self.metrics, clock, self._send,
                                      self.tokenizer.vocab_size, max_model_len, config.stream_interval)
         self._started = clock()
@@ -288,6 +291,8 @@ class FrontendServer:
             self._on_stats_query(client, envelope, msg)
         elif isinstance(msg, HealthQuery):
             self._send(client, envelope, self._health(msg.id))
+        elif isinstance(msg, ModelInfoQuery):
+            self._send(client, envelope, self._model_info(msg.id))
 
     def _on_generate(self, client: bytes, envelope: tuple[bytes, ...], fd: int | None, msg: Generate) -> None:
         """Validate and register a request; tokenize it (off the loop when long) and admit it."""
@@ -316,6 +321,14 @@ class FrontendServer:
             lambda why: self._reject(client, envelope, msg.id, "internal", why),
             self.config.engine_reply_timeout_s,
         )
+
+    def _model_info(self, request_id: str) -> ModelInfoReply:
+        """What model is served (from the model facts and the tokenizer: no engine core needed)."""
+        facts, tok = self.facts, self.tokenizer
+        return ModelInfoReply(id=request_id, model=facts.name, architecture=facts.architecture,
+                              vocab_size=self.requests.vocab_size, max_model_len=self.requests.max_model_len or facts.max_model_len,
+                              eos_token_ids=list(facts.eos_token_ids), bos_token_id=tok.bos_token_id,
+                              chat_template=tok.chat_template)
 
     def _health(self, request_id: str) -> Health:
         """Health from the supervisor's source when there is one, else what this process knows; healthy only

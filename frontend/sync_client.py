@@ -11,7 +11,9 @@ import threading
 
 import zmq
 
-from metrale.ipc.messages import Delta, EngineStats, Error, Health, HealthQuery, Stats, StatsQuery
+from metrale.ipc.messages import (
+    Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, Stats, StatsQuery,
+)
 from metrale.ipc.sampling import SamplingParams
 
 from .client_protocol import (
@@ -143,7 +145,13 @@ class Client:
         assert isinstance(reply, Health)
         return reply
 
-    def _ask(self, make) -> Stats | Health:
+    def model_info(self) -> ModelInfoReply:
+        """The served model: name, vocabulary size, max_model_len, eos ids and chat template."""
+        reply = self._ask(lambda rid: ModelInfoQuery(id=rid))
+        assert isinstance(reply, ModelInfoReply)
+        return reply
+
+    def _ask(self, make) -> Stats | Health | ModelInfoReply:
         """Send a one-answer query and wait for its answer."""
         request_id = new_id()
         q = self._register(request_id)

@@ -50,7 +50,13 @@ class HealthQuery(msgspec.Struct, tag="health", kw_only=True):
     id: str
 
 
-ClientMessage = Generate | Abort | StatsQuery | HealthQuery
+class ModelInfoQuery(msgspec.Struct, tag="model_info", kw_only=True):
+    """Ask what model is served: enough to validate requests and render chats on the client side."""
+
+    id: str
+
+
+ClientMessage = Generate | Abort | StatsQuery | HealthQuery | ModelInfoQuery
 
 
 class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
@@ -120,7 +126,20 @@ class Health(msgspec.Struct, tag="health_reply", kw_only=True):
     progress_s: float = 0.0  # seconds since the engine core last reported progress, while requests are live
 
 
-ServerMessage = Delta | Error | Stats | Health
+class ModelInfoReply(msgspec.Struct, tag="model_info_reply", kw_only=True):
+    """Answer to ModelInfoQuery."""
+
+    id: str
+    model: str  # the served model's name
+    architecture: str
+    vocab_size: int
+    max_model_len: int  # prompt + output tokens at most
+    eos_token_ids: list[int] = []
+    bos_token_id: int | None = None
+    chat_template: str | None = None  # Jinja, as the model ships it (None: the model has none)
+
+
+ServerMessage = Delta | Error | Stats | Health | ModelInfoReply
 
 # ---- frontend ↔ engine core ----------------------------------------------------------
 

@@ -168,6 +168,7 @@ class Supervisor:
         self.last_fault: str | None = None
         self.given_up: str | None = None  # why the server ends: a child it no longer restarts
         self._hung: str | None = None  # why the engine core killed the worker, until its death is noted
+        self._cannot_run: dict[str, str] = {}  # a child's own reason for exiting with EXIT_CONFIG
         self.endpoints: ChildStatus | None = None  # the frontend's bound addresses, once serving
         self._stop = threading.Event()
         self._health_file = HealthFile(self.health_path, self.clock)
@@ -284,8 +285,7 @@ class Supervisor:
             log.error("gpu_worker: %s", status.detail)
         elif status.state == FAILED:
             log.error("%s (pid %d): %s", status.name, status.pid, status.detail)
-            if status.name == "frontend":
-                self.last_fault = f"frontend: {status.detail}"
+            self._cannot_run[status.name] = status.detail
 
     def check_children(self) -> None:
         """One pass of the watch: note who died, restart whoever is due, publish health."""
@@ -321,20 +321,19 @@ class Supervisor:
         worked = now - child.started >= self.policy.window_s or (child is self.worker and self._worker_served())
         child.in_a_row = 1 if worked else child.in_a_row + 1
         ended = _how_it_ended(child.proc.returncode)
+        delay = self.policy.delay(child.in_a_row)
         if child is self.worker and self._hung is not None:  # the engine core killed it: say why
             self.last_fault, self._hung = f"gpu_worker (pid {child.pid}) hung: {self._hung}", None
+        elif child.proc.returncode == EXIT_CONFIG:  # restarting it would fail the same way
+            why = self._cannot_run.pop(child.name, ended)
+            self.last_fault, delay = f"{child.name} (pid {child.pid}) cannot run: {why}", None
         else:
             self.last_fault = f"{child.name} (pid {child.pid}) {ended}"
-        delay = self.policy.delay(child.in_a_row)
-        if child.proc.returncode == EXIT_CONFIG:
-            delay = None
-            self.last_fault = self.last_fault if self.last_fault.startswith(f"{child.name}:") else \
-                f"{child.name} (pid {child.pid}) cannot run as configured ({ended})"
+            if delay is None:
+                self.last_fault += f"; it died {child.in_a_row} times in a row and is not restarted again"
         if delay is None:
             self.healthy = False
             child.restart_at = NEVER
-            if child.proc.returncode != EXIT_CONFIG:
-                self.last_fault += f"; it died {child.in_a_row} times in a row and is not restarted again"
             self.given_up = self.last_fault
             log.error(self.last_fault)
         else:

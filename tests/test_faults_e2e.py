@@ -300,6 +300,7 @@ def test_a_crash_looping_worker_backs_off_then_the_server_reports_unhealthy(supe
     health = sup.health()
     assert not health.healthy and not sup.healthy
     assert "gpu_worker" in health.last_fault and "not restarted again" in health.last_fault
+    assert sup.given_up == health.last_fault, "the server ends (watch returns): a service manager sees it"
     restarts = sup.worker.restarts
     clock.now += 3600
     sup.check_children()
@@ -328,3 +329,60 @@ def test_health_file_tracks_restarts_and_the_last_fault(supervisor):
     worker = next(p for p in health.processes if p.name == "gpu_worker")
     assert worker.restarts == 1 and worker.pid == sup.worker.pid
     assert health.last_fault.startswith("gpu_worker") and "exited with code 3" in health.last_fault
+
+
+# ---- a worker that lives but makes no progress -------------------------------------------------
+
+
+def test_a_hung_worker_is_killed_and_restarted_and_16_streams_lose_nothing(server, expected):
+    """SIGSTOP the worker under 16 streams: /health reports the stall, the engine core sees no progress past its
+    adaptive deadline, kills the worker as hung, the supervisor restarts it, and every stream is unchanged."""
+    old = server.children()
+    stalls: list[float] = []
+
+    def watch_health() -> None:
+        """While the worker is stopped, /health's progress figure grows (the engine reports nothing)."""
+        deadline = time.monotonic() + 30
+        with server.client(timeout=5) as c:
+            while time.monotonic() < deadline:
+                health = c.health()
+                if health.progress_s >= 1.0:
+                    stalls.append(health.progress_s)
+                    return
+                time.sleep(0.05)  # polling the server's health figure; no event tells a stall
+
+    def stop_worker() -> None:
+        os.kill(old["gpu_worker"], signal.SIGSTOP)
+        watcher = __import__("threading").Thread(target=watch_health, daemon=True)
+        watcher.start()
+        stop_worker.watcher = watcher
+
+    got = asyncio.run(_run_with_fault(server.port, lambda seen: sum(seen) >= 100, stop_worker, range(16)))
+    stop_worker.watcher.join(30)
+    assert [g[2] for g in got] == [None] * 16, "no client sees an error"
+    assert [g[0] for g in got] == expected[:16]
+    assert stalls, "/health reported the stall while the worker was stopped"
+    wait_recovered(server, "gpu_worker", old["gpu_worker"])
+    with server.client() as c:
+        health = c.health()
+    assert f"gpu_worker (pid {old['gpu_worker']}) hung" in health.last_fault and "no progress" in health.last_fault
+    assert health.healthy and health.progress_s < 1.0
+    wait_idle(server)
+
+
+def test_a_child_that_cannot_run_as_configured_is_given_up_at_once(supervisor):
+    """A frontend that exits with EXIT_CONFIG (its port was taken when it restarted) is not restarted: the
+    server ends, with the frontend's own reason."""
+    from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, StatusSender
+
+    sup, _ = supervisor
+    sender = StatusSender(sup.inbox.address, "frontend")
+    sender.send(FAILED, "port 7410 (tcp://127.0.0.1:7410, the ZMQ client address) cannot be bound")
+    sender.close()
+    sup.frontend.stop(grace_s=1.0)
+    sup.frontend = Child("frontend", ["sh", "-c", f"exit {EXIT_CONFIG}"])
+    sup.frontend.start(sup.env, sup.clock())
+    sup.frontend.proc.wait(10)
+    sup.watch()  # returns by itself: the server ends
+    assert sup.frontend.restarts == 0
+    assert sup.given_up is not None and "cannot be bound" in sup.given_up

@@ -293,6 +293,10 @@ def test_metrics_parse_and_counters_move(api, server):
     ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "an unknown role"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
+    ("completions", {"prompt": "x", "priority": 2**40}, "priority"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
@@ -324,6 +328,22 @@ def test_too_long_prompts_are_400_context_length_exceeded(server, tokenizer):
     assert_error(status, body, 400, code="context_length_exceeded", param="prompt")
     long_chat = [{"role": "user", "content": PROMPT * MAX_MODEL_LEN}]
     status, body = http("POST", server.http + "/v1/chat/completions", {"messages": long_chat})
+    assert_error(status, body, 400, code="context_length_exceeded", param="messages")
+
+
+def test_max_tokens_beyond_the_context_is_400_with_the_numbers(server, tokenizer):
+    """A prompt that fits but leaves less room than max_tokens asks for is refused (not silently capped)."""
+    ids = tokenizer.encode(PROMPT)
+    room = MAX_MODEL_LEN - len(ids)
+    status, body = http("POST", server.http + "/v1/completions", {"prompt": ids, "max_tokens": room + 1})
+    assert_error(status, body, 400, code="context_length_exceeded", param="prompt")
+    assert f"{MAX_MODEL_LEN} tokens" in body["error"]["message"] and f"{len(ids)} in the prompt" in body["error"]["message"]
+    assert f"{room + 1} in the completion" in body["error"]["message"]
+    status, body = http("POST", server.http + "/v1/completions",
+                        {"prompt": ids, "max_tokens": 2, "temperature": 0})  # what fits runs
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    long_chat = [{"role": "user", "content": "hi"}]
+    status, body = http("POST", server.http + "/v1/chat/completions", {"messages": long_chat, "max_tokens": MAX_MODEL_LEN})
     assert_error(status, body, 400, code="context_length_exceeded", param="messages")
 
 
