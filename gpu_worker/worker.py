@@ -148,12 +148,19 @@ def run_worker(config: WorkerConfig) -> int:
             runner = load_factory(config.factory)(**config.runner_kwargs)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, then we exit
             traceback.print_exc(file=sys.stderr)
-            bell.send(WorkerFailed(pid=os.getpid(), message=f"{type(exc).__name__}: {exc}"))
+            try:
+                bell.send(WorkerFailed(pid=os.getpid(), message=f"{type(exc).__name__}: {exc}"))
+            except OSError:
+                pass  # the engine core is gone too
             return 1
         info = runner.info
         log.info("ready in %.1f s: %s in %s; KV cache of %d blocks x %d tokens (%d tokens)", time.monotonic() - t0,
                  info.name, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size)
-        bell.send(WorkerReady(pid=os.getpid(), info=info))
+        try:
+            bell.send(WorkerReady(pid=os.getpid(), info=info))
+        except OSError:  # the engine core went away while we loaded (a failed start, a shutdown): nothing to serve
+            log.info("the engine core left before the worker was ready; exiting")
+            return 0
         first_seq = _await_attached(bell, parent_pid)
         if first_seq is None:
             return 0

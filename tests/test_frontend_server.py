@@ -619,3 +619,61 @@ def test_main_serves_in_a_child_process_until_sigterm(model_dir):
             child.kill()
             child.wait()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_not_ready_until_an_engine_core_is_up_and_rejections_are_logged_once(model_dir, caplog):
+    """Before any engine core: health says not ready and what it waits for; a client probing stats 50 times
+    gets 50 answers but the log gets one line."""
+    ipc_dir = tempfile.mkdtemp(prefix="mfe-")
+    server, thread = start_server(model_dir, ipc_dir, ready_probe_s=60.0)
+    engine = None
+    try:
+        with Client(address=server.client_endpoint, timeout=WAIT_S) as client:
+            health = client.health()
+            assert not health.healthy and not health.ready and "engine core" in health.waiting_for
+            with caplog.at_level("INFO", logger="metrale.frontend.server"):
+                for _ in range(50):
+                    with pytest.raises(RequestError, match="not ready"):
+                        client.stats()
+            rejections = [r for r in caplog.records if "rejected" in r.getMessage() and r.levelname == "INFO"]
+            assert len(rejections) == 1
+            s = Stack(server, None, None, server.tokenizer, server.client_endpoint, ipc_dir, {})
+            engine = s.new_engine().start()
+            assert server.engine_ready.wait(WAIT_S)
+            health = client.health()
+            assert health.healthy and health.ready and health.waiting_for is None
+    finally:
+        if engine is not None:
+            engine.stop()
+        stop_server(server, thread)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_a_request_live_at_two_engine_core_deaths_is_failed_not_resubmitted(model_dir):
+    """The first death resubmits it (the stream goes on); at the second it is failed: it may be what kills them."""
+    ipc_dir = tempfile.mkdtemp(prefix="mfe-")
+    server, thread = start_server(model_dir, ipc_dir, ready_probe_s=60.0)
+    engines: list[FakeEngine] = []
+    try:
+        s = Stack(server, None, None, server.tokenizer, server.client_endpoint, ipc_dir, {})
+        s.scripts["deadly"] = Script(finish="hold")  # the engine never answers it
+        with Client(address=server.client_endpoint, timeout=WAIT_S) as client:
+            deadly = server.tokenizer.encode("deadly")
+            engines.append(s.new_engine().start())
+            stream = client.generate("deadly", params=SamplingParams(max_tokens=8))
+            assert engines[0].wait_for(lambda: engines[0].add_for_prompt(deadly) is not None)
+            engines[0].stop()  # the first death: resubmitted to the next engine core
+            engines.append(s.new_engine().start())
+            assert engines[1].wait_for(lambda: engines[1].add_for_prompt(deadly) is not None)
+            engines[1].stop()  # the second: failed
+            engines.append(s.new_engine().start())
+            with pytest.raises(RequestError) as err:
+                next(stream)
+            assert err.value.code == "internal" and "died 2 times" in err.value.message
+            assert engines[2].add_for_prompt(deadly) is None, "not resubmitted a third time"
+            assert client.complete("fine", params=SamplingParams(max_tokens=4)).finish_reason == "length"
+    finally:
+        for e in engines:
+            e.stop()
+        stop_server(server, thread)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
