@@ -122,9 +122,9 @@ def hf_generate(model, prompt: list[int], num_new: int):
     return tokens, logits
 
 
-def _hf_model(path, dtype=torch.float32):
+def _hf_model(path, dtype=torch.float32, attn="sdpa"):
     """The transformers model for a folder, greedy and quiet."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(DEVICE)
     model.generation_config.eos_token_id = None
     return model.eval()
 
@@ -237,3 +237,50 @@ def test_bf16_argmax_agrees_with_transformers_bf16_under_teacher_forcing(arch, t
             agree += sum(x == y for x, y in zip(mine, theirs))
             total += len(theirs)
     assert agree / total >= 0.95, f"bf16 argmax agreement {agree}/{total}"
+
+
+# Checkpoints transformers itself makes and saves (tests/hf_models.py): each family's own names, fusions
+# and config fields. Prompts cross the sliding windows (8) mid-generation.
+HF_PROMPT_LENS = (3, 12, 17, 40)
+HF_NUM_NEW = 24
+# Gemma 2's soft-capped attention has no SDPA form in transformers: its reference runs eager attention.
+HF_EAGER = ("gemma2",)
+HF_VARIANTS = {
+    "gemma2": ("gemma2", {}, HF_PROMPT_LENS),
+    "gemma3": ("gemma3", {}, HF_PROMPT_LENS),
+}
+
+
+def _hf_prompts(vocab: int, lens) -> list[list[int]]:
+    rng = np.random.default_rng(4)
+    return [rng.integers(16, vocab, size=n).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+def test_transformers_made_checkpoints_match_transformers(variant, hf_model_dir, plans):
+    kind, kw, lens = HF_VARIANTS[variant]
+    path = hf_model_dir(kind, **kw)
+    runner = ModelRunner(path, device=DEVICE, num_kv_blocks=256, show_progress=False)
+    prompts = _hf_prompts(runner.info.vocab_size, lens)
+    ours = run_greedy(runner, prompts, HF_NUM_NEW, plans)
+    hf = _hf_model(path, attn="eager" if kind in HF_EAGER else "sdpa")
+    for i, (prompt, seq) in enumerate(zip(prompts, ours)):
+        tokens, logits = hf_generate(hf, prompt, HF_NUM_NEW)
+        assert seq.out == tokens, f"{variant}: prompt {i} (len {len(prompt)}) diverges"
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits))
+        assert worst < LOGIT_ATOL, f"{variant}: prompt {i} logits differ by {worst}"
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_transformers_made_checkpoints_under_chunked_prefill(kind, hf_model_dir, plans):
+    """A 12-token budget: later chunks read their cached prefix through sliding and global layers (Gemma 2's
+    soft-capped ones on the eager path)."""
+    path = hf_model_dir(kind)
+    runner = ModelRunner(path, device=DEVICE, num_kv_blocks=256, show_progress=False)
+    prompts = _hf_prompts(runner.info.vocab_size, HF_PROMPT_LENS)
+    ours = run_greedy(runner, prompts, 8, plans, budget=12)
+    hf = _hf_model(path, attn="eager" if kind in HF_EAGER else "sdpa")
+    for i, (prompt, seq) in enumerate(zip(prompts, ours)):
+        tokens, logits = hf_generate(hf, prompt, 8)
+        assert seq.out == tokens, f"{kind}: prompt {i} diverges under chunked prefill"
+        assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits)) < LOGIT_ATOL

@@ -253,8 +253,11 @@ class DecoderLM(nn.Module):
         self.rotaries = [RotaryEmbedding(r, ctx.facts.max_model_len, dtype=ctx.dtype, device=ctx.device) for r in rotaries]
         thresholds = [r.seq_len_threshold for r in self.rotaries if r.seq_len_threshold is not None]
         self.rope_seq_len_threshold: int | None = min(thresholds) if thresholds else None
-        # Gemma scales the embeddings by sqrt(hidden), rounded to the model's dtype as transformers does.
-        self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale, dtype=ctx.dtype, device=ctx.device)
+        # Gemma scales the embeddings by sqrt(hidden), rounded to float32 and then to the model's dtype, as
+        # transformers rounds it.
+        self.embed_scale = None
+        if embed_scale is not None:
+            self.embed_scale = torch.tensor(embed_scale, dtype=torch.float32, device=ctx.device).to(ctx.dtype)
         self.final_softcap = final_softcap
         self.windows: set[Window] = set(ctx.facts.layer_windows)
         attns = [layer.self_attn.attn for layer in self.model.layers]
