@@ -8,6 +8,7 @@ inputs fed on the device. Theirs is `generate(do_sample=False)`, one prompt at a
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 
@@ -243,11 +244,30 @@ def test_bf16_argmax_agrees_with_transformers_bf16_under_teacher_forcing(arch, t
 # and config fields. Prompts cross the sliding windows (8) mid-generation.
 HF_PROMPT_LENS = (3, 12, 17, 40)
 HF_NUM_NEW = 24
+_LONGROPE = {
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+    },
+    "original_max_position_embeddings": 32,
+}
+# transformers' Phi-3 generate recomputes the whole cache when a sequence first grows past
+# original_max_position_embeddings (so earlier keys get the long factors too); the runner, like vLLM, keeps the
+# cache and rotates the tokens past it with the long factors. Against generate, longrope prompts therefore
+# stay below 32 throughout or start past it; test_longrope_switches_per_row_as_transformers_forward covers a
+# row crossing it.
+_LONGROPE_LENS = (3, 5, 33, 40)
 # Gemma 2's soft-capped attention has no SDPA form in transformers: its reference runs eager attention.
 HF_EAGER = ("gemma2",)
 HF_VARIANTS = {
     "gemma2": ("gemma2", {}, HF_PROMPT_LENS),
     "gemma3": ("gemma3", {}, HF_PROMPT_LENS),
+    "phi3": ("phi3", {}, HF_PROMPT_LENS),
+    "phi3-longrope": ("phi3", _LONGROPE, _LONGROPE_LENS),
+    "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}, HF_PROMPT_LENS),
+    "phi3-window": ("phi3", {"sliding_window": 8}, HF_PROMPT_LENS),
 }
 
 
@@ -284,3 +304,29 @@ def test_transformers_made_checkpoints_under_chunked_prefill(kind, hf_model_dir,
         tokens, logits = hf_generate(hf, prompt, 8)
         assert seq.out == tokens, f"{kind}: prompt {i} diverges under chunked prefill"
         assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits)) < LOGIT_ATOL
+
+
+def _kept_cache(model, out) -> dict:
+    """The forward keyword that hands a model output's cache back (transformers 5 renamed it `cache`)."""
+    cache = getattr(out, "cache", None) or out.past_key_values
+    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
+
+
+def test_longrope_switches_per_row_as_transformers_forward(hf_model_dir, plans):
+    """Rows crossing original_max_position_embeddings (32) mid-decode, batched with a row past it from the
+    start: each row's tokens past 32 take the long factors, its cached keys stay, as transformers' forward over
+    a kept cache computes them (teacher-forced with our tokens)."""
+    path = hf_model_dir("phi3", **_LONGROPE)
+    runner = ModelRunner(path, device=DEVICE, num_kv_blocks=256, show_progress=False)
+    prompts = _hf_prompts(runner.info.vocab_size, (12, 17, 40))
+    ours = run_greedy(runner, prompts, HF_NUM_NEW, plans)
+    hf = _hf_model(path)
+    for prompt, seq in zip(prompts, ours):
+        with torch.no_grad():
+            out = hf(torch.tensor([prompt], device=DEVICE), use_cache=True)
+            theirs = [out.logits[0, -1].float().cpu().numpy()]
+            for tok in seq.out[:-1]:
+                out = hf(torch.tensor([[tok]], device=DEVICE), use_cache=True, **_kept_cache(hf, out))
+                theirs.append(out.logits[0, -1].float().cpu().numpy())
+        assert [int(t.argmax()) for t in theirs] == seq.out
+        assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, theirs)) < LOGIT_ATOL
