@@ -268,6 +268,7 @@ HF_VARIANTS = {
     "phi3-longrope": ("phi3", _LONGROPE, _LONGROPE_LENS),
     "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}, HF_PROMPT_LENS),
     "phi3-window": ("phi3", {"sliding_window": 8}, HF_PROMPT_LENS),
+    "olmo2": ("olmo2", {}, HF_PROMPT_LENS),
 }
 
 
