@@ -54,6 +54,7 @@ VARIANTS = {
         {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "max_position_embeddings": 48},
     ),
     "mistral-window": ("mistral", {"sliding_window": 8}),
+    "llama-yarn-rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}),
 }
 
 
