@@ -270,6 +270,8 @@ HF_VARIANTS = {
     "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}, HF_PROMPT_LENS),
     "phi3-window": ("phi3", {"sliding_window": 8}, HF_PROMPT_LENS),
     "olmo2": ("olmo2", {}, HF_PROMPT_LENS),
+    "qwen3_moe": ("qwen3_moe", {}, HF_PROMPT_LENS),
+    "qwen3_moe-dense-layer": ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": False}, HF_PROMPT_LENS),
 }
 
 

@@ -40,8 +40,8 @@ class LlamaSwitches:
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm MLP, each added to the residual stream."""
 
-    def __init__(self, ctx: ModelContext, layer: int, shape: DecoderShape, sw: LlamaSwitches):
-        """Allocate the layer's modules."""
+    def __init__(self, ctx: ModelContext, layer: int, shape: DecoderShape, sw: LlamaSwitches, mlp: nn.Module | None = None):
+        """Allocate the layer's modules (mlp: another MLP in place of the gated one, e.g. a mixture of experts)."""
         super().__init__()
         prefix = f"model.layers.{layer}"
         self.input_layernorm = LLAMA_NORM.make(ctx, shape.hidden_size, shape.rms_norm_eps)
@@ -50,7 +50,7 @@ class LlamaDecoderLayer(nn.Module):
             qkv_bias=sw.qkv_bias, o_bias=sw.o_bias, qk_norm="head" if sw.qk_norm else None,
         )
         self.post_attention_layernorm = LLAMA_NORM.make(ctx, shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = GatedMLP(ctx, f"{prefix}.mlp", shape.hidden_size, shape.intermediate_size, shape.hidden_act, bias=sw.mlp_bias)
+        self.mlp = mlp or GatedMLP(ctx, f"{prefix}.mlp", shape.hidden_size, shape.intermediate_size, shape.hidden_act, bias=sw.mlp_bias)
 
     def forward(self, h, delta, ropes, cache, meta):
         """Add the previous layer's output delta to the residual stream h (in place), run this layer,

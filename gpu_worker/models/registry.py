@@ -20,6 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
