@@ -272,6 +272,8 @@ HF_VARIANTS = {
     "olmo2": ("olmo2", {}, HF_PROMPT_LENS),
     "qwen3_moe": ("qwen3_moe", {}, HF_PROMPT_LENS),
     "qwen3_moe-dense-layer": ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": False}, HF_PROMPT_LENS),
+    "mixtral": ("mixtral", {}, HF_PROMPT_LENS),
+    "mixtral-window": ("mixtral", {"sliding_window": 8}, HF_PROMPT_LENS),
 }
 
 
