@@ -312,6 +312,31 @@ def test_transformers_made_checkpoints_under_chunked_prefill(kind, hf_model_dir,
         assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits)) < LOGIT_ATOL
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "qwen3_moe"])
+def test_transformers_made_checkpoints_in_bf16_agree_with_transformers_bf16(kind, hf_model_dir, plans):
+    """bf16 (the float32-scale norms off the native kernel, the eager soft-capped path, bf16 routing):
+    teacher-forced argmaxes agree with transformers' own bf16 run."""
+    path = hf_model_dir(kind)
+    runner = ModelRunner(path, device=DEVICE, dtype="bfloat16", num_kv_blocks=256, show_progress=False)
+    seqs = _hf_prompts(runner.info.vocab_size, (9, 20, 33))
+    blocks = [plans.blocks_for(i, MAX_LEN) for i in range(len(seqs))]
+    result = runner.execute(plans.make_plan([plans.Row(s[:-8], 0, b) for s, b in zip(seqs, blocks)]))
+    ours = [[int(t)] for t in result.tokens]
+    for k in range(7):
+        rows = [plans.Row([s[len(s) - 8 + k]], len(s) - 8 + k, b) for s, b in zip(seqs, blocks)]
+        result = runner.execute(plans.make_plan(rows))
+        for i, t in enumerate(result.tokens):
+            ours[i].append(int(t))
+    hf = _hf_model(path, dtype=torch.bfloat16, attn="eager" if kind in HF_EAGER else "sdpa")
+    agree = total = 0
+    with torch.no_grad():
+        for s, mine in zip(seqs, ours):
+            theirs = hf(torch.tensor([s], device=DEVICE)).logits[0, len(s) - 9 : len(s) - 1].argmax(-1).tolist()
+            agree += sum(x == y for x, y in zip(mine, theirs))
+            total += len(theirs)
+    assert agree / total >= 0.9, f"{kind}: bf16 argmax agreement {agree}/{total}"
+
+
 def _kept_cache(model, out) -> dict:
     """The forward keyword that hands a model output's cache back (transformers 5 renamed it `cache`)."""
     cache = getattr(out, "cache", None) or out.past_key_values
