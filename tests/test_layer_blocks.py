@@ -107,3 +107,22 @@ def test_model_facts_read_both_rope_forms_and_gemma3s_two_rotaries():
         assert (full.rope_type, full.factor, full.theta) == ("linear", 8.0, 1e6)
         assert (local.rope_type, local.theta) == ("default", 1e4)
         assert facts_from_config(config, {}, path="p", name="n").max_model_len == 512  # already the long context
+
+
+@pytest.mark.parametrize(
+    "config, want_type, want_len",
+    [
+        # Qwen2.5 with YaRN: the original length stretched by the factor.
+        ({"model_type": "qwen2", "max_position_embeddings": 32768,
+          "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, "yarn", 131072),
+        # Phi-3 128k: "su" is its longrope; max_position_embeddings already states the long context.
+        ({"model_type": "phi3", "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+          "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}}, "longrope", 131072),
+        ({"model_type": "llama", "max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}},
+         "linear", 8192),
+    ],
+)
+def test_model_facts_standardise_rope_fields_and_derive_the_length(config, want_type, want_len):
+    config = {"num_hidden_layers": 2, "vocab_size": 10, **config}
+    facts = facts_from_config(config, {}, path="p", name="n")
+    assert (facts.rope_type, facts.max_model_len) == (want_type, want_len)
