@@ -151,7 +151,7 @@ def test_repick_only_stale_mask_is_resampled_on_the_host():
         think + others,
         pipeline=True,
         policy=FedAheadPolicy.REPICK_ONLY,
-        lane_faults=PipelineFaults(ignore_ahead_allowed=True),
+        lane_faults=None,
     )
     assert forced.engine.io.effects["ReadLogits"] > 0, "no stale mask was met: the test did not test"
     assert forced.streams == reference.streams
@@ -162,7 +162,7 @@ def test_rewind_stale_mask_redoes_the_step():
     think = [Req([5, 6, THINK_START], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, max_thinking_tokens=2))]
     others = [Req([8 + i, 9], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i in range(3)]
     reference = run_workload(think + others, pipeline=False)
-    forced = run_workload(think + others, pipeline=True, lane_faults=PipelineFaults(ignore_ahead_allowed=True))
+    forced = run_workload(think + others, pipeline=True)
     assert forced.engine.io.effects["Rollback"] > 0
     assert forced.streams == reference.streams
 
