@@ -34,8 +34,11 @@ log = logging.getLogger(__name__)
 ENV_CHOICE = "METRALE_CPU_KERNELS"  # auto (default) | native | torch
 BUILD_TIMEOUT_S = 300
 
-# The kernels' C++ (next to this file); its text is part of the build cache key.
-SOURCE = (pathlib.Path(__file__).with_name("cpu_kernels.cpp")).read_text(encoding="utf-8")
+# The kernels' C++ (next to this file), compiled as one translation unit in this order: the fused decode
+# step (cpu_decode_step.cpp) calls the kernels directly. The text is part of the build cache key.
+SOURCE = "\n".join(
+    (pathlib.Path(__file__).with_name(name)).read_text(encoding="utf-8") for name in ("cpu_kernels.cpp", "cpu_decode_step.cpp")
+)
 
 # -ffp-contract=off: a product rounds before the add that follows it, as in torch's separate ops.
 # -fopenmp: with torch's OpenMP backend, at::parallel_for is inline in the headers, and without the flag
