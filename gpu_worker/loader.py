@@ -1,4 +1,4 @@
-"""Load a Hugging Face model folder (config.json + *.safetensors) into our model. Never touches a hub."""
+"""Load a Hugging Face model folder (config.json + *.safetensors) or a GGUF file into our model. Never touches a hub."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from metrale import gguf_metadata
 from metrale.gpu_worker.models import LlamaConfig, LlamaForCausalLM, check_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,12 +57,23 @@ def load_model(
     device: str | torch.device = "cpu",
     show_progress: bool = True,
 ) -> tuple[LlamaForCausalLM, dict]:
-    """Build the model for model_dir's config and fill it from its safetensors; returns (model, config)."""
-    config = load_config(model_dir)
+    """Build the model for model_dir's config and fill it from its safetensors (or its GGUF file, when model_dir
+    names one: metrale.gguf_metadata.gguf_file); returns (model, config)."""
+    gguf = gguf_metadata.gguf_file(model_dir)
+    if gguf is not None:
+        from metrale.gpu_worker.gguf_weights import gguf_tensors
+
+        config = gguf_metadata.hf_config(gguf_metadata.open_gguf(gguf), path=str(gguf))
+        check_supported(config)
+    else:
+        config = load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     model = LlamaForCausalLM(LlamaConfig.from_hf(config), dtype=torch_dtype, device=device)
-    loaded = _load_tensors(model, weight_files(model_dir), show_progress)
+    if gguf is not None:
+        loaded = {model.load_weight(name, tensor) for name, tensor in gguf_tensors(gguf, config)}
+    else:
+        loaded = _load_tensors(model, weight_files(model_dir), show_progress)
     if model.config.tie_word_embeddings or "lm_head.weight" not in loaded:
         model.tie_embeddings()
         loaded.add("lm_head.weight")
