@@ -21,7 +21,7 @@ from metrale.gpu_worker.gguf_weights import _BLOCK, _TOP
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "bf16": 32}
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-_CONTROL, _USER_DEFINED, _NORMAL = 3, 4, 1
+_CONTROL, _USER_DEFINED, _NORMAL, _UNUSED = 3, 4, 1, 5
 
 # encode(gguf_name, float32 array) -> (data, ggml type) to store a tensor another way, or None for the default.
 Encoder = Callable[[str, np.ndarray], "tuple[np.ndarray, object] | None"]
@@ -38,7 +38,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f32", *, 
     arch = _GGUF_ARCH[config["architectures"][0]]
     writer = gguf.GGUFWriter(str(out), arch)
     _write_hparams(writer, config, name=root.name, file_type=_FILE_TYPES[outtype])
-    _write_tokenizer(writer, root)
+    _write_tokenizer(writer, root, config["vocab_size"])
     tensors = {}
     for f in sorted(root.glob("*.safetensors")):
         tensors.update(load_file(str(f)))  # torch's loader: numpy has no bfloat16
@@ -58,6 +58,35 @@ def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f32", *, 
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def requantize_gguf(src: str | Path, out: str | Path, outtype: str) -> Path:
+    """Write the GGUF file src again with its matrices stored as outtype (its metadata copied as it is)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from metrale.gguf_metadata import open_gguf
+
+    reader = open_gguf(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the writer writes these itself
+        if key == "general.file_type":
+            writer.add_file_type(_FILE_TYPES[outtype])
+            continue
+        vtype = f.types[0]
+        writer.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        data, qtype = _encode(values, outtype)
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)
 
 
 def gguf_name(hf_name: str) -> str:
@@ -113,7 +142,7 @@ def _write_hparams(writer, config: dict, *, name: str, file_type: int) -> None:
     writer.add_vocab_size(config["vocab_size"])
 
 
-def _write_tokenizer(writer, root: Path) -> None:
+def _write_tokenizer(writer, root: Path, vocab_size: int) -> None:
     """tokenizer.json's byte-level BPE as tokenizer.ggml.* keys, with the special ids and the chat template."""
     tok = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
     tok_cfg = _read_json(root / "tokenizer_config.json")
@@ -122,10 +151,14 @@ def _write_tokenizer(writer, root: Path) -> None:
     added = {a["content"]: a for a in tok.get("added_tokens", [])}
     for content, a in added.items():
         vocab[content] = a["id"]
-    tokens = [""] * (max(vocab.values()) + 1)
+    # A vocabulary padded past the tokenizer (the bench presets' 32,000 rows) gets placeholder tokens, as
+    # llama.cpp's converter writes them: the file's token list must cover every embedding row.
+    size = max(max(vocab.values()) + 1, vocab_size)
+    tokens = [f"[PAD{i}]" for i in range(size)]
     for t, i in vocab.items():
         tokens[i] = t
     types = [(_CONTROL if added[t]["special"] else _USER_DEFINED) if t in added else _NORMAL for t in tokens]
+    types = [_UNUSED if t.startswith("[PAD") and t not in vocab else k for t, k in zip(tokens, types)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")

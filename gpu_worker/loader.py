@@ -14,7 +14,8 @@ from tqdm import tqdm
 from metrale import gguf_metadata
 from metrale.gpu_worker.gguf_weights import gguf_layer_kinds, gguf_tensors
 from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
-from metrale.gpu_worker.layers.quantization import linear_methods
+from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
+from metrale.gpu_worker.layers.quantization import Int4LinearMethod, linear_methods, quantize_tied_head
 from metrale.gpu_worker.models.context import ModelContext
 from metrale.gpu_worker.models.registry import model_class
 from metrale.model_facts import ModelFacts
@@ -68,9 +69,10 @@ def load_model(
     gguf = gguf_metadata.gguf_file(facts.path)
     layer_of = _layer_of(cls)
     kinds = gguf_layer_kinds(gguf, layer_of) if gguf is not None else None
+    methods = linear_methods(quantization, kinds.get if kinds is not None else None)
     ctx = ModelContext(
         facts=facts, dtype=resolve_dtype(dtype, facts.config), device=torch.device(device), native=native,
-        attention=attention, quant=linear_methods(quantization, kinds.get if kinds is not None else None),
+        attention=attention, quant=methods,
     )
     model = cls(ctx)
     if gguf is not None:
@@ -78,6 +80,15 @@ def load_model(
         model.load_weights(gguf_tensors(gguf, facts.config, lambda name: layer_of(name) in codes))
     else:
         model.load_weights(_tensors(weight_files(facts.path), show_progress))
+    if model.lm_head.shares_weight:
+        # A tied head is dense by construction; quantize its own copy of the table as the checkpoint's
+        # embedding is stored (a GGUF's Q8_0 token_embd) or as --quantization asks.
+        embed_kinds = {"lm_head": (kinds or {}).get("model.embed_tokens")}
+        head = linear_methods(quantization, embed_kinds.get)("lm_head")
+        if not isinstance(head, DenseLinearMethod):
+            if isinstance(head, Int4LinearMethod):
+                head.codes = False  # the table was loaded as floats
+            quantize_tied_head(model.lm_head, model.model.embed_tokens.weight, head)
     return model
 
 

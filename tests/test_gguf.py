@@ -166,7 +166,7 @@ def test_gguf_greedy_tokens_equal_transformers(tiny_gguf, arch, outtype, kw):
 
 def test_smollm2_greedy_tokens_equal_transformers_and_answer():
     path = smollm2_path()
-    llm = LLM(str(path), dtype="float32", show_progress=False)
+    llm = LLM(str(path), dtype="float32", quantization="none", show_progress=False)  # the dequantized weights
     prompt = ChatTemplate.load(path, llm.tokenizer).render([{"role": "user", "content": "What is the capital of France?"}])
     ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
     out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0))[0]

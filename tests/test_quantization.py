@@ -108,6 +108,18 @@ def test_q8_0_gguf_runs_int8_like_its_dequantized_reference(tiny_gguf):
     assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
 
 
+@pytest.mark.parametrize("source,quantization", [("q8_0", None), ("f32", "int8"), ("f32", "int4")])
+def test_a_tied_head_gets_its_own_quantized_table(tiny_gguf, source, quantization):
+    path = str(tiny_gguf("llama", source, tie_word_embeddings=True))
+    llm = LLM(path, dtype="float32", quantization=quantization, show_progress=False)
+    head, embed = llm.runner.model.lm_head, llm.runner.model.model.embed_tokens
+    assert not isinstance(head.quant_method, DenseLinearMethod) and not head.shares_weight
+    assert embed.weight.numel() > 0  # the lookup keeps the table
+    kind = quantization or "int8"
+    ref = LLM(path, dtype="float32", quantization=f"{kind}-dequantized", show_progress=False)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+
+
 def test_an_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs(quantization="int3").validate()

@@ -13,7 +13,9 @@ instead loads 4-bit codes, scales and offsets as a GGUF stores them (gguf_weight
 Q4_K blocks, which are groups of 32 of exactly this form), so a 4-bit GGUF keeps its own codes.
 
 `reference=True` quantizes the same way and then multiplies by the dequantized weight (dense, float32 or the
-model's dtype): the run quantized kernels are checked against. `linear_methods` picks a method per layer.
+model's dtype): the run quantized kernels are checked against. `linear_methods` picks a method per layer;
+`quantize_tied_head` gives a tied LM head its own quantized copy of the embedding table (the lookup keeps the
+table: it reads a few rows a step, the head reads all of them).
 On a device without these kernels (a GPU) a quantized layer multiplies by its dequantized weight.
 """
 
@@ -169,6 +171,19 @@ def _dense_from(layer: nn.Module, weight: torch.Tensor) -> None:
     layer.dense.process_weights_after_loading(layer)
 
 
+def quantize_tied_head(head: nn.Module, table: torch.Tensor, method: LinearMethod) -> None:
+    """Multiply a tied LM head (already loaded and processed as dense) through `method` applied to a copy of
+    the embedding table [vocab rows, hidden]; its dense packed copy is dropped."""
+    head.quant_method = method
+    head.shares_weight = False
+    head.packed = None
+    method.create_weights(
+        head, table.shape[1], [table.shape[0]], dtype=table.dtype, device=table.device, weight_loader=head.weight_loader
+    )
+    head.weight.data.copy_(table)
+    method.process_weights_after_loading(head)
+
+
 def parse_quantization(name: str | None) -> tuple[str | None, bool]:
     """(kind, reference) of a --quantization value: None (as the checkpoint is), "none", "int8", "int4",
     "int8-dequantized", "int4-dequantized"; ValueError for anything else."""
@@ -189,6 +204,7 @@ def linear_methods(quantization: str | None, file_kinds: Callable[[str], str | N
     kind, reference = parse_quantization(quantization)
 
     def method(prefix: str) -> LinearMethod:
+        """The method for one layer (a tied LM head asks as "lm_head" with the embedding's stored kind)."""
         stored = file_kinds(prefix) if file_kinds is not None else None
         chosen = stored if kind is None else (None if kind == DENSE else kind)
         if chosen == "int8":
