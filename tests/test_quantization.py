@@ -20,6 +20,7 @@ from metrale.frontend.chat import ChatTemplate
 from metrale.gpu_worker.layers.linear import QKVParallelLinear
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
 from metrale.gpu_worker.layers.quantization import (
+    KERNEL_MAX_ROWS,
     Int4LinearMethod,
     Int8LinearMethod,
     dequantize_int4,
@@ -42,9 +43,10 @@ def _layer(method, w: torch.Tensor, dtype=torch.float32) -> QKVParallelLinear:
     return layer
 
 
+@pytest.mark.parametrize("rows", [5, KERNEL_MAX_ROWS + 24])  # the kernel, and the expanded codes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_layer_multiplies_by_its_dequantized_weight(dtype):
-    w, x = torch.randn(128, 96), torch.randn(5, 96)
+def test_int8_layer_multiplies_by_its_dequantized_weight(dtype, rows):
+    w, x = torch.randn(128, 96), torch.randn(rows, 96)
     layer = _layer(Int8LinearMethod(), w, dtype)
     assert layer.qweight.dtype == torch.int8 and layer.weight.numel() == 0  # the float weight is released
     dequantized = layer.qweight.float() * layer.qscale.float()[:, None]
@@ -55,9 +57,10 @@ def test_int8_layer_multiplies_by_its_dequantized_weight(dtype):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("rows", [5, KERNEL_MAX_ROWS + 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_layer_multiplies_by_its_dequantized_weight(dtype):
-    w, x = torch.randn(128, 96), torch.randn(5, 96)
+def test_int4_layer_multiplies_by_its_dequantized_weight(dtype, rows):
+    w, x = torch.randn(128, 96), torch.randn(rows, 96)
     q, s, z = quantize_int4(w, dtype)
     dequantized = dequantize_int4(q, s, z)
     assert bool(((dequantized - w).abs() <= s.repeat_interleave(32, 1) * 0.51).all())  # half a step
@@ -128,13 +131,15 @@ def test_an_unknown_quantization_is_refused():
     assert isinstance(linear_methods(None)("model.layers.0.mlp.down_proj"), DenseLinearMethod)
 
 
-# SmolLM2 in bf16 (int8 weights re-quantized per channel from its Q4_1 file, greedy): the prefill logits of the
-# int8 kernel and of its bf16 dequantized reference differ by at most this much (0.70 measured, logits of
-# magnitude ~10, whose bf16 spacing is 0.06), and at least this share of the 24-token continuations of these
-# prompts agree token for token (3 of 3 measured).
-SMOLLM2_BF16_MAX_LOGIT_ERROR = 1.0
-SMOLLM2_BF16_MIN_AGREEMENT = 2 / 3
-SMOLLM2_QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?"]
+# SmolLM2 in bf16 (int8 weights re-quantized per channel from its Q4_1 file, greedy). Prefill steps multiply by
+# the reference's own bf16 weights; decode steps run the int8 kernel (exact q * s, float32 sums) where the
+# reference rounds each weight to bf16. Measured over these questions' 24-token answers: 0.986 of the tokens
+# lie before the first difference (a difference changes the rest), and the logits after the prompt (the head's
+# one row through the int8 kernel) differ by at most 0.17 (logits of magnitude ~10; bf16 spacing there 0.06).
+SMOLLM2_BF16_MIN_COMMON_PREFIX = 0.5
+SMOLLM2_BF16_MAX_LOGIT_ERROR = 0.5
+SMOLLM2_QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
+                     "Who wrote Romeo and Juliet?", "What is the boiling point of water?", "Say hello in Spanish."]
 
 
 def test_smollm2_int8_bf16_agrees_with_its_dequantized_reference(plans):
@@ -144,11 +149,20 @@ def test_smollm2_int8_bf16_agrees_with_its_dequantized_reference(plans):
     prompts = [runs["int8"].tokenizer.encode(template.render([{"role": "user", "content": q}]), add_special_tokens=False)
                for q in SMOLLM2_QUESTIONS]
     outs = {q: llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for q, llm in runs.items()}
-    agree = np.mean([a.token_ids == b.token_ids for a, b in zip(outs["int8"], outs["int8-dequantized"])])
-    assert agree >= SMOLLM2_BF16_MIN_AGREEMENT
+    common = np.mean([_common_prefix(a.token_ids, b.token_ids) / 24 for a, b in zip(outs["int8"], outs["int8-dequantized"])])
     logits = {q: _last_logits(llm, prompts[0], plans) for q, llm in runs.items()}
-    print(f"agreement {agree:.3f}, max logit error {float((logits['int8'] - logits['int8-dequantized']).abs().max()):.4f}")
-    assert float((logits["int8"] - logits["int8-dequantized"]).abs().max()) <= SMOLLM2_BF16_MAX_LOGIT_ERROR
+    error = float((logits["int8"] - logits["int8-dequantized"]).abs().max())
+    print(f"common prefix {common:.3f}, max logit error {error:.4f}")
+    assert common >= SMOLLM2_BF16_MIN_COMMON_PREFIX
+    assert error <= SMOLLM2_BF16_MAX_LOGIT_ERROR
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _last_logits(llm: LLM, prompt: list[int], plans) -> torch.Tensor:

@@ -7,6 +7,11 @@
   repacks them (torch's kernel computes w = (q - 8) * scale + zero, so zero = z + 8 s; scale and zero are
   held in the activations' dtype, which is the only rounding a bf16 model adds to the codes).
 
+torch's two kernels are matrix-vector kernels: their time grows with every row (a 32-row step costs several
+times the dense product). Steps of more than `KERNEL_MAX_ROWS` rows (prefill chunks, big batches) multiply
+instead by the dequantized weight expanded into one scratch matrix shared by all layers, in the activations'
+dtype (each weight rounded once), through oneDNN: exactly the dequantized reference's product.
+
 Both stage the float weight as float32 while loading (the layer's weight loader fills it part by part, fused or
 split, like a dense one) and quantize it once in process_weights_after_loading. `Int4LinearMethod(codes=True)`
 instead loads 4-bit codes, scales and offsets as a GGUF stores them (gguf_weights.py decodes Q4_0, Q4_1 and
@@ -33,7 +38,19 @@ from metrale.gpu_worker.layers.linear_method import DenseLinearMethod, LinearMet
 DENSE = "none"  # --quantization none: every layer dense, a GGUF's quantized tensors dequantized
 REFERENCE = "-dequantized"  # int8-dequantized / int4-dequantized: the quantized weights, multiplied dense
 INT4_GROUP = 32  # inputs per 4-bit group: GGUF's 4-bit blocks are groups of 32
+KERNEL_MAX_ROWS = 16  # more rows than this: the expanded codes through oneDNN (see the module docstring)
 _INNER_K_TILES = 8  # torch's int4 CPU packing
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def _expansion_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [rows, cols] view of the one scratch matrix per dtype and device (grown to the largest layer)."""
+    key = (dtype, device)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < rows * cols:
+        buf = torch.empty(rows * cols, dtype=dtype, device=device)
+        _scratch[key] = buf
+    return buf[: rows * cols].view(rows, cols)
 
 
 def _staged_weight(layer: nn.Module, rows: int, cols: int, device: torch.device, weight_loader) -> None:
@@ -82,7 +99,13 @@ class Int8LinearMethod(LinearMethod):
             return layer.dense.apply(layer, x, bias)
         flat = x.reshape(-1, x.shape[-1])
         scale = layer.qscale if layer.qscale.dtype == x.dtype else layer.qscale.to(x.dtype)
-        y = torch._weight_int8pack_mm(flat.contiguous(), layer.qweight, scale)
+        if flat.shape[0] > KERNEL_MAX_ROWS:
+            q = layer.qweight
+            w = _expansion_buffer(q.shape[0], q.shape[1], x.dtype, x.device)
+            w.copy_(q).mul_(scale[:, None])  # q * s, rounded once (both exact in x's dtype)
+            y = F.linear(flat, w)
+        else:
+            y = torch._weight_int8pack_mm(flat.contiguous(), layer.qweight, scale)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -130,6 +153,7 @@ class Int4LinearMethod(LinearMethod):
             _dense_from(layer, dequantize_int4(q, s, z))
             return
         layer.packed_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), _INNER_K_TILES)
+        layer.codes, layer.group_scales, layer.group_zeros = q, s.to(layer.act_dtype), (z + 8 * s).to(layer.act_dtype)
         # [groups, rows, 2]: (scale, zero) with w = (q - 8) * scale + zero.
         layer.scales_zeros = torch.stack((s, z + 8 * s), dim=-1).transpose(0, 1).contiguous().to(layer.act_dtype)
 
@@ -138,8 +162,17 @@ class Int4LinearMethod(LinearMethod):
         if layer.dense is not None:
             return layer.dense.apply(layer, x, bias)
         flat = x.reshape(-1, x.shape[-1])
-        sz = layer.scales_zeros if layer.scales_zeros.dtype == x.dtype else layer.scales_zeros.to(x.dtype)
-        y = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), layer.packed_codes, INT4_GROUP, sz)
+        if flat.shape[0] > KERNEL_MAX_ROWS:
+            q, (rows, groups) = layer.codes, layer.group_scales.shape
+            w = _expansion_buffer(rows, q.shape[1], x.dtype, x.device)
+            g = w.view(rows, groups, INT4_GROUP)
+            g.copy_(q.view(rows, groups, INT4_GROUP)).sub_(8)
+            # (q - 8) * scale + zero as the kernel holds them, rounded once.
+            torch.addcmul(layer.group_zeros.to(x.dtype)[..., None], g, layer.group_scales.to(x.dtype)[..., None], out=g)
+            y = F.linear(flat, w)
+        else:
+            sz = layer.scales_zeros if layer.scales_zeros.dtype == x.dtype else layer.scales_zeros.to(x.dtype)
+            y = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), layer.packed_codes, INT4_GROUP, sz)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
