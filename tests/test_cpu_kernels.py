@@ -197,3 +197,19 @@ def test_kernels_are_built_to_run_on_torchs_threads():
         pytest.skip("torch without OpenMP: at::parallel_for is torch's own code")
     lib = cpu_kernels._build()
     assert b"GOMP_parallel" in lib.read_bytes()
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize(("out", "inp"), [(64, 64), (43, 70), (130, 576)])
+def test_linear_is_f_linear_to_one_bf16_rounding(rows, out, inp):
+    """The few-row GEMV (ragged rows and a ragged last line included) and, past four rows, F.linear itself."""
+    g = torch.Generator().manual_seed(rows * 100 + out)
+    w = torch.randn(out, inp, generator=g).to(torch.bfloat16)
+    b = torch.randn(out, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, inp, generator=g).to(torch.bfloat16)
+    for bias in (None, b):
+        got, want = cpu_kernels.linear(x, w, bias).float(), F.linear(x, w, bias).float()
+        assert ((got - want).abs() <= 2**-7 * want.abs() + 1e-3).all()
+        if rows > 4:
+            assert torch.equal(got, want)

@@ -1,26 +1,13 @@
 // A whole decode step's decoder layers in one native call (see models/fused_decode.py, which builds it).
 //
-// Compiled after cpu_kernels.cpp in the same translation unit (cpu_kernels.py joins the sources), so it
-// calls those kernels directly. Each layer runs exactly the ops the Python path runs, in its order, on
+// Compiled after cpu_kernels.cpp and cpu_gemv.cpp in the same translation unit (cpu_kernels.py joins the
+// sources), so it calls those kernels and DenseLinearMethod's product (dense_linear) directly. Each layer runs exactly the ops the Python path runs, in its order, on
 // the same kernels and the same oneDNN products: the same bits, without a Python frame or a dispatch per
 // op. The weights are handed over once, when the model is loaded.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 
 namespace {
-
-// x @ W.T (+ b) as DenseLinearMethod computes it: oneDNN's product on a packed weight, else at::linear.
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-  if (w.is_mkldnn()) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                                 c10::string_view, c10::List<std::optional<at::Scalar>>,
-                                                 std::optional<c10::string_view>)>();
-    return op.call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
-  }
-  return at::linear(x, w, b);
-}
 
 // One Llama-form decoder stack: per layer the input norm, stacked qkv, rotary, the KV write, paged decode
 // attention, o_proj, the post-attention norm, stacked gate/up, SiLU * up and down_proj.
