@@ -200,10 +200,10 @@ def test_kernels_are_built_to_run_on_torchs_threads():
 
 
 @native
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize(("out", "inp"), [(64, 64), (43, 70), (130, 576)])
 def test_linear_is_f_linear_to_one_bf16_rounding(rows, out, inp):
-    """The few-row GEMV (ragged rows and a ragged last line included) and, past four rows, F.linear itself."""
+    """The few-row GEMV (ragged rows and a ragged last line included) and, past two rows, F.linear itself."""
     g = torch.Generator().manual_seed(rows * 100 + out)
     w = torch.randn(out, inp, generator=g).to(torch.bfloat16)
     b = torch.randn(out, generator=g).to(torch.bfloat16)
@@ -211,5 +211,5 @@ def test_linear_is_f_linear_to_one_bf16_rounding(rows, out, inp):
     for bias in (None, b):
         got, want = cpu_kernels.linear(x, w, bias).float(), F.linear(x, w, bias).float()
         assert ((got - want).abs() <= 2**-7 * want.abs() + 1e-3).all()
-        if rows > 4:
+        if rows > 2:
             assert torch.equal(got, want)

@@ -136,7 +136,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for x [rows, in] and a plain [out, in] weight: the native GEMV for up to four
+    """x @ weight.T (+ bias) for x [rows, in] and a plain [out, in] weight: the native GEMV for one or two
     bfloat16 rows, else F.linear (see layers/cpu_gemv.cpp)."""
     return torch.ops.metrale_cpu.linear(x, weight, bias)
 
