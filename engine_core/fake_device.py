@@ -223,11 +223,11 @@ class FakeDevice:
         return StepResult(tokens=tokens.astype(np.int32), logprobs=lp)
 
     def _swap(self, plan: StepPlan) -> None:
-        """Copy blocks out to host, then in; a swapped-out device block reads as never written."""
+        """Copy blocks out to host, then in. A swapped-out device block keeps its content, as a real device's
+        does: another sequence may still share it (a prefix block), and one that reuses it writes it first."""
         bs = self.info.block_size
         for d, h in plan.swap_out.tolist():
             self.host_kv[h * bs : (h + 1) * bs] = self.kv[d * bs : (d + 1) * bs]
-            self.kv[d * bs : (d + 1) * bs] = -1
         for h, d in plan.swap_in.tolist():
             self.kv[d * bs : (d + 1) * bs] = self.host_kv[h * bs : (h + 1) * bs]
             self.host_kv[h * bs : (h + 1) * bs] = -1
