@@ -257,9 +257,16 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides the shutdown order
-    device = WorkerDevice(ring_geometry(args), token=args.ring_token,
-                          hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
+    # A SIGTERM while the ring and its doorbell are being made would leave half of them behind: it waits.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
+        device = WorkerDevice(ring_geometry(args), token=args.ring_token,
+                              hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one that came meanwhile lands here
         try:
             proc = EngineCoreProcess(args, device)
         except DeviceError as e:  # the worker could not start (reported to the supervisor): not a crash
