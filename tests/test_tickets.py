@@ -46,9 +46,14 @@ def ring():
 PLAN_FIELDS = {name: (dtype, kind) for name, dtype, kind in ticket_layout.PLAN_FIELDS}
 
 
-def random_plan(rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int, so: int = 3, si: int = 2) -> StepPlan:
-    """A plan of the given counts whose every array holds random values of its dtype."""
-    shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2)}
+def random_plan(
+    rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int, so: int = 3, si: int = 2, state: bool = True
+) -> StepPlan:
+    """A plan of the given counts whose every array holds random values of its dtype (state: with state slots)."""
+    shapes = {
+        "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
+        "S": (r if state else 0,),
+    }
     arrays = {}
     for name, (dtype, kind) in PLAN_FIELDS.items():
         shape = shapes[kind]
@@ -80,7 +85,7 @@ def test_plan_round_trip_is_bit_exact_for_random_shapes(ring):
             int(rng.integers(0, 4)),
             int(rng.integers(0, 41)),
         )
-        plan = random_plan(rng, *counts)
+        plan = random_plan(rng, *counts, state=bool(i % 2))
         slot = i % ring.num_slots
         ring.write_plan(slot, plan)
         ring.publish_plan(slot, i + 1)
