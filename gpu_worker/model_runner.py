@@ -275,7 +275,7 @@ class ModelRunner:
             token_seq_lens = self._staging.put("token_seq_lens", np.repeat(plan.seq_lens, np.diff(plan.query_start)))
         state = None
         if self.state is not None:  # resets the slots of rows that start at position 0
-            state = build_state_step(self.state, plan.query_start, plan.positions, plan.state_slots, device=self.device)
+            state = build_state_step(self.state, plan.query_start, plan.positions, plan.state_slots, put=self._staging.put)
         return _Prepared(input_ids, positions, meta, token_seq_lens, state)
 
     def _inputs(self, plan: StepPlan, prev: np.ndarray | None) -> torch.Tensor:

@@ -84,7 +84,8 @@ def make_hf_model(out_dir: str | pathlib.Path, kind: str, *, seed: int = 0, toke
 @torch.no_grad()
 def _redraw(model, seed: int, *, gemma_norms: bool) -> None:
     """Re-draw every parameter: norms near 1 (Gemma's stored w near 0: its scale is 1 + w), biases small,
-    matrices with std 1/sqrt(fan_in) (q, k and the router twice that), the LM head for logits of std 8."""
+    matrices with std 1/sqrt(fan_in) (q, k and the router twice that), the LM head for logits of std 8; a Mamba
+    layer's decays spread from fast to slow and its time steps near softplus(-1)."""
     gen = torch.Generator().manual_seed(seed)
     tied = model.config.tie_word_embeddings
     for name, p in model.named_parameters():

@@ -313,18 +313,18 @@ def test_transformers_made_checkpoints_under_chunked_prefill(kind, hf_model_dir,
         assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits)) < LOGIT_ATOL
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "qwen3_moe", "bamba"])
 def test_transformers_made_checkpoints_in_bf16_agree_with_transformers_bf16(kind, hf_model_dir, plans):
-    """bf16 (the float32-scale norms off the native kernel, the eager soft-capped path, bf16 routing):
-    teacher-forced argmaxes agree with transformers' own bf16 run."""
+    """bf16 (the float32-scale norms off the native kernel, the eager soft-capped path, bf16 routing, a bf16
+    conv state beside a float32 SSM state): teacher-forced argmaxes agree with transformers' own bf16 run."""
     path = hf_model_dir(kind)
     runner = ModelRunner(path, device=DEVICE, dtype="bfloat16", num_kv_blocks=256, show_progress=False)
     seqs = _hf_prompts(runner.info.vocab_size, (9, 20, 33))
     blocks = [plans.blocks_for(i, MAX_LEN) for i in range(len(seqs))]
-    result = runner.execute(plans.make_plan([plans.Row(s[:-8], 0, b) for s, b in zip(seqs, blocks)]))
+    result = runner.execute(plans.make_plan([plans.Row(s[:-8], 0, b, state_slot=i) for i, (s, b) in enumerate(zip(seqs, blocks))]))
     ours = [[int(t)] for t in result.tokens]
     for k in range(7):
-        rows = [plans.Row([s[len(s) - 8 + k]], len(s) - 8 + k, b) for s, b in zip(seqs, blocks)]
+        rows = [plans.Row([s[len(s) - 8 + k]], len(s) - 8 + k, b, state_slot=i) for i, (s, b) in enumerate(zip(seqs, blocks))]
         result = runner.execute(plans.make_plan(rows))
         for i, t in enumerate(result.tokens):
             ours[i].append(int(t))

@@ -284,3 +284,22 @@ def test_sweep_segments_removes_a_named_owners_segments():
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_logits_round_trip_through_the_logits_region_and_its_limits():
+    """A logits ticket names the step it asks about; the answer's [R, V] float32 come back bit for bit; logits
+    larger than the region, or a ring with none, are refused."""
+    geometry = dataclasses.replace(GEOMETRY, max_logits_vocab=100)
+    with TicketRing.create(geometry) as ring:
+        ring.write_logits_request(2, of_seq=41)
+        ring.publish_plan(2, 42)
+        assert ring.plan_steps(2) == ticket_layout.LOGITS_TICKET and ring.logits_of(2) == 41
+        logits = np.random.default_rng(3).standard_normal((GEOMETRY.max_rows, 100)).astype(np.float32)
+        ring.write_logits(2, logits[:5, :77])
+        ring.publish_result(2, 42)
+        back = ring.read_logits(2)
+        assert back.shape == (5, 77) and back.tobytes() == logits[:5, :77].tobytes()
+        with pytest.raises(ValueError, match="holds"):
+            ring.write_logits(1, np.zeros((2, 101), np.float32))
+    with TicketRing.create(GEOMETRY) as plain, pytest.raises(ValueError, match="carries no logits"):
+        plain.write_logits_request(0, of_seq=1)

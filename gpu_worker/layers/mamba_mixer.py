@@ -87,18 +87,17 @@ class Mamba2Mixer(nn.Module):
             self.intermediate, hidden_size, bias=proj_bias, dtype=dtype, device=device,
             quant_method=ctx.linear_method(f"{prefix}.out_proj"),
         )
-        self._A = self._conv_w = self._D = self._dt_bias = None
+        self._A = self._D = self._dt_bias = None
 
     def state_shape(self, num_layers: int) -> StateShape:
         """The slot layout num_layers such mixers need."""
         return StateShape(num_layers, self.conv_dim, self.conv_kernel - 1, self.num_heads, self.head_dim, self.state_size)
 
     def process_weights_after_loading(self) -> None:
-        """The compute-dtype forms the scan reads: A = -exp(A_log), D, dt_bias, the conv taps [C, K]."""
+        """The compute-dtype forms the scan reads: A = -exp(A_log), D, dt_bias."""
         self._A = -torch.exp(self.A_log.to(self.compute_dtype))
         self._D = self.D.to(self.compute_dtype)
         self._dt_bias = self.dt_bias.to(self.compute_dtype)
-        self._conv_w = self.conv1d.weight[:, 0, :]
 
     def forward(self, x: torch.Tensor, step: StateStep) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; advances each row's slot past its tokens."""
@@ -123,7 +122,7 @@ class Mamba2Mixer(nn.Module):
         """[Rd, conv_dim] inputs of one token per row -> y [Rd, intermediate]; updates their slots."""
         window = torch.cat([conv_state[slots], xbc[:, :, None].to(conv_state.dtype)], dim=-1)  # [Rd, C, K]
         conv_state[slots] = window[:, :, 1:]
-        conv = F.conv1d(window, self._conv_w[:, None, :], self.conv1d.bias, groups=self.conv_dim)[:, :, 0]
+        conv = F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)[:, :, 0]
         xs, B, C = self._split(F.silu(conv).to(self.compute_dtype))
         n = xs.shape[0]
         dt = self._time_steps(dt)  # [Rd, H]
@@ -142,7 +141,7 @@ class Mamba2Mixer(nn.Module):
         length = xbc.shape[0]
         window = torch.cat([conv_state[slot], xbc.t().to(conv_state.dtype)], dim=-1)  # [C, K-1+L]
         conv_state[slot] = window[:, window.shape[1] - (self.conv_kernel - 1) :]
-        conv = F.conv1d(window[None], self._conv_w[:, None, :], self.conv1d.bias, groups=self.conv_dim)[0]
+        conv = F.conv1d(window[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)[0]
         xs, B, C = self._split(F.silu(conv.t()).to(self.compute_dtype))  # [L, ...]
         x_heads = xs.view(length, self.num_heads, self.head_dim)
         dt = self._time_steps(dt)  # [L, H]

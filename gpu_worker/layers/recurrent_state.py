@@ -11,6 +11,7 @@ sequence).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,21 +90,23 @@ class StateStep:
 
 def build_state_step(
     state: RecurrentState, query_start: np.ndarray, positions: np.ndarray, state_slots: np.ndarray, *,
-    device: torch.device,
+    put: Callable[[str, np.ndarray], torch.Tensor],
 ) -> StateStep:
-    """Sort a step's rows into decode rows and chunks, and reset the slots of rows that start at position 0."""
+    """Sort a step's rows into decode rows and chunks, and reset the slots of rows that start at position 0.
+
+    put(name, array): the array as an int64 tensor on the device (the runner's reused staging buffers)."""
     starts = query_start[:-1]
     q_lens = np.diff(query_start)
-    slots = state_slots.astype(np.int64)
+    slots = state_slots
     fresh = slots[positions[starts] == 0]
     if len(fresh):
-        state.reset(torch.from_numpy(fresh).to(device))
+        state.reset(put("state_reset", fresh))
     decode = np.flatnonzero(q_lens == 1)
     token_idx = decode_slots = None
     if len(decode):
-        decode_slots = torch.from_numpy(slots[decode]).to(device)
+        decode_slots = put("state_decode_slots", slots[decode])
         if len(decode) != int(query_start[-1]):
-            token_idx = torch.from_numpy(starts[decode].astype(np.int64)).to(device)
+            token_idx = put("state_decode_tokens", starts[decode])
     prefills = [
         StatePrefill(int(starts[r]), int(query_start[r + 1]), int(slots[r])) for r in np.flatnonzero(q_lens > 1)
     ]
