@@ -85,6 +85,7 @@ class ModelRunner:
         model_dir: str | pathlib.Path,
         *,
         dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
         device: str | torch.device | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
@@ -105,6 +106,7 @@ class ModelRunner:
         self.model = load_model(
             self.facts, dtype=dtype, device=self.device, native=self._native,
             attention=select_backend(self.device, native=self._native), show_progress=show_progress,
+            quantization=quantization,
         )
         # A model with recurrent layers keeps their state in one slot per running sequence (max_num_seqs of them,
         # allocated before the KV cache takes what memory is left); the engine core assigns the slots. A step
