@@ -193,3 +193,19 @@ def test_a_recurrent_model_repairs_stale_masks_on_the_host_and_streams_as_the_sy
     lp_sync, lp_piped = outs[False][1].logprobs, outs[True][1].logprobs
     assert [t.token_id for t in lp_piped] == [t.token_id for t in lp_sync]
     assert [t.logprob for t in lp_piped] == pytest.approx([t.logprob for t in lp_sync], abs=1e-4)
+
+
+def test_a_recurrent_model_preempted_by_recompute_streams_as_with_room(hf_model_dir):
+    """Bamba in a KV pool too small for its batch: preempted sequences give their state slot back and recompute
+    from position 0 in the next one (swap asked for, recompute used); tokens equal a run with room to spare."""
+    path = str(hf_model_dir("bamba"))
+    prompts = [[30 + 11 * i + j for j in range(10)] for i in range(4)]  # 30 tokens each: 4 blocks of 8, 9 in the pool
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0 if i % 2 else 0.7, seed=i) for i in range(4)]
+    with LLM(path, show_progress=False) as roomy:
+        want = roomy.generate(prompts, params)
+    with LLM(path, show_progress=False, num_kv_blocks=9, block_size=8, preemption_mode="swap", swap_space_gb=0.01) as tight:
+        got = tight.generate(prompts, params)
+        assert tight.stats().preemptions > 0
+        assert tight.engine.options.preemption_mode == "recompute"
+    assert [o.finish_reason for o in got] == ["length"] * 4
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
