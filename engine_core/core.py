@@ -64,6 +64,9 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     special_tokens: dict[str, int | None] = {}
     ready_timeout_s: float = 600.0
     served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
+    # The vocabulary of the logits the ring carries back for host sampling: the model's when it keeps recurrent
+    # state (RepickOnly repairs), else 0 (no logits region).
+    logits_vocab: int = 0
     status_address: str = ""  # the supervisor's status inbox (ipc/status_channel.py)
 
 
@@ -79,6 +82,7 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
         max_hist_tokens=max(65536, e.max_num_seqs * args.max_model_len),
         # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
         max_burst=max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
+        max_logits_vocab=args.logits_vocab,
     )
 
 
