@@ -3,7 +3,11 @@
 Its "KV cache" stores the token written at each slot, and every sampling row reads its whole context
 back through its block table, so a wrong slot mapping, block table or prefix-cache hit changes the
 output (and reading a never-written slot fails the step loudly). The next-token logits are a hash of
-the row's last three tokens and its length; picks follow host_sampler's rules.
+the row's last three tokens and its length; picks follow host_sampler's rules (the device sampler's).
+
+With num_state_slots it is also a recurrent model (RepickOnly): each state slot holds the tokens its rows
+have run since a row started it at position 0, every step advances it (over-runs included, as a real
+recurrent state is), and a row whose slot does not hold exactly its context fails the step loudly.
 """
 
 from __future__ import annotations
@@ -16,7 +20,21 @@ from metrale.ipc.plan import (
     FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket, moved_on,
 )
 
-from .host_sampler import sample_row, uniform_noise
+from .host_sampler import SamplingRow, sample_row
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def uniform_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """float64[vocab] in (0, 1): a splitmix64 hash of (seed, position, token id) (the toy model's logits)."""
+    with np.errstate(over="ignore"):
+        x = np.uint64(seed) * _GOLDEN + np.uint64(position) * _M2 + np.arange(vocab, dtype=np.uint64) * _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        x = x ^ (x >> np.uint64(31))
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
 
 
 @dataclass(slots=True)
@@ -73,8 +91,10 @@ class FakeDevice:
         num_swap_blocks: int = 0,
         max_burst: int = 1,
         deferred: bool = False,
+        num_state_slots: int = 0,
     ):
-        """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst)."""
+        """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst);
+        num_state_slots > 0: a recurrent model (see the module docstring)."""
         self.info = ModelInfo(
             name="fake",
             vocab_size=vocab_size,
@@ -85,7 +105,9 @@ class FakeDevice:
             dtype="int",
             fed_ahead_policy=policy,
             num_swap_blocks=num_swap_blocks,
+            num_state_slots=num_state_slots,
         )
+        self.state: list[list[int]] = [[] for _ in range(num_state_slots)]
         self.clock = clock or FakeClock()
         self.step_cost = step_cost
         self.faults = faults or FakeFaults()
@@ -171,6 +193,7 @@ class FakeDevice:
         self._failed = False
         self.kv.fill(-1)
         self.prev_tokens = np.zeros(0, dtype=np.int64)
+        self.state = [[] for _ in self.state]
 
     @property
     def in_flight(self) -> int:
@@ -193,6 +216,8 @@ class FakeDevice:
             input_ids[plan.query_start[r]] = self.prev_tokens[plan.feed_from_row[r]]
         self.kv[plan.slot_mapping] = input_ids
         R = plan.num_rows
+        if self.state:
+            self._advance_state(plan, input_ids)
         tokens = np.full(R, -1, dtype=np.int64)
         logits_all = np.zeros((R, self.info.vocab_size), dtype=np.float32)
         q_lens = np.diff(plan.query_start).tolist()
@@ -203,18 +228,12 @@ class FakeDevice:
             if not plan.sample[r]:
                 continue
             context = self._read_context(plan.block_tables[r], seq_len)
+            if self.state:
+                slot = self.state[plan.state_slots[r]]
+                assert slot == context.tolist(), f"row {r}'s state slot does not hold its context"
             logits = self._logits_for(context)
             logits_all[r] = logits
-            tokens[r] = sample_row(
-                logits,
-                temperature=float(plan.temperature[r]),
-                top_k=int(plan.top_k[r]),
-                seed=int(plan.seeds[r]),
-                position=seq_len,
-                mask_kind=int(plan.mask_kind[r]),
-                force_token=int(plan.force_token[r]),
-                ban=plan.ban_ids[r].tolist(),
-            )
+            tokens[r] = sample_row(logits, SamplingRow.of_plan(plan, r))
         self.prev_tokens = tokens.copy()
         self._logits[n] = logits_all
         self._logits.pop(n - 4, None)
@@ -222,12 +241,25 @@ class FakeDevice:
         lp = np.zeros(R, dtype=np.float32) if (plan.num_logprobs >= 0).any() else None
         return StepResult(tokens=tokens.astype(np.int32), logprobs=lp)
 
+    def _advance_state(self, plan: StepPlan, input_ids: np.ndarray) -> None:
+        """Run each row's tokens through its state slot: reset at position 0, else continue exactly where the
+        slot stands (anything else is a state the engine lost track of)."""
+        assert len(plan.state_slots) == plan.num_rows, "a recurrent model's plan lacks its state slots"
+        assert len(set(plan.state_slots.tolist())) == plan.num_rows, "two rows share a state slot"
+        for r, slot in enumerate(plan.state_slots.tolist()):
+            start, end = int(plan.query_start[r]), int(plan.query_start[r + 1])
+            first = int(plan.positions[start])
+            if first == 0:
+                self.state[slot] = []
+            assert len(self.state[slot]) == first, f"row {r} continues at {first}, its slot holds {len(self.state[slot])} tokens"
+            self.state[slot].extend(input_ids[start:end].tolist())
+
     def _swap(self, plan: StepPlan) -> None:
-        """Copy blocks out to host, then in; a swapped-out device block reads as never written."""
+        """Copy blocks out to host, then in. A swapped-out device block keeps its content, as a real device's
+        does: another sequence may still share it (a prefix block), and one that reuses it writes it first."""
         bs = self.info.block_size
         for d, h in plan.swap_out.tolist():
             self.host_kv[h * bs : (h + 1) * bs] = self.kv[d * bs : (d + 1) * bs]
-            self.kv[d * bs : (d + 1) * bs] = -1
         for h, d in plan.swap_in.tolist():
             self.kv[d * bs : (d + 1) * bs] = self.host_kv[h * bs : (h + 1) * bs]
             self.host_kv[h * bs : (h + 1) * bs] = -1

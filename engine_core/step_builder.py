@@ -20,6 +20,7 @@ from .sequence import Sequence
 from .swap import SwapSpace
 
 MAX_BAN_IDS = 64
+_NO_STATE = np.zeros(0, np.int32)  # the plans of a model without recurrent state carry no state slots
 _NUM_FLOATS = 6  # temperature, top_p, min_p, repetition, presence, frequency penalty (sampling_row[0])
 
 
@@ -56,6 +57,7 @@ class _Buffers:
     hist_tokens: np.ndarray
     hist_start: np.ndarray
     hist_prompt_len: np.ndarray
+    state_slots: np.ndarray
 
     @classmethod
     def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int) -> "_Buffers":
@@ -88,6 +90,7 @@ class _Buffers:
             hist_tokens=np.zeros(max_hist, i32),
             hist_start=np.zeros(max_rows + 1, i32),
             hist_prompt_len=np.zeros(max_rows, i32),
+            state_slots=np.zeros(max_rows, i32),
         )
 
 
@@ -185,9 +188,12 @@ class StepBuilder:
     (a device may read a launched plan while the next is launched ahead of it)."""
 
     def __init__(
-        self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, swap: SwapSpace | None = None, depth: int = 3
+        self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, swap: SwapSpace | None = None, depth: int = 3,
+        state_slots: bool = False,
     ):
+        """state_slots: the model keeps recurrent state, so every plan carries each row's state slot."""
         self.block_size = block_size
+        self.state_slots = state_slots
         self.swap = swap or SwapSpace(0)
         self.max_blocks = -(-max_model_len // block_size) + 1
         self.max_tokens = max_tokens
@@ -228,6 +234,10 @@ class StepBuilder:
         self._sampling(b, rows, masks)
         h = self._history(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
+        state_slots = _NO_STATE
+        if self.state_slots:  # state slot (recurrent models)
+            state_slots = b.state_slots[:R]
+            state_slots[:] = [s.state_slot for s in seqs]
         return StepPlan(
             input_ids=b.input_ids[:T],
             positions=b.positions[:T],
@@ -254,6 +264,7 @@ class StepBuilder:
             hist_prompt_len=b.hist_prompt_len[:R],
             swap_out=swap_out,
             swap_in=swap_in,
+            state_slots=state_slots,
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray,

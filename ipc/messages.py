@@ -97,6 +97,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     generated_tokens: int = 0
     worker_busy_s: float = 0.0  # the worker's time executing steps, since it started
     worker_idle_s: float = 0.0  # the worker's time waiting for the engine core's next plan
+    # RepickOnly repairs: tokens the host picked again from a step's logits (a recurrent model's step
+    # launched ahead whose mask went stale).
+    host_repicks: int = 0
 
 
 class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):

@@ -61,6 +61,9 @@ class ModelInfo:
     dtype: str
     fed_ahead_policy: FedAheadPolicy = FedAheadPolicy.REWIND
     num_swap_blocks: int = 0  # host blocks for swapping KV out (0: swap preemption unavailable)
+    # Per-sequence recurrent state slots (a model with recurrent layers; 0: none). Each running sequence
+    # holds one (StepPlan.state_slots); such a model is REPICK_ONLY and serves without prefix caching.
+    num_state_slots: int = 0
 
 
 @dataclass(slots=True)
@@ -96,6 +99,9 @@ class StepPlan:
     # KV copies before the forward: first swap_out (device block, host block), then swap_in (host, device).
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
+    # int32[R]: each row's recurrent state slot (a row whose tokens start at position 0 finds it reset);
+    # empty for a model without recurrent state, so its plans carry nothing more.
+    state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     @property
     def num_rows(self) -> int:
@@ -149,7 +155,8 @@ class Device(Protocol):
         ...
 
     def read_logits(self, ticket: Ticket) -> np.ndarray:
-        """float32[R, V] logits of the most recently settled step (host sampling under RepickOnly)."""
+        """float32[R, V] raw logits of a settled step, zero rows where it did not sample (host sampling
+        under RepickOnly); DeviceError when they are no longer kept."""
         ...
 
     def model(self) -> ModelInfo:

@@ -187,6 +187,7 @@ def status(host: str, port: int, as_json: bool) -> None:
         click.echo(
             f"engine: {stats.running} running, {stats.waiting} waiting, KV blocks {stats.kv_blocks_used} used / "
             f"{stats.kv_blocks_cached} cached / {stats.kv_blocks_total} total, {stats.generated_tokens} tokens generated"
+            + (f", {stats.host_repicks} host repicks" if stats.host_repicks else "")
         )
 
 

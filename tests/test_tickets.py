@@ -46,9 +46,14 @@ def ring():
 PLAN_FIELDS = {name: (dtype, kind) for name, dtype, kind in ticket_layout.PLAN_FIELDS}
 
 
-def random_plan(rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int, so: int = 3, si: int = 2) -> StepPlan:
-    """A plan of the given counts whose every array holds random values of its dtype."""
-    shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2)}
+def random_plan(
+    rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int, so: int = 3, si: int = 2, state: bool = True
+) -> StepPlan:
+    """A plan of the given counts whose every array holds random values of its dtype (state: with state slots)."""
+    shapes = {
+        "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
+        "S": (r if state else 0,),
+    }
     arrays = {}
     for name, (dtype, kind) in PLAN_FIELDS.items():
         shape = shapes[kind]
@@ -80,7 +85,7 @@ def test_plan_round_trip_is_bit_exact_for_random_shapes(ring):
             int(rng.integers(0, 4)),
             int(rng.integers(0, 41)),
         )
-        plan = random_plan(rng, *counts)
+        plan = random_plan(rng, *counts, state=bool(i % 2))
         slot = i % ring.num_slots
         ring.write_plan(slot, plan)
         ring.publish_plan(slot, i + 1)
@@ -279,3 +284,22 @@ def test_sweep_segments_removes_a_named_owners_segments():
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_logits_round_trip_through_the_logits_region_and_its_limits():
+    """A logits ticket names the step it asks about; the answer's [R, V] float32 come back bit for bit; logits
+    larger than the region, or a ring with none, are refused."""
+    geometry = dataclasses.replace(GEOMETRY, max_logits_vocab=100)
+    with TicketRing.create(geometry) as ring:
+        ring.write_logits_request(2, of_seq=41)
+        ring.publish_plan(2, 42)
+        assert ring.plan_steps(2) == ticket_layout.LOGITS_TICKET and ring.logits_of(2) == 41
+        logits = np.random.default_rng(3).standard_normal((GEOMETRY.max_rows, 100)).astype(np.float32)
+        ring.write_logits(2, logits[:5, :77])
+        ring.publish_result(2, 42)
+        back = ring.read_logits(2)
+        assert back.shape == (5, 77) and back.tobytes() == logits[:5, :77].tobytes()
+        with pytest.raises(ValueError, match="holds"):
+            ring.write_logits(1, np.zeros((2, 101), np.float32))
+    with TicketRing.create(GEOMETRY) as plain, pytest.raises(ValueError, match="carries no logits"):
+        plain.write_logits_request(0, of_seq=1)
