@@ -36,6 +36,7 @@ from metrale.gpu_worker.layers.rope_scaling import RopeConfig
 from metrale.gpu_worker.layers.rotary import RotaryEmbedding, StepRope
 from metrale.gpu_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from metrale.gpu_worker.models.context import ModelContext
+from metrale.gpu_worker.models.fused_decode import FusedDecode
 
 ShardId = str | int | tuple | None
 
@@ -272,6 +273,7 @@ class DecoderLM(nn.Module):
         self.uses_masked_decode = any(not a.backend.native_decode for a in attns)
         # A hybrid's recurrent layers keep no KV: the cache holds its attention layers only.
         self.kv_shape = KvShape(len(attns), attns[0].num_kv_heads, attns[0].head_dim) if attns else KvShape(0, 1, 1)
+        self.fused_decode: FusedDecode | None = None  # the layers as one native call (after loading, where they allow)
 
     @torch.inference_mode()
     def forward(
@@ -292,6 +294,9 @@ class DecoderLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        fused = self.fused_decode
+        if fused is not None and fused.serves(meta, ropes[0]):
+            return h.add_(fused(h, ropes[0], cache, meta))
         delta = None
         for layer in self.model.layers:
             delta = layer(h, delta, ropes, cache, meta)
@@ -357,10 +362,12 @@ class DecoderLM(nn.Module):
         self.eval()
 
     def process_weights_after_loading(self) -> None:
-        """Every module's own processing, children before their parents (a block may read its parts')."""
+        """Every module's own processing, children before their parents (a block may read its parts'); then
+        the fused decode step over the processed weights, where every layer allows it."""
         for module in reversed(list(self.modules())):
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+        self.fused_decode = FusedDecode.build(self)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
