@@ -23,7 +23,7 @@ import msgspec
 import psutil
 import zmq
 
-from metrale.config import ServeConfig
+from metrale.config import EngineArgs, ServeConfig
 from metrale.ipc.messages import (
     AbortRequest,
     AddRequest,
@@ -69,16 +69,20 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
 
 def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
     """Ticket slots sized for the largest step this engine can build."""
-    e = args.serve.engine
+    # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
+    return geometry_for(args.serve.engine, args.max_model_len, max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)))
+
+
+def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int) -> RingGeometry:
+    """Ticket slots for an engine's largest step and bursts of up to max_burst steps (serve, and LLM's worker group)."""
     return RingGeometry(
         num_slots=4,
         max_tokens=max(e.max_num_batched_tokens, e.max_num_seqs),
         max_rows=e.max_num_seqs,
-        max_blocks_per_row=-(-args.max_model_len // e.block_size) + 1,
+        max_blocks_per_row=-(-max_model_len // e.block_size) + 1,
         max_ban_ids=MAX_BAN_IDS,
-        max_hist_tokens=max(65536, e.max_num_seqs * args.max_model_len),
-        # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
-        max_burst=max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
+        max_hist_tokens=max(65536, e.max_num_seqs * max_model_len),
+        max_burst=max_burst,
     )
 
 

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
+from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.models.context import ModelContext
 from metrale.gpu_worker.models.registry import model_class
 from metrale.model_facts import ModelFacts
@@ -51,16 +52,19 @@ def load_model(
     native: bool = False,
     attention: TorchAttention = TORCH,
     show_progress: bool = True,
+    group: ParallelGroup = SINGLE,
 ):
     """The model for facts (its architecture's class from the registry), loaded and ready to run.
 
-    native: the native CPU kernels are loaded; attention: the device's attention backend. ModelError for an
+    native: the native CPU kernels are loaded; attention: the device's attention backend; group: this process's
+    tensor-parallel group (its layers hold this rank's shards, cut from the checkpoint's full tensors). ModelError for an
     architecture no model here implements (before anything is read); ValueError for a checkpoint that does
     not fit the model.
     """
     cls = model_class(facts.architecture)
     ctx = ModelContext(
-        facts=facts, dtype=resolve_dtype(dtype, facts.config), device=torch.device(device), native=native, attention=attention
+        facts=facts, dtype=resolve_dtype(dtype, facts.config), device=torch.device(device), native=native, attention=attention,
+        group=group,
     )
     model = cls(ctx)
     model.load_weights(_tensors(weight_files(facts.path), show_progress))

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.gpu_worker.errors import PlanError
 from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention_backends import select_backend
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
+from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.sampler import Sampler, SamplerOutput
@@ -91,23 +93,29 @@ class ModelRunner:
         show_progress: bool = True,
         swap_space: int = 0,
         max_model_len: int | None = None,
+        group: ParallelGroup = SINGLE,
     ):
         """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)
-        and swap_space bytes of host blocks for swap preemption."""
+        and swap_space bytes of host blocks for swap preemption.
+
+        group: this rank's tensor-parallel group; the model holds this rank's shards and its KV cache this
+        rank's KV heads, and every rank of the group agrees on the number of blocks."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
         self.facts = resolve_model(model_dir, max_model_len)
+        self.group = group
         # The native CPU kernels (layers/cpu_kernels.py): decode attention reading keys stored
         # head-dim-major (see layers/kv_cache.py), the KV write, RMSNorm, rotary, SiLU and the greedy argmax.
         self._native = self.device.type == "cpu" and cpu_kernels.available()
         self.model = load_model(
             self.facts, dtype=dtype, device=self.device, native=self._native,
             attention=select_backend(self.device, native=self._native), show_progress=show_progress,
+            group=group,
         )
         kv = self.model.kv_shape
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        num_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory)
+        num_blocks = group.min_int(self._choose_num_blocks(num_kv_blocks, kv_cache_memory))
         # Keys head-dim-major only when some layer's decode runs the native kernel (its layout).
         self.kv_cache = PagedKVCache(
             kv.num_layers, num_blocks, block_size, kv.num_kv_heads, kv.head_dim,
@@ -151,7 +159,7 @@ class ModelRunner:
         """
         r = plan.num_rows
         if plan.num_tokens != r or not plan.sample.all() or len(plan.hist_tokens):
-            raise ValueError("a decode burst needs one token per row, every row sampling, no penalty history")
+            raise PlanError("a decode burst needs one token per row, every row sampling, no penalty history")
         later = [moved_on(plan, k, self.block_size) for k in range(1, steps)]
         self._check(plan)
         if later:
@@ -213,26 +221,26 @@ class ModelRunner:
             return self._result(plan, rows, out, start)
 
     def _check(self, plan: StepPlan) -> None:
-        """ValueError for a malformed plan or an index outside the model or the cache: caught here on
+        """PlanError for a malformed plan or an index outside the model or the cache: caught here on
         the host, since on a GPU an out-of-range index is a device-side assert that ends the CUDA context."""
         t, r = plan.num_tokens, plan.num_rows
         if t == 0 or len(plan.query_start) != r + 1 or int(plan.query_start[-1]) != t:
-            raise ValueError(f"invalid plan: {t} tokens, {r} rows, query_start ending {plan.query_start[-1:]}")
+            raise PlanError(f"invalid plan: {t} tokens, {r} rows, query_start ending {plan.query_start[-1:]}")
         q_lens = np.diff(plan.query_start)
         if int(q_lens.min()) < 1 or (plan.seq_lens < q_lens).any():
-            raise ValueError("invalid plan: a row with no tokens, or a seq_len below its token count")
+            raise PlanError("invalid plan: a row with no tokens, or a seq_len below its token count")
         host_fed = np.ones(t, dtype=bool)
         host_fed[plan.query_start[:-1][plan.feed_from_row >= 0]] = False
         if _outside(plan.input_ids[host_fed], self.info.vocab_size):
-            raise ValueError("invalid plan: an input id outside the vocabulary")
+            raise PlanError("invalid plan: an input id outside the vocabulary")
         if _outside(plan.positions, self.info.max_model_len):
-            raise ValueError("invalid plan: a position outside the model's context")
+            raise PlanError("invalid plan: a position outside the model's context")
         if _outside(plan.slot_mapping, self.kv_cache.num_blocks * self.block_size):
-            raise ValueError("invalid plan: a slot outside the KV cache")
+            raise PlanError("invalid plan: a slot outside the KV cache")
         if _outside(plan.block_tables, self.kv_cache.num_blocks):
-            raise ValueError("invalid plan: a block id outside the KV cache")
+            raise PlanError("invalid plan: a block id outside the KV cache")
         if -(-int(plan.seq_lens.max()) // self.block_size) > plan.block_tables.shape[1]:
-            raise ValueError("invalid plan: block_tables narrower than the longest row's seq_len needs")
+            raise PlanError("invalid plan: block_tables narrower than the longest row's seq_len needs")
 
     def _prepare(self, plan: StepPlan, input_ids: torch.Tensor) -> _Prepared:
         """Copy the plan's (checked) positions and slots to the device and build the attention metadata."""
@@ -269,7 +277,7 @@ class ModelRunner:
             # Every row fed from itself (a decode step launched ahead, a burst's step): the kept tokens are the
             # inputs as they are; this step's picks overwrite them only after the forward has read them.
             if prev is None or len(prev) < r or not prev[:r].all():
-                raise ValueError(f"rows 0..{r - 1} are fed from themselves: not all sampled in the previous step")
+                raise PlanError(f"rows 0..{r - 1} are fed from themselves: not all sampled in the previous step")
             return self._last_tokens[:r]
         input_ids = self._staging.put("input_ids", plan.input_ids)
         fed = np.flatnonzero(plan.feed_from_row >= 0)
@@ -277,9 +285,9 @@ class ModelRunner:
             return input_ids
         src = plan.feed_from_row[fed]
         if prev is None or int(src.max()) >= len(prev) or not prev[src].all():
-            raise ValueError(f"rows {fed.tolist()} are fed from rows {src.tolist()}: not all sampled in the previous step")
+            raise PlanError(f"rows {fed.tolist()} are fed from rows {src.tolist()}: not all sampled in the previous step")
         if not (np.diff(plan.query_start)[fed] == 1).all():
-            raise ValueError("a fed row must have exactly one token")
+            raise PlanError("a fed row must have exactly one token")
         token_idx = self._staging.put("fed_tokens", plan.query_start[fed])
         input_ids[token_idx] = self._last_tokens[self._staging.put("fed_src", src)]
         return input_ids

@@ -9,6 +9,15 @@ engine core's end of the doorbell closes, or when its parent process dies.
 A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` and `read_logits()` (and
 `execute_burst(plan, steps)` for tickets of several steps). The plan's arrays are views into the shared
 slot: a runner copies what it keeps past execute().
+
+Tensor parallel (`--group SPEC`, ipc/worker_group.py): each of N ranks is such a process. It joins the group
+(gpu_worker/tp_group.py) before building its runner, which then holds this rank's shards. The ranks on the
+engine core's host each connect their own doorbell and read every plan from the ring; rank 0 alone writes
+results, publishes them and rings the engine. Ranks on other hosts get each plan from rank 0 over the process
+group (gpu_worker/plan_broadcast.py). A step that fails its checks (PlanError) fails alike on every rank and is
+that step's error; any other failure under tensor parallelism, or a collective that fails (GroupLost: a peer is
+gone), ends the rank with EXIT_GROUP_LOST, since its peers may be waiting in a collective it will never reach:
+the supervisor then restarts the whole group and the engine core requeues what it ran.
 """
 
 from __future__ import annotations
@@ -25,14 +34,19 @@ from typing import Any
 
 import msgspec
 
+from metrale.ipc import worker_group
 from metrale.ipc.doorbell import Attached, Bell, Shutdown, WorkerFailed, WorkerReady, bell_path
 from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
+from metrale.ipc.worker_group import KEEPALIVE_S, GroupSpec
+
+from .errors import GroupLost, PlanError
 
 log = logging.getLogger("metrale.gpu_worker")
 
 DEFAULT_FACTORY = "metrale.gpu_worker.model_runner:ModelRunner"
 DEFAULT_SPIN_US = 100.0  # then block on the doorbell; the spin yields the core every turn (TicketRing._spin)
 WAIT_SLICE_S = 0.02  # how often a blocked worker checks that its parent lives
+EXIT_GROUP_LOST = 3  # a tensor-parallel rank whose group broke (a peer died, a collective failed)
 
 
 @dataclass(slots=True)
@@ -44,6 +58,7 @@ class WorkerConfig:
     runner_kwargs: dict[str, Any] = field(default_factory=dict)
     spin_us: float = DEFAULT_SPIN_US
     connect_timeout_s: float = 60.0
+    group: GroupSpec | None = None  # a tensor-parallel rank's place in its group (None: a worker of its own)
 
 
 @dataclass(slots=True)
@@ -55,13 +70,20 @@ class WorkerLoop:
     runner: Any
     spin_ns: int
     parent_pid: int
+    rank: int = 0  # only rank 0 writes results, publishes them and rings the engine
+    tensor_parallel: bool = False
+    sender: Any = None  # rank 0's PlanSender when ranks run on other hosts
     idle_ns: int = 0
     busy_ns: int = 0
     steps: int = 0
     started_ns: int = 0
 
     def serve(self, first_seq: int) -> None:
-        """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop."""
+        """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop; GroupLost when
+        this rank's group broke."""
+        if self.rank > 0:
+            self._follow(first_seq)
+            return
         ring, n = self.ring, self.ring.num_slots
         pid = os.getpid()
         self.started_ns = t0 = time.monotonic_ns()
@@ -76,6 +98,8 @@ class WorkerLoop:
             t1 = time.monotonic_ns()
             self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
+            if self.sender is not None:
+                self.sender.send(ring.read_plan(slot), ring.plan_steps(slot))
             self.steps += self.run_step(slot)
             t0 = time.monotonic_ns()  # publishing the result counts as the next wait
             self.busy_ns += t0 - t1
@@ -85,6 +109,24 @@ class WorkerLoop:
             self.bell.ring()
             seq += 1
 
+    def _follow(self, first_seq: int) -> None:
+        """A rank > 0 beside the engine: run every plan rank 0 runs, write nothing."""
+        ring, n = self.ring, self.ring.num_slots
+        seq = first_seq
+        t0 = time.monotonic_ns()
+        while True:
+            slot = seq % n
+            if not self.wait_for_plan(slot, seq, t0):
+                return
+            self.run_step(slot)
+            # The engine reuses a slot only after rank 0 published its result, which needs this rank's share of
+            # the step's collectives, and it keeps fewer tickets in flight than slots: a reused slot means
+            # this rank read a plan that changed under it.
+            if ring.plan_seq(slot) != seq:
+                raise GroupLost(f"rank {self.rank}: ticket {seq}'s slot was reused while it ran")
+            t0 = time.monotonic_ns()
+            seq += 1
+
     def wait_for_plan(self, slot: int, seq: int, since_ns: int) -> bool:
         """Wait until plan seq is published in slot (True), or until the worker should exit (False)."""
         ring = self.ring
@@ -92,25 +134,37 @@ class WorkerLoop:
             return True
         if ring.spin_for_plan(slot, seq, since_ns + self.spin_ns):
             return True
+        keepalive_at = time.monotonic() + KEEPALIVE_S
         while ring.plan_seq(slot) != seq:
             if self.should_exit():
                 return False
             self.bell.wait(WAIT_SLICE_S)
+            if self.sender is not None and time.monotonic() >= keepalive_at:
+                self.sender.idle()  # the off-host ranks wait in a broadcast: keep it short of its timeout
+                keepalive_at = time.monotonic() + KEEPALIVE_S
         return True
 
     def run_step(self, slot: int) -> int:
-        """Execute the slot's plan (one step, or a decode burst's) and write its results, or its error
-        (serve publishes it); the worker keeps serving. Returns the steps the plan asked for."""
+        """Execute the slot's plan (one step, or a decode burst's) and, on rank 0, write its results or its
+        error (serve publishes it); the worker keeps serving. Returns the steps the plan asked for.
+
+        GroupLost under tensor parallelism for a failure past the plan's checks (see the module docstring)."""
         ring = self.ring
         t0 = time.perf_counter_ns()
         steps = ring.plan_steps(slot)
         try:
             plan = ring.read_plan(slot)
             results = self.runner.execute_burst(plan, steps) if steps > 1 else [self.runner.execute(plan)]
-            ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
+            if self.rank == 0:
+                ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
+        except GroupLost:
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
             traceback.print_exc(file=sys.stderr)
-            ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+            if self.tensor_parallel and not isinstance(exc, PlanError):
+                raise GroupLost(f"rank {self.rank}: a step failed past its checks: {exc!r}") from exc
+            if self.rank == 0:
+                ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
         return steps
 
     def should_exit(self) -> bool:
@@ -135,17 +189,27 @@ def load_factory(spec: str):
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Serve the ring named in config until shutdown; the process exit code."""
+    """Serve the ring named in config until shutdown (or, off the engine's host, rank 0's plans); the exit code."""
+    spec = config.group
+    if spec is not None and not spec.reads_ring:
+        return _run_off_host(config)
     parent_pid = os.getppid()
     bell = Bell.connect(
         bell_path(config.ring_name), config.connect_timeout_s, keep_trying=lambda: os.getppid() == parent_pid
     )
     ring = TicketRing.attach(config.ring_name)
+    joined = sender = None
     try:
         t0 = time.monotonic()
+        if spec is not None:
+            try:
+                joined = _join(config)
+            except Exception:  # noqa: BLE001 - a peer that never came, a rendezvous that broke: restart the group
+                log.exception("rank %d could not join its group", spec.rank)
+                return EXIT_GROUP_LOST
         log.info("loading %s", config.runner_kwargs.get("model_dir", "the model"))
         try:
-            runner = load_factory(config.factory)(**config.runner_kwargs)
+            runner = _build_runner(config, joined)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, then we exit
             traceback.print_exc(file=sys.stderr)
             try:
@@ -156,8 +220,9 @@ def run_worker(config: WorkerConfig) -> int:
         info = runner.info
         log.info("ready in %.1f s: %s in %s; KV cache of %d blocks x %d tokens (%d tokens)", time.monotonic() - t0,
                  info.name, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size)
+        rank = spec.rank if spec is not None else 0
         try:
-            bell.send(WorkerReady(pid=os.getpid(), info=info))
+            bell.send(WorkerReady(pid=os.getpid(), info=info, rank=rank))
         except OSError:  # the engine core went away while we loaded (a failed start, a shutdown): nothing to serve
             log.info("the engine core left before the worker was ready; exiting")
             return 0
@@ -165,11 +230,86 @@ def run_worker(config: WorkerConfig) -> int:
         if first_seq is None:
             return 0
         spin_ns = int(config.spin_us * 1000) if SPIN_IS_SAFE else 0
-        WorkerLoop(ring, bell, runner, spin_ns, parent_pid).serve(first_seq)
+        if joined is not None and joined.plan_pg is not None and rank == 0:
+            from .plan_broadcast import PlanSender
+
+            sender = PlanSender(joined.plan_pg)
+        loop = WorkerLoop(ring, bell, runner, spin_ns, parent_pid, rank=rank, tensor_parallel=spec is not None,
+                          sender=sender)
+        try:
+            loop.serve(first_seq)
+        except GroupLost as exc:
+            log.error("rank %d: %s; exiting so that the group restarts", rank, exc)
+            return EXIT_GROUP_LOST
         return 0
     finally:
+        if sender is not None:
+            sender.stop()
+        if joined is not None:
+            joined.close()
         bell.close()
         ring.close()
+
+
+def _join(config: WorkerConfig):
+    """Join the tensor-parallel group (CUDA ranks first take their own device)."""
+    from .tp_group import join_group
+
+    return join_group(config.group, _device(config))
+
+
+def _device(config: WorkerConfig):
+    """The torch device this worker runs on: the runner's, and for a CUDA rank its local device."""
+    import torch
+
+    name = config.runner_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if config.group is not None and str(name).startswith("cuda"):
+        name = f"cuda:{config.group.local_rank}"
+        torch.cuda.set_device(name)
+    config.runner_kwargs["device"] = str(name)
+    return torch.device(name)
+
+
+def _build_runner(config: WorkerConfig, joined):
+    """The runner the factory makes (with this rank's group under tensor parallelism)."""
+    kwargs = dict(config.runner_kwargs)
+    if joined is not None:
+        kwargs["group"] = joined.group
+    return load_factory(config.factory)(**kwargs)
+
+
+def _run_off_host(config: WorkerConfig) -> int:
+    """A rank on another host than the engine core: join, build, then run each plan rank 0 broadcasts."""
+    from .plan_broadcast import PlanReceiver
+
+    spec = config.group
+    try:
+        joined = _join(config)
+    except Exception:  # noqa: BLE001
+        log.exception("rank %d could not join its group", spec.rank)
+        return EXIT_GROUP_LOST
+    try:
+        runner = _build_runner(config, joined)
+        receiver = PlanReceiver(joined.plan_pg)
+        log.info("rank %d ready (off the engine core's host): plans come from rank 0", spec.rank)
+        while True:
+            item = receiver.receive()
+            if item is None:
+                return 0
+            plan, steps = item
+            try:
+                runner.execute_burst(plan, steps) if steps > 1 else runner.execute(plan)
+            except PlanError:
+                continue  # rank 0 refused it too
+            except GroupLost:
+                raise
+            except Exception as exc:  # noqa: BLE001 - past the checks: the group cannot follow
+                raise GroupLost(f"rank {spec.rank}: a step failed past its checks: {exc!r}") from exc
+    except GroupLost as exc:
+        log.error("rank %d: %s; exiting so that the group restarts", spec.rank, exc)
+        return EXIT_GROUP_LOST
+    finally:
+        joined.close()
 
 
 def _await_attached(bell: Bell, parent_pid: int) -> int | None:
@@ -194,7 +334,8 @@ def _number(text: str) -> int | float:
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     """The WorkerConfig of a command line."""
     ap = argparse.ArgumentParser(prog="python -m metrale.gpu_worker.worker", description=__doc__.splitlines()[0])
-    ap.add_argument("--ring", required=True, help="name of the ticket ring segment to serve")
+    ap.add_argument("--ring", default="", help="name of the ticket ring segment to serve")
+    ap.add_argument("--group", default=None, help="a tensor-parallel rank's GroupSpec as JSON (ipc/worker_group.py)")
     ap.add_argument("--factory", default=DEFAULT_FACTORY, help="runner factory, 'module:callable'")
     ap.add_argument("--runner-kwargs", default="{}", help="JSON object of keyword arguments for the factory")
     ap.add_argument("--model-dir")
@@ -205,6 +346,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     ap.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US)
     ap.add_argument("--connect-timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
+    group = worker_group.decode(args.group) if args.group else None
+    if not args.ring and (group is None or group.reads_ring):
+        ap.error("--ring is required (except for a rank off the engine core's host)")
     kwargs = msgspec.json.decode(args.runner_kwargs, type=dict[str, Any])
     for name in ("model_dir", "dtype", "num_kv_blocks", "kv_cache_memory", "block_size"):
         if getattr(args, name) is not None:
@@ -215,6 +359,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         runner_kwargs=kwargs,
         spin_us=args.spin_us,
         connect_timeout_s=args.connect_timeout,
+        group=group,
     )
 
 

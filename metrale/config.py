@@ -33,6 +33,12 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     # torch threads of a serve worker on a CPU; None: one fewer than the cores (the engine core and the
     # frontend need the last one: a descheduled torch thread stalls every step).
     worker_threads: int | None = None
+    # N worker ranks form one device (`metrale serve` and LLM): the model's layers are split across them.
+    tensor_parallel_size: int = 1
+    # `metrale serve` only: N engine cores, each with its own worker (group), behind one frontend.
+    data_parallel_size: int = 1
+    # How tensor-parallel ranks on one CPU host sum: auto (the shared-memory all-reduce), shm or gloo.
+    all_reduce: str = "auto"
 
     def validate(self) -> None:
         """Raise ValueError naming the first knob that cannot work."""
@@ -47,6 +53,11 @@ class EngineArgs(msgspec.Struct, kw_only=True):
             raise ValueError(f"swap_space_gb must be >= 0 (got {self.swap_space_gb})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 (got {self.num_kv_blocks})")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.all_reduce not in ("auto", "shm", "gloo"):
+            raise ValueError(f"all_reduce must be auto, shm or gloo (got {self.all_reduce!r})")
 
 
     def runner_kwargs(self, model_dir: str) -> dict:

@@ -65,16 +65,22 @@ class LLM:
         from metrale.gpu_worker.local_device import LocalDevice
         from metrale.gpu_worker.model_runner import ModelRunner
 
+        if args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size is for `metrale serve` (replicas behind one frontend); LLM runs one engine")
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.runner = ModelRunner(**args.runner_kwargs(self.model_dir))
-        # On a CPU the model and the host share one GIL and the same cores: a device thread costs more
-        # than the overlap gains (measured), so steps run inside launch; the lane's logic is unchanged.
-        self.device = LocalDevice(self.runner, threaded=args.pipeline and self.runner.device.type != "cpu")
         options = EngineOptions.from_args(args)
-        if self.device.threaded:
-            options.decode_burst = 1  # the lane overlaps the host's tick with the device's step already
+        if args.tensor_parallel_size > 1:
+            self.runner = None
+            self.device = _spawn_group(args, self.model_dir)
+        else:
+            self.runner = ModelRunner(**args.runner_kwargs(self.model_dir))
+            # On a CPU the model and the host share one GIL and the same cores: a device thread costs more
+            # than the overlap gains (measured), so steps run inside launch; the lane's logic is unchanged.
+            self.device = LocalDevice(self.runner, threaded=args.pipeline and self.runner.device.type != "cpu")
+            if self.device.threaded:
+                options.decode_burst = 1  # the lane overlaps the host's tick with the device's step already
         self.engine = EngineCore(self.device, options, special_tokens=special_tokens_of(self.tokenizer))
         self._ids = itertools.count()
 
@@ -176,6 +182,25 @@ class LLM:
         elif prompts and isinstance(prompts[0], int):
             prompts = [list(prompts)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _spawn_group(args: EngineArgs, model_dir: str):
+    """The tensor-parallel device of LLM(tensor_parallel_size=N): N worker processes on a ticket ring, started
+    and owned by this process (WorkerDevice.spawn), exactly the group `metrale serve` runs; on a CPU each rank
+    gets an equal share of the cores unless worker_threads says."""
+    import os
+
+    from metrale.engine_core.core import geometry_for
+    from metrale.engine_core.worker_device import WorkerDevice
+    from metrale.model_facts import resolve_model
+
+    n = args.tensor_parallel_size
+    env = {}
+    if args.device in (None, "cpu"):
+        env["OMP_NUM_THREADS"] = str(args.worker_threads or max(1, (os.cpu_count() or 1) // n))
+    max_len = resolve_model(model_dir, args.max_model_len).max_model_len
+    return WorkerDevice.spawn(geometry_for(args, max_len, args.decode_burst), runner_kwargs=args.runner_kwargs(model_dir),
+                              env=env, tensor_parallel_size=n, all_reduce=args.all_reduce)
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:
