@@ -65,6 +65,8 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     ready_timeout_s: float = 600.0
     served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
     status_address: str = ""  # the supervisor's status inbox (ipc/status_channel.py)
+    replica: int = 0  # this engine core's data-parallel replica (for its logs)
+    ring_ranks: int = 1  # the worker ranks that serve its ring together (a tensor-parallel group on this host)
 
 
 def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides the shutdown order
-    device = WorkerDevice(ring_geometry(args), token=args.ring_token,
+    device = WorkerDevice(ring_geometry(args), token=args.ring_token, num_ranks=args.ring_ranks,
                           hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
     try:
         try:

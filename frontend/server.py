@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -81,6 +81,8 @@ class FrontendConfig:
     model_dir: str
     engine_input_address: str  # ipc:// the frontend binds; the engine core connects a PULL
     engine_output_address: str  # ipc:// the frontend binds; the engine core connects a PUSH
+    # Data parallel: [input, output] addresses of the engine cores of replicas 1 .. N-1 (replica 0's are above).
+    replica_addresses: list[list[str]] = field(default_factory=list)
     client_address: str = "tcp://127.0.0.1:7410"  # a port of * binds any free port (see client_endpoint)
     max_model_len: int | None = None  # until EngineReady says; default the model's (metrale.model_facts)
     max_frame_bytes: int = 8 << 20  # larger frames get Error "too_long"

@@ -107,11 +107,13 @@ class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):
 
 
 class ProcessHealth(msgspec.Struct, kw_only=True):
-    name: str
+    name: str  # frontend | engine_core | gpu_worker
     pid: int
     uptime_s: float
     restarts: int
     alive: bool
+    replica: int = 0  # the data-parallel replica an engine core or worker belongs to
+    rank: int = 0  # a worker's tensor-parallel rank
 
 
 class Health(msgspec.Struct, tag="health_reply", kw_only=True):

@@ -47,6 +47,12 @@ def main() -> None:
               help="on Ctrl-C / SIGTERM, let live requests finish for up to this many seconds (new ones get 503 / shutdown).")
 @click.option("--worker-hang-timeout", default=10.0, type=click.FloatRange(min=0.1), show_default=True,
               help="a worker whose step runs this long (and far longer than its recent steps) is killed as hung and restarted.")
+@click.option("--tensor-parallel-size", "-tp", default=1, type=click.IntRange(min=1), show_default=True,
+              help="worker ranks that split the model's layers and form one device (torch.distributed).")
+@click.option("--data-parallel-size", "-dp", default=1, type=click.IntRange(min=1), show_default=True,
+              help="engine replicas (each with its own worker ranks) behind the one frontend, routed by load and prefix.")
+@click.option("--all-reduce", default="auto", type=click.Choice(["auto", "shm", "gloo"]), show_default=True,
+              help="how tensor-parallel ranks on one CPU host sum: shared memory (auto) or gloo.")
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
     from metrale.supervisor import StartupError, Supervisor
@@ -70,6 +76,9 @@ def serve(**o) -> None:
         pipeline=not o["no_pipeline"],
         seed=o["seed"],
         worker_threads=o["worker_threads"],
+        tensor_parallel_size=o["tensor_parallel_size"],
+        data_parallel_size=o["data_parallel_size"],
+        all_reduce=o["all_reduce"],
     )
     try:
         engine.validate()
@@ -173,9 +182,13 @@ def status(host: str, port: int, as_json: bool) -> None:
         click.echo(msgspec.json.encode({"health": health, "stats": stats}).decode())
         return
     click.echo(f"metrale at {host}:{port}: {'healthy' if health.healthy else 'UNHEALTHY'}")
+    replicas = any(p.replica for p in health.processes)
+    grouped = {p.replica for p in health.processes if p.rank}  # replicas whose workers form a group of ranks
     for p in health.processes:
         state = "alive" if p.alive else "DOWN"
-        click.echo(f"{p.name:<12} pid {p.pid:<8} up {p.uptime_s:9.1f} s  restarts {p.restarts:<3} {state}")
+        where = (f" replica {p.replica}" if replicas and p.name != "frontend" else "") + \
+            (f" rank {p.rank}" if p.name == "gpu_worker" and p.replica in grouped else "")
+        click.echo(f"{p.name:<12} pid {p.pid:<8} up {p.uptime_s:9.1f} s  restarts {p.restarts:<3} {state}{where}")
     click.echo(f"last fault: {health.last_fault or 'none'}")
     if stats is None:
         click.echo(f"engine: no counters ({why})")
