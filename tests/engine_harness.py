@@ -11,7 +11,9 @@ from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams
 
 THINK_START, THINK_END = 2, 3
-TOKS = SpecialTokens(think_start=THINK_START, think_end=THINK_END)
+CODE_FENCE, TOOL_START, TOOL_END = 46, 45, 44  # ordinary ids the toy model also picks: adaptive masks change
+TOKS = SpecialTokens(think_start=THINK_START, think_end=THINK_END, code_fence=CODE_FENCE,
+                     tool_call_start=TOOL_START, tool_call_end=TOOL_END)
 
 
 @dataclass
@@ -59,11 +61,12 @@ def run_workload(
     stream_interval: int = 1,
     max_burst: int = 1,
     contain_failures: bool = False,
+    deferred: bool = False,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each."""
     dev = FakeDevice(
         num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len,
-        num_swap_blocks=num_swap_blocks, max_burst=max_burst,
+        num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred,
     )
     eng = EngineCore(
         dev,

@@ -18,27 +18,42 @@ from engine_harness import THINK_START, Req, run_workload
 VOCAB = 48
 
 
+PREFIXES = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+
+
 @st.composite
 def requests(draw) -> Req:
+    """A request as serving traffic brings them: often sharing a prompt prefix (blocks of 4 in the harness),
+    with any sampling knob, mask kind and priority, arriving while others decode, sometimes aborted."""
     prompt = draw(st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24))
+    if draw(st.booleans()):
+        prompt = draw(st.sampled_from(PREFIXES)) + prompt[: draw(st.integers(0, 6))]
     max_tokens = draw(st.integers(1, 30))
     think = draw(st.one_of(st.none(), st.integers(0, 6)))
     if think is not None and draw(st.booleans()):
         prompt = prompt + [THINK_START]  # a template that opens the thinking block
+    penalty = draw(st.sampled_from([0.0, 0.0, 0.0, 0.5, -0.3]))
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=draw(st.sampled_from([0.0, 0.0, 0.7, 1.3])),
         top_k=draw(st.sampled_from([0, 0, 5])),
+        top_p=draw(st.sampled_from([1.0, 1.0, 0.9])),
+        min_p=draw(st.sampled_from([0.0, 0.0, 0.05])),
+        presence_penalty=penalty,
+        frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.2])) if penalty else 0.0,
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.1])),
         seed=draw(st.integers(0, 2**32)),
         stop_token_ids=draw(st.lists(st.integers(4, VOCAB - 1), max_size=2)),
         min_tokens=draw(st.integers(0, min(4, max_tokens))),
         max_thinking_tokens=think,
+        adaptive_sampling=draw(st.booleans()),
         ignore_eos=draw(st.booleans()),
+        priority=draw(st.sampled_from([0, 0, 0, 1, -1])),
     )
     return Req(
         prompt=prompt,
         params=params,
-        arrive_tick=draw(st.integers(0, 25)),
+        arrive_tick=draw(st.integers(0, 60)),
         abort_after=draw(st.one_of(st.none(), st.none(), st.integers(0, 12))),
     )
 
@@ -53,17 +68,19 @@ workloads = st.lists(requests(), min_size=1, max_size=12)
     seqs=st.sampled_from([2, 4, 8]),
     mode=st.sampled_from(["recompute", "swap"]),
     swap_blocks=st.integers(0, 40),
+    deferred=st.booleans(),
 )
-def test_pipelined_streams_equal_synchronous_for_any_workload(reqs, small_pool, seqs, mode, swap_blocks):
-    """Arrivals, stops, aborts, think budgets, min_tokens, seeds, a dry pool with preemption by swap or
-    recompute: the same streams as the synchronous loop with room to spare, and no block leaked."""
+def test_pipelined_streams_equal_synchronous_for_any_workload(reqs, small_pool, seqs, mode, swap_blocks, deferred):
+    """Arrivals during decode, stops, aborts, shared prefixes, penalties, top-p/min-p, priorities, every mask
+    kind, a dry pool with preemption by swap or recompute, and a device that runs steps behind the host: the
+    same streams as the synchronous loop with room to spare, and no block leaked."""
     reference = run_workload(reqs, pipeline=False, max_num_seqs=seqs)
-    piped = run_workload(reqs, pipeline=True, max_num_seqs=seqs)
+    piped = run_workload(reqs, pipeline=True, max_num_seqs=seqs, deferred=deferred)
     assert piped.streams == reference.streams
     assert piped.finish == reference.finish
     small = dict(num_kv_blocks=small_pool, max_num_seqs=seqs, preemption_mode=mode, num_swap_blocks=swap_blocks)
     small_sync = run_workload(reqs, pipeline=False, **small)
-    small_piped = run_workload(reqs, pipeline=True, **small)
+    small_piped = run_workload(reqs, pipeline=True, deferred=deferred, **small)
     assert small_piped.streams == small_sync.streams == reference.streams
     assert small_piped.finish == small_sync.finish == reference.finish
 
@@ -151,7 +168,7 @@ def test_repick_only_stale_mask_is_resampled_on_the_host():
         think + others,
         pipeline=True,
         policy=FedAheadPolicy.REPICK_ONLY,
-        lane_faults=PipelineFaults(ignore_ahead_allowed=True),
+        lane_faults=None,
     )
     assert forced.engine.io.effects["ReadLogits"] > 0, "no stale mask was met: the test did not test"
     assert forced.streams == reference.streams
@@ -162,7 +179,7 @@ def test_rewind_stale_mask_redoes_the_step():
     think = [Req([5, 6, THINK_START], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, max_thinking_tokens=2))]
     others = [Req([8 + i, 9], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i in range(3)]
     reference = run_workload(think + others, pipeline=False)
-    forced = run_workload(think + others, pipeline=True, lane_faults=PipelineFaults(ignore_ahead_allowed=True))
+    forced = run_workload(think + others, pipeline=True)
     assert forced.engine.io.effects["Rollback"] > 0
     assert forced.streams == reference.streams
 
