@@ -28,12 +28,15 @@ from metrale.ipc.messages import (
     AbortRequest,
     AddRequest,
     EngineInput,
+    EngineLoad,
     EngineOutput,
     EngineOutputs,
     EngineReady,
     RequestOutputDelta,
     StatsRequest,
     StatsResponse,
+    WorkerBack,
+    WorkerLost,
 )
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.plan import DeviceError
@@ -120,6 +123,7 @@ class EngineCoreProcess:
         options = EngineOptions.from_args(args.serve.engine, recover_from_device_loss=True)
         options.stream_interval = args.serve.stream_interval
         self.engine = EngineCore(self.device, options, special_tokens=SpecialTokens(**args.special_tokens))
+        self._replicated = args.serve.engine.data_parallel_size > 1
         self._send(EngineReady(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                                num_kv_blocks=info.num_kv_blocks, block_size=info.block_size))
         log.info("engine core ready: %s, %d KV blocks of %d", info.name, info.num_kv_blocks, info.block_size)
@@ -137,7 +141,8 @@ class EngineCoreProcess:
                 log.exception("engine core: a tick failed; its requests are retried alone, then failed")
                 outputs = self.engine.contain_failure(exc)
             if outputs or time.monotonic() - self._sent_at >= HEARTBEAT_S:
-                self._send(EngineOutputs(outputs=outputs))  # an empty one is the heartbeat: work goes on
+                # An empty one is the heartbeat: work goes on. Replicas also say how busy they are (routing).
+                self._send(EngineOutputs(outputs=outputs, load=self._load() if self._replicated else None))
             if outputs and (self._unproven or self._recovered_at is not None):
                 self._note_worker_progress()
             if self.engine.device_lost:
@@ -181,7 +186,14 @@ class EngineCoreProcess:
             stats = self.engine.stats()
             worker = self.device.worker_stats()
             stats.worker_busy_s, stats.worker_idle_s = worker.busy_ns / 1e9, worker.idle_ns / 1e9
+            cache = self.engine.pool.stats  # the hit rate's two counts, so that replicas' rates can be summed
+            stats.prefix_cache_hit_tokens, stats.prefix_cache_queried_tokens = cache.hit_tokens, cache.queried_tokens
             self._send(StatsResponse(id=msg.id, stats=stats))
+
+    def _load(self) -> EngineLoad:
+        """How busy this engine core is now (for the frontend's routing between replicas)."""
+        sched, pool = self.engine.scheduler, self.engine.pool
+        return EngineLoad(len(sched.running), sched.num_waiting, pool.num_used, pool.num_blocks)
 
     def _refuse(self, request_id: str, code: ErrorCode, message: str) -> None:
         self._send(EngineOutputs(outputs=[RequestOutputDelta(request_id, [], "error", None, message, code.value)]))
@@ -197,6 +209,7 @@ class EngineCoreProcess:
         if failed:
             self._send(EngineOutputs(outputs=failed))
         log.warning("worker lost (%s); %d requests wait for a new one", lost, self.engine.scheduler.num_waiting)
+        self._send(WorkerLost(why=lost))  # a frontend with other replicas moves them there meanwhile
         self.waiting_for_worker = True
         try:
             while not self.stopping:
@@ -212,6 +225,7 @@ class EngineCoreProcess:
             return
         self._unproven = True
         self._recovered_at = time.monotonic()
+        self._send(WorkerBack())
         log.info("new worker ready %.3f s after the loss (ready at monotonic %.6f)", self._recovered_at - t_lost,
                  self._recovered_at)
 

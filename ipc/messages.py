@@ -97,6 +97,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     generated_tokens: int = 0
     worker_busy_s: float = 0.0  # the worker's time executing steps, since it started
     worker_idle_s: float = 0.0  # the worker's time waiting for the engine core's next plan
+    prefix_cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache (hit rate = hits / queried)
+    prefix_cache_queried_tokens: int = 0
+    # Data parallel: the frontend's sums over every replica hold each replica's own counters here, in order.
+    replicas: list[EngineStats] = []
 
 
 class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):
@@ -126,6 +130,7 @@ class Health(msgspec.Struct, tag="health_reply", kw_only=True):
     ready: bool = True  # an engine core is up and the server takes requests
     waiting_for: str | None = None  # why it is not healthy now: what it waits for
     progress_s: float = 0.0  # seconds since the engine core last reported progress, while requests are live
+    replicas_ready: list[bool] = []  # data parallel: which replicas' engine cores are up, in order
 
 
 class ModelInfoReply(msgspec.Struct, tag="model_info_reply", kw_only=True):
@@ -179,10 +184,31 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     error_code: str | None = None  # with finish_reason "error": an ErrorCode value (ipc/errors.py)
 
 
+class EngineLoad(msgspec.Struct, array_like=True):
+    """How busy an engine core is (for the frontend's routing between data-parallel replicas)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
 class EngineOutputs(msgspec.Struct, tag="outputs", kw_only=True):
-    """Everything one tick produced."""
+    """Everything one tick produced (and, under data parallel, the engine core's load after it)."""
 
     outputs: list[RequestOutputDelta] = []
+    load: EngineLoad | None = None
+
+
+class WorkerLost(msgspec.Struct, tag="worker_lost", kw_only=True):
+    """The engine core's worker (group) died: its requests wait for a new one (the frontend of several replicas
+    moves them to another at once)."""
+
+    why: str = ""
+
+
+class WorkerBack(msgspec.Struct, tag="worker_back", kw_only=True):
+    """The engine core serves again after a WorkerLost (its new worker is ready)."""
 
 
 class StatsResponse(msgspec.Struct, tag="stats_resp", kw_only=True):
@@ -199,4 +225,4 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     block_size: int
 
 
-EngineOutput = EngineOutputs | StatsResponse | EngineReady
+EngineOutput = EngineOutputs | StatsResponse | EngineReady | WorkerLost | WorkerBack

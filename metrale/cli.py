@@ -193,10 +193,12 @@ def status(host: str, port: int, as_json: bool) -> None:
     if stats is None:
         click.echo(f"engine: no counters ({why})")
     else:
-        click.echo(
-            f"engine: {stats.running} running, {stats.waiting} waiting, KV blocks {stats.kv_blocks_used} used / "
-            f"{stats.kv_blocks_cached} cached / {stats.kv_blocks_total} total, {stats.generated_tokens} tokens generated"
-        )
+        for label, s in [("engine", stats), *((f"replica {k}", r) for k, r in enumerate(stats.replicas))]:
+            click.echo(
+                f"{label}: {s.running} running, {s.waiting} waiting, KV blocks {s.kv_blocks_used} used / "
+                f"{s.kv_blocks_cached} cached / {s.kv_blocks_total} total, {s.generated_tokens} tokens generated, "
+                f"prefix-cache hit rate {s.prefix_cache_hit_rate:.2f}"
+            )
 
 
 if __name__ == "__main__":
