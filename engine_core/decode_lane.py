@@ -22,7 +22,7 @@ from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy
 
 from .commit import commit_tokens
 from .host_sampler import host_sample
-from .pipeline import Inflight, Pipeline, PipelineFaults, Settled, row_mask
+from .pipeline import Inflight, Pipeline, Settled, row_mask
 from .scheduler import ScheduledStep
 from .sequence import Sequence
 from .step_io import ReadLogits, Rollback, StepIo
@@ -98,7 +98,7 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
         tokens = host_sample(logits, inf.seqs, masks)
     commit_tokens(io, inf.seqs, tokens, result, inf.discard)
     if nxt is not None:
-        poisoned = validate_next(nxt, inf, device_tokens, io, pipeline.faults)
+        poisoned = validate_next(nxt, device_tokens, io)
         for s in poisoned:
             # A RepickOnly model ran this row from an input the host did not commit; its recurrent
             # state cannot be rewound, so the row fails. The other rows are unaffected.
@@ -108,14 +108,13 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
     return Settled.DONE
 
 
-def validate_next(nxt: Inflight, prev: Inflight, prev_tokens: np.ndarray, io: StepIo, faults: PipelineFaults) -> list[Sequence]:
+def validate_next(nxt: Inflight, prev_tokens: np.ndarray, io: StepIo) -> list[Sequence]:
     """Decide which rows of the step launched ahead are over-runs or stale, give back their reserved KV, and
     give the fed survivors their launch bookkeeping. Returns the rows that are poisoned (RepickOnly over-runs
     that did not finish)."""
     repick_only = io.device.model().fed_ahead_policy == FedAheadPolicy.REPICK_ONLY
     poisoned = []
     fed_tokens = prev_tokens.tolist()
-    keep_overrun = faults.keep_overrun
     stale = False
     for i, (s, src, written) in enumerate(zip(nxt.seqs, nxt.fed_from, nxt.written)):
         if src == FEED_HOST:
@@ -123,8 +122,8 @@ def validate_next(nxt: Inflight, prev: Inflight, prev_tokens: np.ndarray, io: St
             continue
         over_run = s.finished or s.tokens[-1] != fed_tokens[src] or s.num_computed != written
         if over_run:
-            nxt.discard[i] = not keep_overrun
-            if repick_only and nxt.discard[i] and not s.finished:
+            nxt.discard[i] = True
+            if repick_only and not s.finished:
                 poisoned.append(s)
         elif row_mask(s, io.toks, io.eos_ids) != nxt.masks[i]:  # its pick was made under a mask now stale
             if repick_only:

@@ -27,7 +27,7 @@ from .commit import commit_tokens
 from .decode_burst import Burst, burst_length, launch_burst, settle_burst
 from .decode_lane import discard_row, drain, fail_rows, launch, settle
 from .kv_blocks import KvBlockPool
-from .pipeline import Pipeline, PipelineFaults, SpecialTokens, can_feed, init_row_state, row_mask
+from .pipeline import Pipeline, SpecialTokens, can_feed, init_row_state, row_mask
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .step_builder import StepBuilder
@@ -82,7 +82,6 @@ class EngineCore:
         *,
         special_tokens: SpecialTokens = SpecialTokens(),
         clock: Callable[[], float] = time.monotonic,
-        faults: PipelineFaults | None = None,
     ):
         self.options = options = options or EngineOptions()
         self.device = device
@@ -113,8 +112,7 @@ class EngineCore:
             swap=swap,
         )
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
-        self.pipeline = Pipeline(faults=faults or PipelineFaults())
-        self.io.faults = self.pipeline.faults
+        self.pipeline = Pipeline()
         self.io.recover = options.recover_from_device_loss
         # Bursts need a device that runs several steps of one ticket (await_burst, up to its burst_limit):
         # up to decode_burst steps for rows that report at their finish, stream_interval for streamed ones.
@@ -122,6 +120,7 @@ class EngineCore:
         self._burst_limits = (min(options.decode_burst, device_limit), min(options.stream_interval, device_limit))
         self.burst: Burst | None = None  # the decode burst in flight
         self.requests: dict[str, Sequence] = {}
+        self._outbox: dict[int, Sequence] = {}  # sequences with tokens or a finish to report (Sequence.outbox)
         self._rng = random.Random(options.seed)
         self._arrivals = 0
         self.num_steps = 0
@@ -170,6 +169,7 @@ class EngineCore:
             arrival=self._arrivals,
             stream=stream,
             cache_salt=cache_salt,
+            outbox=self._outbox,
         )
         self.scheduler.check_admissible(seq)
         self._arrivals += 1
@@ -335,15 +335,17 @@ class EngineCore:
         head.finish("error", f"the KV cache ({self.pool.num_blocks} blocks) cannot hold this request")
 
     def _take_outputs(self) -> list[RequestOutputDelta]:
-        """The deltas of every request that committed tokens or finished since the last call.
+        """The deltas of every request that committed tokens or finished since the last call (the outbox:
+        the tick's cost follows what happened, not how many requests there are).
 
-        A finished request stays listed until its blocks are freed, so anything committed to it after
-        its finish (which validation exists to prevent) would show, not vanish.
+        A finished request stays listed (and in the outbox) until its blocks are freed, so anything committed
+        to it after its finish (which validation exists to prevent) would show, not vanish.
         """
         out = []
-        gone = []
         interval = self.options.stream_interval
-        for rid, seq in self.requests.items():
+        outbox = self._outbox
+        for key, seq in list(outbox.items()):
+            rid = seq.request_id
             finishing = seq.finished and not seq.reported_finish
             pending = len(seq.pending)
             # Streamed tokens are due every `interval`; the first ones (nothing reported yet) at once.
@@ -363,10 +365,13 @@ class EngineCore:
                 seq.pending = []
                 seq.pending_logprobs = []
                 seq.reported_finish = seq.finished
-            if seq.finished and not seq.block_table:
-                gone.append(rid)
-        for rid in gone:
-            del self.requests[rid]
+            if seq.finished:
+                if not seq.block_table:  # its blocks are freed: nothing more can come of it
+                    del outbox[key]
+                    if self.requests.get(rid) is seq:
+                        del self.requests[rid]
+            elif not seq.pending:
+                del outbox[key]
         return out
 
     # ---- facts ----------------------------------------------------------------------

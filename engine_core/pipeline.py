@@ -6,7 +6,7 @@ The lane itself (launch ahead, settle, validate, drain) is in decode_lane.py, as
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, MASK_NONE, Ticket
 
@@ -44,16 +44,6 @@ NO_MASK = RowMask()
 
 
 @dataclass(slots=True)
-class PipelineFaults:
-    """Faults a test injects to show which check makes the lane correct."""
-
-    keep_overrun: bool = False  # commit over-run rows as if their launch had been valid
-    ignore_stale_masks: bool = False  # let a step launched ahead stand when a row's mask changed meanwhile
-    # The host commits a token other than the device's: (request id, output index) gets token + 1.
-    rewrite_commit: tuple[str, int] | None = None
-
-
-@dataclass(slots=True)
 class Inflight:
     """A launched step and what the host knew when it launched it (per row, in plan order)."""
 
@@ -75,7 +65,6 @@ class Pipeline:
 
     inflight: Inflight | None = None
     next: Inflight | None = None
-    faults: PipelineFaults = field(default_factory=PipelineFaults)
 
     def has_inflight(self) -> bool:
         return self.inflight is not None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 
 from metrale.engine_core.engine import EngineCore, EngineOptions
 from metrale.engine_core.fake_device import FakeDevice, FakeFaults
-from metrale.engine_core.pipeline import PipelineFaults, SpecialTokens
+from metrale.engine_core.pipeline import SpecialTokens
+from metrale.engine_core.step_io import StepIo
 from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams
 
@@ -34,6 +37,7 @@ class Run:
     errors: dict[str, str] = field(default_factory=dict)
     error_codes: dict[str, str] = field(default_factory=dict)
     failures: int = 0  # ticks that raised and were contained
+    effects: Counter = field(default_factory=Counter)  # StepIo effects applied, by kind (count_effects=True)
     ticks: int = 0
     recoveries: int = 0
     engine: EngineCore | None = None
@@ -49,7 +53,7 @@ def run_workload(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
     policy: FedAheadPolicy = FedAheadPolicy.REWIND,
-    lane_faults: PipelineFaults | None = None,
+    count_effects: bool = False,
     device_faults: FakeFaults | None = None,
     prefix_caching: bool = True,
     max_ticks: int = 20_000,
@@ -80,9 +84,15 @@ def run_workload(
             stream_interval=stream_interval,
         ),
         special_tokens=TOKS,
-        faults=lane_faults,
     )
     run = Run(engine=eng, device=dev)
+    with _counting(run.effects) if count_effects else contextlib.nullcontext():
+        _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures)
+    return run
+
+
+def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> None:
+    """Step the engine through the workload, recording its streams; check nothing leaked at the end."""
     pending = sorted(enumerate(reqs), key=lambda x: x[1].arrive_tick)
     aborted: set[str] = set()
     tick = 0
@@ -126,4 +136,19 @@ def run_workload(
     assert eng.pool.num_used == 0, "blocks still referenced after every request finished"
     assert dev.in_flight == 0, "a launched step was never awaited"
     assert eng.scheduler.swap.num_free == eng.scheduler.swap.num_blocks, "host swap blocks leaked"
-    return run
+
+
+@contextlib.contextmanager
+def _counting(effects: Counter):
+    """Count every StepIo effect applied meanwhile, by kind (the engine itself keeps no counters)."""
+    apply = StepIo.apply
+
+    def counted(io, effect):
+        effects[type(effect).__name__] += 1
+        return apply(io, effect)
+
+    StepIo.apply = counted
+    try:
+        yield
+    finally:
+        StepIo.apply = apply
