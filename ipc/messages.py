@@ -110,7 +110,7 @@ class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):
     stats: EngineStats
 
 
-class ProcessHealth(msgspec.Struct, kw_only=True):
+class ProcessHealth(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str  # frontend | engine_core | gpu_worker
     pid: int
     uptime_s: float
