@@ -97,6 +97,10 @@ class EngineLink:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # the engine core is trusted: never drop what it must see
             sock.setsockopt(zmq.RCVHWM, 0)
+        if input_address.startswith("tcp://"):  # a replica on another host: notice a host that vanished too
+            for sock in (self._to_engine, self._from_engine):
+                sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         self._to_engine.bind(input_address)
         self._from_engine.bind(output_address)
         self._monitor = self._from_engine.get_monitor_socket(zmq.EVENT_DISCONNECTED)

@@ -53,6 +53,14 @@ def main() -> None:
               help="engine replicas (each with its own worker ranks) behind the one frontend, routed by load and prefix.")
 @click.option("--all-reduce", default="auto", type=click.Choice(["auto", "shm", "gloo"]), show_default=True,
               help="how tensor-parallel ranks on one CPU host sum: shared memory (auto) or gloo.")
+@click.option("--nnodes", default=1, type=click.IntRange(min=1), show_default=True,
+              help="hosts this server spans (run `metrale serve` on each, with its --node-rank).")
+@click.option("--node-rank", default=0, type=click.IntRange(min=0), show_default=True,
+              help="this host's place among --nnodes (node 0 runs the frontend).")
+@click.option("--master-addr", default="127.0.0.1", show_default=True,
+              help="node 0's address, where the nodes meet (a torch.distributed TCP store).")
+@click.option("--master-port", default=29500, show_default=True,
+              help="the store's port on node 0; replicas on other nodes also use the ports just above it.")
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
     from metrale.supervisor import StartupError, Supervisor
@@ -87,7 +95,8 @@ def serve(**o) -> None:
     config = ServeConfig(
         engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"],
         stream_interval=o["stream_interval"], shutdown_timeout_s=o["shutdown_timeout"],
-        worker_hang_timeout_s=o["worker_hang_timeout"],
+        worker_hang_timeout_s=o["worker_hang_timeout"], nnodes=o["nnodes"], node_rank=o["node_rank"],
+        master_addr=o["master_addr"], master_port=o["master_port"],
     )
     try:
         sup = Supervisor(config)
@@ -102,8 +111,14 @@ def serve(**o) -> None:
         except StartupError as e:
             sup.stop()
             _fail(str(e))
-        http = f", HTTP on {sup.endpoints.http_endpoint}" if sup.endpoints and sup.endpoints.http_endpoint else ""
-        click.echo(f"metrale serving {sup.model_dir} on {sup.client_address}{http} (pid {os.getpid()})")
+        if config.node_rank > 0:
+            lay = sup.layout
+            what = f"replicas {list(lay.replicas)}" if lay.replicas else f"tensor-parallel ranks {list(lay.ranks)}"
+            click.echo(f"metrale node {config.node_rank} of {config.nnodes} running {what} of {sup.model_dir} for "
+                       f"{config.master_addr}:{config.master_port} (pid {os.getpid()})")
+        else:
+            http = f", HTTP on {sup.endpoints.http_endpoint}" if sup.endpoints and sup.endpoints.http_endpoint else ""
+            click.echo(f"metrale serving {sup.model_dir} on {sup.client_address}{http} (pid {os.getpid()})")
         sys.stdout.flush()
         sup.watch()
     finally:

@@ -89,3 +89,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
     shutdown_timeout_s: float = 0.0  # on SIGTERM / Ctrl-C, live requests get this long to finish
     worker_hang_timeout_s: float = 10.0  # the least time a step may take before its worker counts as hung
+    # Several hosts: node 0 runs the frontend; the nodes meet at node 0's master address (a torch.distributed
+    # TCP store there). See metrale/node_layout.py for what each node runs.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500

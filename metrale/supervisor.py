@@ -43,6 +43,7 @@ from metrale.children import Child, RestartPolicy, WorkerGroup
 from metrale.config import EngineArgs, ServeConfig
 from metrale.health_file import HealthFile, read_health
 from metrale.ipc.messages import Health, ProcessHealth
+from metrale.node_layout import layout, node_of_replica, replica_addresses
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, WORKER_HUNG, ChildStatus, StatusInbox
 
 log = logging.getLogger("metrale.supervisor")
@@ -107,8 +108,27 @@ class Supervisor:
         self.run_dir = Path(tempfile.mkdtemp(prefix="metrale-run-"))
         config.run_dir = str(self.run_dir)
         self.env = {**os.environ, "METRALE_SUPERVISOR_PID": str(os.getpid())}
-        self.replicas = [self._replica(k) for k in range(config.engine.data_parallel_size)]
-        self.frontend = Child("frontend", self._frontend_argv())
+        try:
+            self.layout = layout(config)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        local_ranks = max(1, len(self.layout.replicas)) * len(self.layout.ranks)
+        self._threads_env = _worker_env(config.engine, local_ranks)
+        self.replicas = [self._replica(k) for k in self.layout.replicas]
+        # Node 0 runs the frontend; another node of a group spanning the nodes runs only its ranks of it.
+        self.frontend = Child("frontend", self._frontend_argv()) if config.node_rank == 0 else None
+        self.follower: WorkerGroup | None = None
+        if self.layout.spans_nodes and config.node_rank > 0:
+            self.follower = WorkerGroup("gpu_worker", self._follower_argvs, self._threads_env)
+        self.node_store = None
+        if self.layout.multi_node:
+            from metrale.node_store import NodeStore
+
+            try:
+                self.node_store = NodeStore(config.master_addr, config.master_port, hosting=config.node_rank == 0)
+            except Exception as e:  # noqa: BLE001 - a port in use, a master that never came
+                raise StartupError(f"--master-addr {config.master_addr} --master-port {config.master_port}: "
+                                   f"the nodes cannot meet there ({e})") from None
         self.worker_pids: set[int] = set()  # every rank 0 started (a killed one may leave its all-reduce segment)
         self.healthy = True  # False once a child is given up on
         self.last_fault: str | None = None
@@ -122,8 +142,9 @@ class Supervisor:
     def _replica(self, k: int) -> Replica:
         """Replica k's children (not started) and addresses; replica 0 keeps the single-engine names."""
         tag = "" if k == 0 else f"-{k}"
-        rep = Replica(k, Child("engine_core", []), WorkerGroup("gpu_worker", lambda g: [], _worker_env(self.config.engine)),
-                      self._ipc(f"engine-in{tag}"), self._ipc(f"engine-out{tag}"), self.run_dir / f"worker-served{tag}")
+        inp, out = self._engine_addresses(k)
+        rep = Replica(k, Child("engine_core", []), WorkerGroup("gpu_worker", lambda g: [], self._threads_env),
+                      inp, out, self.run_dir / f"worker-served{tag}")
         rep.workers.argvs = lambda generation, rep=rep: self._worker_argvs(rep, generation)
         return rep
 
@@ -166,12 +187,21 @@ class Supervisor:
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.run_dir / name}"
 
+    def _engine_addresses(self, k: int) -> tuple[str, str]:
+        """Replica k's engine-core addresses: ipc:// in the run folder when it runs beside the frontend, else TCP to
+        node 0 (metrale/node_layout.py)."""
+        if node_of_replica(self.config, k) == 0 and self.config.node_rank == 0:
+            tag = "" if k == 0 else f"-{k}"
+            return self._ipc(f"engine-in{tag}"), self._ipc(f"engine-out{tag}")
+        return replica_addresses(self.config, k)
+
     def _frontend_argv(self) -> list[str]:
+        every = [self._engine_addresses(k) for k in range(self.config.engine.data_parallel_size)]
         fe = {
             "model_dir": self.model_dir,
-            "engine_input_address": self.replicas[0].input_address,
-            "engine_output_address": self.replicas[0].output_address,
-            "replica_addresses": [[r.input_address, r.output_address] for r in self.replicas[1:]],
+            "engine_input_address": every[0][0],
+            "engine_output_address": every[0][1],
+            "replica_addresses": [list(a) for a in every[1:]],
             "client_address": self.client_address,
             "max_model_len": self.max_model_len,
             "max_frame_bytes": self.config.max_frame_bytes,
@@ -196,7 +226,7 @@ class Supervisor:
             served_path=str(rep.served_path),
             status_address=self._ipc("status"),
             replica=rep.index,
-            ring_ranks=self.config.engine.tensor_parallel_size,
+            ring_ranks=self.layout.ring_ranks,
         )
         return [sys.executable, "-m", "metrale.engine_core.core", "--args", msgspec.json.encode(args).decode()]
 
@@ -210,19 +240,50 @@ class Supervisor:
         e = self.config.engine
         if e.tensor_parallel_size == 1:
             return [argv]
+        if self.layout.spans_nodes:
+            return [[*argv, "--group", worker_group.encode(spec)] for spec in self._spanning_specs(generation)]
         specs = worker_group.group_specs(e.tensor_parallel_size, generation=generation, all_reduce=e.all_reduce,
-                                         timeout_s=max(600.0, 3 * self.config.worker_hang_timeout_s))
+                                         timeout_s=self._group_timeout_s)
         return [[*argv, "--group", worker_group.encode(spec)] for spec in specs]
+
+    @property
+    def _group_timeout_s(self) -> float:
+        return max(600.0, 3 * self.config.worker_hang_timeout_s)
+
+    def _spanning_specs(self, generation: int) -> list:
+        """This node's ranks of a group spanning the nodes, meeting at node 0's store under the generation."""
+        from metrale.ipc.worker_group import GroupSpec
+
+        c, lay = self.config, self.layout
+        all_reduce = "gloo" if c.engine.all_reduce == "auto" else c.engine.all_reduce  # shm needs one host
+        first = lay.ranks[0]
+        return [GroupSpec(rank=r, size=lay.tensor_parallel_size, ring_ranks=lay.tensor_parallel_size // lay.nnodes,
+                          store_host=c.master_addr, store_port=c.master_port, rank0_hosts_store=False,
+                          generation=generation, all_reduce=all_reduce, timeout_s=self._group_timeout_s,
+                          local_rank=r - first)
+                for r in lay.ranks]
+
+    def _follower_argvs(self, generation: int) -> list[list[str]]:
+        """Command lines of this node's ranks (of a group spanning the nodes) for node 0's generation."""
+        from metrale.ipc import worker_group
+
+        kwargs = json.dumps(self.config.engine.runner_kwargs(self.model_dir))
+        return [[sys.executable, "-m", "metrale.gpu_worker.worker", "--runner-kwargs", kwargs, "--group",
+                 worker_group.encode(spec)] for spec in self._spanning_specs(generation)]
 
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self, ready_timeout_s: float = 600.0) -> None:
-        """Start every process and wait until a request can be served; StartupError (one line) if one cannot run."""
-        self.frontend.start(self.env, self.clock())
+        """Start every process and wait until a request can be served; StartupError (one line) if one cannot run.
+
+        Another node than node 0 starts its processes and returns (node 0's frontend says when the server serves)."""
+        if self.frontend is not None:
+            self.frontend.start(self.env, self.clock())
         for rep in self.replicas:
             self._start_engine(rep)
         self._write_health()
-        self._wait_until_serving(ready_timeout_s)
+        if self.frontend is not None:
+            self._wait_until_serving(ready_timeout_s)
 
     def _start_engine(self, rep: Replica) -> None:
         """A fresh engine core for a replica and, on its ring, a fresh worker group."""
@@ -239,12 +300,16 @@ class Supervisor:
         rep.workers.start(self.env, now)
         if rep.workers.ranks:
             self.worker_pids.add(rep.workers.ranks[0].pid)
+        if self.layout.spans_nodes:  # the other nodes start their ranks of this generation
+            self.node_store.publish_generation(rep.workers.generation)
 
     def _children(self) -> list[Child]:
         """Every process, the frontend first."""
-        out = [self.frontend]
+        out = [self.frontend] if self.frontend is not None else []
         for rep in self.replicas:
             out += [rep.engine, *rep.workers.ranks]
+        if self.follower is not None:
+            out += self.follower.ranks
         return out
 
     def _wait_until_serving(self, timeout_s: float) -> None:
@@ -273,8 +338,17 @@ class Supervisor:
 
     def watch(self) -> None:
         """Restart children that die, until stop() is called or a child is given up on (given_up says why)."""
+        from metrale.node_store import NodeStoreLost
+
         while not self._stop.wait(WATCH_INTERVAL_S):
-            self.check_children()
+            try:
+                self.check_children()
+                if self.frontend is None and self.node_store is not None and self.node_store.shutting_down():
+                    log.info("node 0 is shutting down; so is this node")
+                    return
+            except NodeStoreLost as e:  # only another node's supervisor talks to a store it does not host
+                log.warning("%s; this node stops too", e)
+                return
             if self.given_up is not None:
                 return
 
@@ -293,7 +367,13 @@ class Supervisor:
         while (status := self.inbox.receive(0)) is not None:
             self._note(status)
         now = self.clock()
+        if self.follower is not None:
+            self._follow(now)
         for rep in self.replicas:
+            if self.layout.spans_nodes and rep.workers.alive and self.node_store.lost(rep.workers.generation):
+                self.last_fault = f"a rank of generation {rep.workers.generation} died on another node"
+                log.warning("%s; restarting the whole group", self.last_fault)
+                rep.workers.kill()  # its deaths are noted below, and the group restarts as one
             if self._died(rep.engine, now, rep):
                 rep.workers.stop(grace_s=2.0)  # they served the dead engine's ring; fresh ones come with the next
                 rep.workers.restart_at = None
@@ -302,7 +382,8 @@ class Supervisor:
                 if self._died(rep.workers, now, rep) and rep.workers.size > 1:
                     rep.workers.kill()  # the rest of a broken group waits in collectives that cannot finish
                     self._sweep()
-        self._died(self.frontend, now)
+        if self.frontend is not None:
+            self._died(self.frontend, now)
         for rep in self.replicas:
             if self._due(rep.engine, now):
                 rep.engine.restarts += 1
@@ -314,11 +395,30 @@ class Supervisor:
                 self._start_workers(rep, now)
                 log.warning("worker%s restarted (restart %d)", "s" + _of(rep) if rep.workers.size > 1 else _of(rep),
                             rep.workers.restarts)
-        if self._due(self.frontend, now):
+        if self.frontend is not None and self._due(self.frontend, now):
             self.frontend.restarts += 1
             self.frontend.start(self.env, now)
             log.warning("frontend restarted on %s (restart %d)", self.client_address, self.frontend.restarts)
         self._write_health()
+
+    def _follow(self, now: float) -> None:
+        """Another node's ranks of a group spanning the nodes: run node 0's current generation; when one of ours
+        dies, say so (node 0 restarts the whole group) and wait for the next generation."""
+        group, store = self.follower, self.node_store
+        current = store.generation()
+        if group.ranks and not group.alive and group.restart_at is None:
+            self.last_fault = f"{group.name} (pid {group.pid}) {_how_it_ended(group.proc.returncode)}"
+            log.warning("%s; waiting for node 0 to restart the group", self.last_fault)
+            store.report_lost(group.generation)
+            group.kill()
+            group.restart_at = NEVER  # until node 0 starts a new generation
+        if current > group.generation:
+            if group.ranks:
+                group.kill()
+                group.restarts += 1
+            group.generation = current - 1  # start() moves on to it
+            group.start(self.env, now)
+            log.info("node %d: ranks %s of generation %d started", self.config.node_rank, list(self.layout.ranks), current)
 
     def _died(self, child: Child | WorkerGroup, now: float, rep: Replica | None = None) -> bool:
         """True when child has just been found dead: record the fault and schedule (or refuse) its restart."""
@@ -367,11 +467,16 @@ class Supervisor:
         The frontend goes first and is given shutdown_timeout_s (plus a margin) to let live requests finish and
         to send every one left its final message, while the engine cores and the workers still run."""
         self._stop.set()
-        self.frontend.stop(grace_s=self.config.shutdown_timeout_s + 5.0)
+        if self.node_store is not None and self.config.node_rank == 0:
+            self.node_store.announce_shutdown()
+        if self.frontend is not None:
+            self.frontend.stop(grace_s=self.config.shutdown_timeout_s + 5.0)
         for rep in self.replicas:
             rep.engine.stop(grace_s=10.0)
         for rep in self.replicas:
             rep.workers.stop(grace_s=5.0)
+        if self.follower is not None:
+            self.follower.stop(grace_s=5.0)
         self._sweep(everything=True)
         self.inbox.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -399,7 +504,7 @@ class Supervisor:
             return ProcessHealth(name=c.name, pid=c.pid, uptime_s=now - c.started if c.alive else 0.0,
                                  restarts=restarts, alive=c.alive, replica=replica, rank=rank)
 
-        procs = [entry(self.frontend, self.frontend.restarts)]
+        procs = [entry(self.frontend, self.frontend.restarts)] if self.frontend is not None else []
         for rep in self.replicas:
             procs.append(entry(rep.engine, rep.engine.restarts, rep.index))
             ranks = rep.workers.ranks or [Child(rep.workers.role, [])]
@@ -426,12 +531,11 @@ def _how_it_ended(code: int) -> str:
         return f"was killed by signal {-code}"
 
 
-def _worker_env(engine: EngineArgs) -> dict[str, str]:
+def _worker_env(engine: EngineArgs, ranks: int) -> dict[str, str]:
     """Each worker rank's torch threads on a CPU: --worker-threads, else default_worker_threads() shared evenly by
-    every rank of every replica."""
+    the ranks that run on this node."""
     if engine.device not in (None, "cpu"):
         return {}
-    ranks = engine.tensor_parallel_size * engine.data_parallel_size
     return {"OMP_NUM_THREADS": str(engine.worker_threads or max(1, default_worker_threads(os.cpu_count() or 1) // ranks))}
 
 
