@@ -13,9 +13,15 @@ One node: everything. Several (`--nnodes N`), two layouts, both with the fronten
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass
 
 from metrale.config import ServeConfig
+from metrale.ipc import worker_group
+from metrale.ipc.worker_group import GroupSpec
+
+WORKER_MODULE = "metrale.gpu_worker.worker"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,3 +74,28 @@ def node_of_replica(config: ServeConfig, k: int) -> int:
     if config.nnodes == 1 or config.engine.data_parallel_size % config.nnodes:
         return 0
     return k // (config.engine.data_parallel_size // config.nnodes)
+
+
+def worker_argvs(config: ServeConfig, lay: NodeLayout, model_dir: str, ring: str | None, generation: int) -> list[list[str]]:
+    """The command lines of this node's worker ranks of one group, for its generation-th start.
+
+    ring: the engine core's ticket ring they serve (None: ranks off the engine core's host, which get their plans
+    from rank 0). One host: rank 0 hosts the rendezvous at a port fresh for this start. A group spanning the nodes
+    meets at node 0's store under the generation's key prefix, and sums over gloo (shared memory is one host's)."""
+    e = config.engine
+    argv = [sys.executable, "-m", WORKER_MODULE, "--runner-kwargs", json.dumps(e.runner_kwargs(model_dir))]
+    if ring is not None:
+        argv += ["--ring", ring]
+    timeout_s = max(600.0, 3 * config.worker_hang_timeout_s)
+    if e.tensor_parallel_size == 1:
+        return [argv]
+    if not lay.spans_nodes:
+        specs = worker_group.group_specs(e.tensor_parallel_size, generation=generation, all_reduce=e.all_reduce,
+                                         timeout_s=timeout_s)
+    else:
+        all_reduce = "gloo" if e.all_reduce == "auto" else e.all_reduce
+        specs = [GroupSpec(rank=r, size=lay.tensor_parallel_size, ring_ranks=lay.tensor_parallel_size // lay.nnodes,
+                           store_host=config.master_addr, store_port=config.master_port, rank0_hosts_store=False,
+                           generation=generation, all_reduce=all_reduce, timeout_s=timeout_s, local_rank=r - lay.ranks[0])
+                 for r in lay.ranks]
+    return [[*argv, "--group", worker_group.encode(spec)] for spec in specs]

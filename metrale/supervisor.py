@@ -41,9 +41,9 @@ import msgspec
 
 from metrale.children import Child, RestartPolicy, WorkerGroup
 from metrale.config import EngineArgs, ServeConfig
-from metrale.health_file import HealthFile, read_health
+from metrale.health_file import HealthFile
 from metrale.ipc.messages import Health, ProcessHealth
-from metrale.node_layout import layout, node_of_replica, replica_addresses
+from metrale.node_layout import layout, node_of_replica, replica_addresses, worker_argvs
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, WORKER_HUNG, ChildStatus, StatusInbox
 
 log = logging.getLogger("metrale.supervisor")
@@ -211,7 +211,7 @@ class Supervisor:
             "status_address": self._ipc("status"),
             "shutdown_timeout_s": self.config.shutdown_timeout_s,
         }
-        return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), str(self.health_path)]
+        return [sys.executable, "-m", "metrale.frontend_process", json.dumps(fe), str(self.health_path)]
 
     def _engine_argv(self, rep: Replica, token: str) -> list[str]:
         from metrale.engine_core.core import EngineCoreArgs
@@ -232,44 +232,11 @@ class Supervisor:
 
     def _worker_argvs(self, rep: Replica, generation: int) -> list[list[str]]:
         """One command line per worker rank of replica rep, for its generation-th start (a fresh rendezvous)."""
-        from metrale.ipc import worker_group
-
-        kwargs = self.config.engine.runner_kwargs(self.model_dir)
-        argv = [sys.executable, "-m", "metrale.gpu_worker.worker", "--ring", rep.ring_name, "--runner-kwargs",
-                json.dumps(kwargs)]
-        e = self.config.engine
-        if e.tensor_parallel_size == 1:
-            return [argv]
-        if self.layout.spans_nodes:
-            return [[*argv, "--group", worker_group.encode(spec)] for spec in self._spanning_specs(generation)]
-        specs = worker_group.group_specs(e.tensor_parallel_size, generation=generation, all_reduce=e.all_reduce,
-                                         timeout_s=self._group_timeout_s)
-        return [[*argv, "--group", worker_group.encode(spec)] for spec in specs]
-
-    @property
-    def _group_timeout_s(self) -> float:
-        return max(600.0, 3 * self.config.worker_hang_timeout_s)
-
-    def _spanning_specs(self, generation: int) -> list:
-        """This node's ranks of a group spanning the nodes, meeting at node 0's store under the generation."""
-        from metrale.ipc.worker_group import GroupSpec
-
-        c, lay = self.config, self.layout
-        all_reduce = "gloo" if c.engine.all_reduce == "auto" else c.engine.all_reduce  # shm needs one host
-        first = lay.ranks[0]
-        return [GroupSpec(rank=r, size=lay.tensor_parallel_size, ring_ranks=lay.tensor_parallel_size // lay.nnodes,
-                          store_host=c.master_addr, store_port=c.master_port, rank0_hosts_store=False,
-                          generation=generation, all_reduce=all_reduce, timeout_s=self._group_timeout_s,
-                          local_rank=r - first)
-                for r in lay.ranks]
+        return worker_argvs(self.config, self.layout, self.model_dir, rep.ring_name, generation)
 
     def _follower_argvs(self, generation: int) -> list[list[str]]:
         """Command lines of this node's ranks (of a group spanning the nodes) for node 0's generation."""
-        from metrale.ipc import worker_group
-
-        kwargs = json.dumps(self.config.engine.runner_kwargs(self.model_dir))
-        return [[sys.executable, "-m", "metrale.gpu_worker.worker", "--runner-kwargs", kwargs, "--group",
-                 worker_group.encode(spec)] for spec in self._spanning_specs(generation)]
+        return worker_argvs(self.config, self.layout, self.model_dir, None, generation)
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -545,45 +512,3 @@ def default_worker_threads(cores: int) -> int:
     per token beside the worker's 0.89) and a spare core would halve the model (measured on 2 cores, batch 32,
     float32: serve/offline 0.79 with one worker thread, 0.92 with two)."""
     return cores if cores <= 2 else cores - 1
-
-
-def _run_frontend(config_json: str, health_path: str) -> None:
-    """The frontend child: its config from JSON, health from the supervisor's file; exits with its parent."""
-    from metrale.frontend.server import FrontendConfig, main
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
-    config = msgspec.json.decode(config_json, type=FrontendConfig)
-    supervisor = int(os.environ.get("METRALE_SUPERVISOR_PID", os.getppid()))
-
-    def health() -> Health:
-        try:
-            return read_health(health_path)
-        except (OSError, msgspec.DecodeError):
-            return Health(id="", healthy=False, last_fault="the supervisor's health file is unreadable")
-
-    def watch_parent() -> None:
-        while True:
-            time.sleep(0.5)  # a poll interval, not synchronisation: nothing waits on it
-            if not _pid_alive(supervisor):
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-
-    threading.Thread(target=watch_parent, daemon=True).start()
-    main(config, health_source=health)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "frontend":
-        _run_frontend(sys.argv[2], sys.argv[3])
-    else:
-        sys.exit("usage: python -m metrale.supervisor frontend CONFIG_JSON HEALTH_PATH")
