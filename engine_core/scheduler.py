@@ -235,7 +235,8 @@ class Scheduler:
                 k = min(seq.num_tokens - seq.num_computed, budget)
                 if k <= 0:
                     continue
-            if not self.pool.allocate(seq, seq.num_computed + k):
+            if seq.num_computed + k > len(seq.block_table) * self.pool.block_size and \
+                    not self.pool.allocate(seq, seq.num_computed + k):
                 return None
             step.add(seq, k, src)
             budget -= k

@@ -85,6 +85,7 @@ class ModelRunner:
         model_dir: str | pathlib.Path,
         *,
         dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
         device: str | torch.device | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
@@ -110,7 +111,7 @@ class ModelRunner:
         self.model = load_model(
             self.facts, dtype=dtype, device=self.device, native=self._native,
             attention=select_backend(self.device, native=self._native), show_progress=show_progress,
-            group=group,
+            quantization=quantization, group=group,
         )
         kv = self.model.kv_shape
         self.block_size = block_size
