@@ -31,6 +31,7 @@ from metrale.ipc.messages import (
     EngineOutput,
     EngineOutputs,
     EngineReady,
+    GrammarVocab,
     RequestOutputDelta,
     StatsRequest,
     StatsResponse,
@@ -61,6 +62,7 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     output_address: str
     ring_token: str
     max_model_len: int
+    vocab_size: int = 0  # the model's (sizes the ring's grammar bitmasks)
     special_tokens: dict[str, int | None] = {}
     ready_timeout_s: float = 600.0
     served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
@@ -79,6 +81,7 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
         max_hist_tokens=max(65536, e.max_num_seqs * args.max_model_len),
         # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
         max_burst=max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
+        max_bitmask_words=max(1, -(-args.vocab_size // 32)),
     )
 
 
@@ -162,12 +165,14 @@ class EngineCoreProcess:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
-                                        cache_salt=msg.cache_salt)
+                                        cache_salt=msg.cache_salt, grammar=msg.grammar)
             except Refused as e:
                 self._refuse(msg.request_id, e.code, e.message)
             except Exception as e:  # noqa: BLE001 - a bug admitting one request fails that request only
                 log.exception("engine core: admitting request %s failed", msg.request_id)
                 self._refuse(msg.request_id, ErrorCode.INTERNAL, f"the engine core could not admit it: {e}")
+        elif isinstance(msg, GrammarVocab):
+            self.engine.set_grammar_vocab(msg)
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self.engine.abort(rid)

@@ -18,13 +18,14 @@ from typing import Callable
 
 from metrale.config import EngineArgs
 from metrale.ipc.errors import ErrorCode, Refused
-from metrale.ipc.messages import EngineStats, RequestOutputDelta
+from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, RequestOutputDelta
 from metrale.ipc.plan import Device, DeviceError
 from metrale.ipc.sampling import SamplingParams
 
 from .commit import commit_tokens
 from .decode_burst import Burst, burst_length, launch_burst, settle_burst
 from .decode_lane import discard_row, drain, fail_rows, step_decode_pipelined
+from .grammar import GrammarBook
 from .kv_blocks import KvBlockPool
 from .pipeline import Pipeline, PipelineFaults, SpecialTokens, init_row_state, row_mask
 from .scheduler import Scheduler, SchedulerConfig
@@ -110,7 +111,9 @@ class EngineCore:
             max_model_len=info.max_model_len,
             block_size=info.block_size,
             swap=swap,
+            vocab_size=info.vocab_size,
         )
+        self.grammars = GrammarBook(info.vocab_size)
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
         self.pipeline = Pipeline(faults=faults or PipelineFaults())
         self.io.faults = self.pipeline.faults
@@ -141,8 +144,12 @@ class EngineCore:
         *,
         stream: bool = True,
         cache_salt: str | None = None,
+        grammar: GrammarBlob | None = None,
     ) -> None:
         """Queue a request; Refused (a ValueError with its ErrorCode, naming the field) if it cannot be served.
+
+        grammar: the compiled grammar of params.structured_outputs (frontend/grammar_compiler.py), against the
+        vocabulary set_grammar_vocab was given.
 
         stream=False: its tokens are reported once, in the delta that finishes it (vLLM's FINAL_ONLY; the
         offline LLM's requests without stop strings), which spares a delta per request per tick.
@@ -170,11 +177,19 @@ class EngineCore:
             stream=stream,
             cache_salt=cache_salt,
         )
+        if params.structured_outputs is not None:
+            if grammar is None:
+                raise Refused(ErrorCode.BAD_REQUEST, "structured_outputs comes with its compiled grammar (AddRequest.grammar)")
+            seq.grammar = self.grammars.row_grammar(grammar, list(output_token_ids))
         self.scheduler.check_admissible(seq)
         self._arrivals += 1
         init_row_state(seq, self.io.toks)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def set_grammar_vocab(self, vocab: GrammarVocab) -> None:
+        """The vocabulary structured outputs' grammars are compiled against (sent by the frontend)."""
+        self.grammars.set_vocab(vocab)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: nothing more of it is committed, even what is in flight."""

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from metrale.ipc.plan import (
-    FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket, moved_on,
+    FEED_HOST, MASK_GRAMMAR, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket,
+    moved_on, unpack_bitmask,
 )
 
 from .host_sampler import sample_row, uniform_noise
@@ -173,6 +174,8 @@ class FakeDevice:
         tokens = np.full(R, -1, dtype=np.int64)
         logits_all = np.zeros((R, self.info.vocab_size), dtype=np.float32)
         q_lens = np.diff(plan.query_start).tolist()
+        grammar_row = np.cumsum((plan.mask_kind & MASK_GRAMMAR) != 0) - 1  # each MASK_GRAMMAR row's bitmask
+        allowed = unpack_bitmask(plan.grammar_bitmask, self.info.vocab_size)
         for r in range(R):
             seq_len = int(plan.seq_lens[r])
             positions = plan.positions[plan.query_start[r] : plan.query_start[r + 1]]
@@ -191,6 +194,7 @@ class FakeDevice:
                 mask_kind=int(plan.mask_kind[r]),
                 force_token=int(plan.force_token[r]),
                 ban=plan.ban_ids[r].tolist(),
+                allowed=allowed[grammar_row[r]] if plan.mask_kind[r] & MASK_GRAMMAR else None,
             )
         self.prev_tokens = tokens.copy()
         self._logits[n] = logits_all

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY
 
+from .grammar import allowed_tokens
 from .pipeline import RowMask
 from .sequence import Sequence
 
@@ -30,12 +31,15 @@ def uniform_noise(seed: int, position: int, vocab: int) -> np.ndarray:
 
 def sample_row(
     logits: np.ndarray, *, temperature: float, top_k: int, seed: int, position: int,
-    mask_kind: int, force_token: int, ban: "np.ndarray | list[int]",
+    mask_kind: int, force_token: int, ban: "np.ndarray | list[int]", allowed: np.ndarray | None = None,
 ) -> int:
-    """One row's pick: force, ban, then greedy or temperature/top-k with (seed, position) noise."""
+    """One row's pick: force, grammar (allowed: bool [V] of a MASK_GRAMMAR row), ban, then greedy or
+    temperature/top-k with (seed, position) noise."""
     if mask_kind & MASK_FORCE:
         return int(force_token)
     x = logits.astype(np.float64, copy=True)
+    if mask_kind & MASK_GRAMMAR:
+        x[~allowed] = -np.inf
     if mask_kind & MASK_BAN:
         x[[b for b in ban if b >= 0]] = -np.inf
     if temperature == 0.0 or mask_kind & MASK_GREEDY:
@@ -54,6 +58,7 @@ def host_sample(logits: np.ndarray, seqs: list[Sequence], masks: list[RowMask]) 
         sample_row(
             logits[r], temperature=s.params.temperature, top_k=s.params.top_k, seed=s.seed,
             position=s.num_computed, mask_kind=m.kind, force_token=m.force_token, ban=list(m.ban),
+            allowed=allowed_tokens(s, logits.shape[1]) if m.kind & MASK_GRAMMAR else None,
         )
         for r, (s, m) in enumerate(zip(seqs, masks))
     ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, MASK_NONE, Ticket
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, Ticket
 
 from .sequence import Sequence
 
@@ -33,11 +33,13 @@ class SpecialTokens:
 
 @dataclass(frozen=True, slots=True)
 class RowMask:
-    """What constrains a row's next pick: the MASK_* bits, the forced token, the banned ids."""
+    """What constrains a row's next pick: the MASK_* bits, the forced token, the banned ids, and for a grammar
+    row the number of output tokens its matcher had accepted when its bitmask was made (grammar.py)."""
 
     kind: int = MASK_NONE
     force_token: int = -1
     ban: tuple[int, ...] = ()
+    grammar_at: int = -1
 
 
 NO_MASK = RowMask()
@@ -98,19 +100,27 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
         ban = tuple(dict.fromkeys((*eos_ids, *p.stop_token_ids)))
     if p.adaptive_sampling and (seq.in_fence or seq.in_tool):
         kind |= MASK_GREEDY
-    return RowMask(kind, -1, ban) if kind else NO_MASK
+    # A grammar's bitmask is made from the matcher as it is: one launched ahead is made a token early (stale).
+    grammar_at = -1
+    if seq.grammar is not None:
+        kind |= MASK_GRAMMAR
+        grammar_at = seq.grammar.accepted
+    return RowMask(kind, -1, ban, grammar_at) if kind else NO_MASK
 
 
 def is_plain(seq: Sequence) -> bool:
     """True when seq's params make every mask NO_MASK, need no penalties and read no row state (so nothing
     mask_may_change looks at applies either)."""
     p = seq.params
-    return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None)
+    return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None
+                or p.structured_outputs is not None)
 
 
 def mask_may_change(seq: Sequence, toks: SpecialTokens) -> bool:
     """True when the value of the token in flight could change seq's next mask (so no running ahead)."""
     p = seq.params
+    if seq.grammar is not None:  # the next bitmask is the matcher's after that token
+        return True
     if p.max_thinking_tokens is not None and (toks.think_start is not None or toks.think_end is not None):
         return True
     return p.adaptive_sampling and any(

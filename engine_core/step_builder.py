@@ -13,8 +13,9 @@ from operator import add
 
 import numpy as np
 
-from metrale.ipc.plan import FEED_HOST, StepPlan
+from metrale.ipc.plan import FEED_HOST, MASK_GRAMMAR, StepPlan
 
+from .grammar import fill_bitmasks
 from .pipeline import NO_MASK, RowMask
 from .sequence import Sequence
 from .swap import SwapSpace
@@ -56,9 +57,11 @@ class _Buffers:
     hist_tokens: np.ndarray
     hist_start: np.ndarray
     hist_prompt_len: np.ndarray
+    grammar_bitmask: np.ndarray  # [max_rows, W]: the grammar rows' bitmasks, first rows first
+    num_drafts: np.ndarray
 
     @classmethod
-    def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int) -> "_Buffers":
+    def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> "_Buffers":
         i32 = np.int32
         floats = np.zeros((_NUM_FLOATS, max_rows), np.float32)
         int32s = np.zeros((2, max_rows), i32)
@@ -88,6 +91,8 @@ class _Buffers:
             hist_tokens=np.zeros(max_hist, i32),
             hist_start=np.zeros(max_rows + 1, i32),
             hist_prompt_len=np.zeros(max_rows, i32),
+            grammar_bitmask=np.zeros((max_rows, words), i32),
+            num_drafts=np.zeros(max_rows, i32),
         )
 
 
@@ -165,8 +170,10 @@ class StepBuilder:
     (a device may read a launched plan while the next is launched ahead of it)."""
 
     def __init__(
-        self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, swap: SwapSpace | None = None, depth: int = 3
+        self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, swap: SwapSpace | None = None, depth: int = 3,
+        vocab_size: int = 0,
     ):
+        """vocab_size: the model's, for grammar rows' bitmasks (0: a builder that never meets one)."""
         self.block_size = block_size
         self.swap = swap or SwapSpace(0)
         self.max_blocks = -(-max_model_len // block_size) + 1
@@ -174,7 +181,7 @@ class StepBuilder:
         self.max_rows = max_rows
         self._hist_cap = max(4096, max_tokens)
         self._sets = [
-            _Buffers.allocate(max_tokens, max_rows, self.max_blocks, self._hist_cap) for _ in range(depth)
+            _Buffers.allocate(max_tokens, max_rows, self.max_blocks, self._hist_cap, -(-vocab_size // 32)) for _ in range(depth)
         ]
         self._turn = 0
         self._mirror = _Mirror(2 * max_rows, self.max_blocks)
@@ -203,7 +210,7 @@ class StepBuilder:
             self._decode_tokens(b, seqs, starts, rows, fed)
         else:
             self._mixed_tokens(b, seqs, starts, num_new, tables, fed)
-        self._sampling(b, rows, masks)
+        g = self._sampling(b, seqs, rows, masks)
         h = self._history(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
         return StepPlan(
@@ -232,6 +239,8 @@ class StepBuilder:
             hist_prompt_len=b.hist_prompt_len[:R],
             swap_out=swap_out,
             swap_in=swap_in,
+            grammar_bitmask=b.grammar_bitmask[:g] if g else b.grammar_bitmask[:0, :0],
+            num_drafts=b.num_drafts[:R],
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray, fed: bool) -> None:
@@ -271,23 +280,28 @@ class StepBuilder:
         np.cumsum(num_new, out=b.query_start[1 : R + 1])
         b.feed_from_row[:R] = self._arange[:R] if fed else FEED_HOST
 
-    def _sampling(self, b: _Buffers, rows: np.ndarray, masks: list[RowMask]) -> None:
-        """Each row's sampling values (from the mirror) and mask."""
+    def _sampling(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, masks: list[RowMask]) -> int:
+        """Each row's sampling values (from the mirror) and mask; returns the grammar rows (their bitmasks filled)."""
         R, m = len(rows), self._mirror
         m.floats.take(rows, axis=1, out=b.floats[:, :R])
         m.int32s.take(rows, axis=1, out=b.int32s[:, :R])
         m.seeds.take(rows, out=b.seeds[:R])
         b.ban_ids[:R] = -1
+        b.num_drafts[:R] = 0
         if masks.count(NO_MASK) == R:  # the usual step: no row constrained
             b.mask_kind[:R] = NO_MASK.kind
             b.force_token[:R] = NO_MASK.force_token
-            return
-        b.mask_kind[:R] = [mask.kind for mask in masks]
+            return 0
+        kinds = [mask.kind for mask in masks]
+        b.mask_kind[:R] = kinds
         b.force_token[:R] = [mask.force_token for mask in masks]
         for r, mask in enumerate(masks):
             if mask.ban:
                 ban = mask.ban[:MAX_BAN_IDS]
                 b.ban_ids[r, : len(ban)] = ban
+        if not any(kind & MASK_GRAMMAR for kind in kinds):
+            return 0
+        return fill_bitmasks(seqs, kinds, b.grammar_bitmask)
 
     def _history(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray) -> int:
         """Token histories of the rows with penalties; returns their total length."""

@@ -30,7 +30,6 @@ class ChatRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
     # metrale (and vLLM) extras
     chat_template_kwargs: dict | None = None
     add_generation_prompt: bool = True
@@ -156,11 +155,4 @@ class ChatCompletions:
 
 def _refuse_unsupported(body: ChatRequest) -> None:
     """400 for chat options this server does not implement."""
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise ApiError(400, f"response_format {kind!r} is not supported (only 'text')", param="response_format",
-                       code="unsupported_value")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported (tool calls are not parsed)",
-                       param="tool_choice", code="unsupported_value")
     refuse_logit_bias(body)

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import msgspec
 
 from metrale.ipc.errors import ErrorCode
-from metrale.ipc.messages import AddRequest, Delta, Error, Generate, RequestOutputDelta
+from metrale.ipc.messages import AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta
 from metrale.ipc.sampling import SamplingParams
 
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .engine_link import EngineLink
 from .frame_checks import Rejected, check_generate
+from .grammar_compiler import DEFAULT_TIMEOUT_S, GrammarCompiler, GrammarRefused, grammar_vocab
 from .metrics import Metrics
 from .tokenizer import Tokenizer
 
@@ -61,6 +62,7 @@ class RequestState:
     # max_tokens must fit beside the prompt (the HTTP API, as vLLM and OpenAI: a 400 with the numbers);
     # else the engine core stops the request at max_model_len (finish_reason "length").
     strict_length: bool = False
+    grammar: GrammarBlob | None = None  # params.structured_outputs compiled (grammar_compiler.py)
 
 
 @dataclass(slots=True)
@@ -77,7 +79,8 @@ class LiveRequests:
     """The live requests by client and by engine id; every step of a request's life goes through here."""
 
     def __init__(self, tokenizer: Tokenizer, link: EngineLink, metrics: Metrics, clock: Callable[[], float],
-                 send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1) -> None:
+                 send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1,
+                 grammar_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.link = link
         self.metrics = metrics
@@ -92,6 +95,9 @@ class LiveRequests:
         self.refusing: tuple[ErrorCode, str] | None = None  # (code, why) while new requests are refused
         self.idle = asyncio.Event()  # set while no request is live
         self.idle.set()
+        self.grammar_timeout_s = grammar_timeout_s
+        self._grammars: GrammarCompiler | None = None  # made at the first structured request
+        self._vocab_sent = False  # the engine core up now has our GrammarVocab
 
     @property
     def num_live(self) -> int:
@@ -123,8 +129,37 @@ class LiveRequests:
         self.idle.clear()
         return req
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler, made on first use for the vocabulary size the engine core has."""
+        if self._grammars is None or self._grammars.vocab.vocab_size != self.vocab_size:
+            if self._grammars is not None:
+                self._grammars.close()
+            vocab = grammar_vocab(self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids)
+            self._grammars = GrammarCompiler(vocab, self.grammar_timeout_s)
+            self._vocab_sent = False
+        return self._grammars
+
+    def close(self) -> None:
+        """Stop the grammar compiler's helper process, if one runs."""
+        if self._grammars is not None:
+            self._grammars.close()
+
     def tokenize_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool = True) -> None:
-        """Admit a registered request: its token ids, or its prompt tokenized (off the loop when long)."""
+        """Admit a registered request: its grammar compiled (off the loop, unless cached), its token ids, or its
+        prompt tokenized (off the loop when long)."""
+        so = msg.sampling.structured_outputs
+        if so is not None and req.grammar is None:
+            try:
+                req.grammar = self.grammars.cached(so)
+            except GrammarRefused as exc:
+                self.send_final(req, Error(id=req.client_id, code=ErrorCode.BAD_REQUEST.value, message=str(exc)))
+                return
+            if req.grammar is None:
+                task = asyncio.create_task(self._compile_then_admit(req, msg, add_special_tokens))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+                return
         if msg.token_ids is not None:
             self._admit(req, msg.token_ids)
         elif len(msg.prompt) <= _SYNC_ENCODE_CHARS:
@@ -133,6 +168,17 @@ class LiveRequests:
             task = asyncio.create_task(self._encode_then_admit(req, msg.prompt, add_special_tokens))
             self.background.add(task)
             task.add_done_callback(self.background.discard)
+
+    async def _compile_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool) -> None:
+        """Compile a request's grammar in the compiler's helper (within its time limit), then go on admitting."""
+        try:
+            req.grammar = await self.grammars.compile(msg.sampling.structured_outputs)
+        except GrammarRefused as exc:
+            if self._is_live(req):
+                self.send_final(req, Error(id=req.client_id, code=ErrorCode.BAD_REQUEST.value, message=str(exc)))
+            return
+        if self._is_live(req):
+            self.tokenize_then_admit(req, msg, add_special_tokens)
 
     async def _encode_then_admit(self, req: RequestState, prompt: str, add_special_tokens: bool = True) -> None:
         """Tokenize a long prompt on the tokenizer's threads, then admit the request."""
@@ -187,12 +233,16 @@ class LiveRequests:
             self._by_engine_id.pop(req.engine_id, None)
         req.engine_id = self.link.new_request_id()
         self._by_engine_id[req.engine_id] = req
+        if req.grammar is not None and not self._vocab_sent:  # the engine core matches against our vocabulary
+            self.link.send(self.grammars.vocab)
+            self._vocab_sent = True
         add = AddRequest(
             request_id=req.engine_id,
             prompt_token_ids=req.prompt_ids,
             params=req.params,
             output_token_ids=list(req.detok.output_ids),
             cache_salt=req.cache_salt,
+            grammar=req.grammar,
         )
         self.link.send(add)
 
@@ -202,6 +252,7 @@ class LiveRequests:
         A request that was running at MAX_ENGINE_DEATHS engine-core deaths is failed instead: it may be the
         request that kills the engine, and resubmitting it again would kill the next one."""
         self.link.abort([req.engine_id for req in self._each() if req.engine_id])
+        self._vocab_sent = False  # a fresh engine core (or one this frontend has not told yet)
         for req in list(self._each()):
             if req.engine_id:
                 req.engine_deaths += 1

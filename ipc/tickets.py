@@ -41,6 +41,7 @@ from .ticket_layout import (
     C_B,
     C_ERR_LEN,
     C_EXEC_NS,
+    C_G,
     C_H,
     C_K,
     C_PLAN_SEQ,
@@ -55,6 +56,7 @@ from .ticket_layout import (
     C_STATUS,
     C_STEPS,
     C_T,
+    C_W,
     H_GEOMETRY,
     H_MAGIC,
     H_OWNER_PID,
@@ -234,7 +236,8 @@ class TicketRing:
         """The slot's plan as zero-copy views, valid until the engine reuses the slot (do not keep them)."""
         c = self._ctrl[slot]
         q = self._seqs
-        counts = (q[c + C_T], q[c + C_R], q[c + C_B], q[c + C_K], q[c + C_H], q[c + C_SO], q[c + C_SI])
+        counts = (q[c + C_T], q[c + C_R], q[c + C_B], q[c + C_K], q[c + C_H], q[c + C_SO], q[c + C_SI], q[c + C_G],
+                  q[c + C_W])
         return StepPlan(*self._plan_views(slot, counts))
 
     def _plan_views(self, slot: int, counts: tuple[int, ...]) -> list[np.ndarray]:
@@ -242,13 +245,14 @@ class TicketRing:
         cached_counts, cached = self._plan_cache[slot]
         if cached_counts == counts:
             return cached
-        t, r, b, k, h, so, si = counts
-        lengths = region_lengths(t, r, b, k, h, so, si)
+        t, r, b, k, h, so, si, g, w = counts
+        lengths = region_lengths(t, r, b, k, h, so, si, g, w)
         views = [region[: lengths[kind]] for (_, _, kind), region in zip(PLAN_FIELDS, self._plan_regions[slot])]
         views[5] = views[5].reshape(r, b)  # block_tables
         views[18] = views[18].reshape(r, k)  # ban_ids
         views[23] = views[23].reshape(so, 2)  # swap_out
         views[24] = views[24].reshape(si, 2)  # swap_in
+        views[25] = views[25].reshape(g, w)  # grammar_bitmask
         self._plan_cache[slot] = (counts, views)
         return views
 

@@ -47,6 +47,13 @@ def main() -> None:
               help="on Ctrl-C / SIGTERM, let live requests finish for up to this many seconds (new ones get 503 / shutdown).")
 @click.option("--worker-hang-timeout", default=10.0, type=click.FloatRange(min=0.1), show_default=True,
               help="a worker whose step runs this long (and far longer than its recent steps) is killed as hung and restarted.")
+@click.option("--grammar-timeout", default=10.0, type=click.FloatRange(min=0.01), show_default=True,
+              help="seconds a structured_outputs grammar may take to compile; longer (or invalid) is a 400 for that request.")
+@click.option("--tool-call-parser", default="hermes", type=click.Choice(["hermes", "llama3_json"]), show_default=True,
+              help="how chat outputs are parsed into tool_calls: Hermes/Qwen <tool_call> JSON, or Llama 3 JSON.")
+@click.option("--speculative", default=None, type=click.Choice(["ngram"]),
+              help="speculative decoding: ngram drafts tokens by prompt lookup, verified in one step.")
+@click.option("--num-speculative-tokens", default=3, type=click.IntRange(1, 16), show_default=True)
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
     from metrale.supervisor import StartupError, Supervisor
@@ -70,6 +77,8 @@ def serve(**o) -> None:
         pipeline=not o["no_pipeline"],
         seed=o["seed"],
         worker_threads=o["worker_threads"],
+        speculative=o["speculative"],
+        num_speculative_tokens=o["num_speculative_tokens"],
     )
     try:
         engine.validate()
@@ -78,7 +87,8 @@ def serve(**o) -> None:
     config = ServeConfig(
         engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"],
         stream_interval=o["stream_interval"], shutdown_timeout_s=o["shutdown_timeout"],
-        worker_hang_timeout_s=o["worker_hang_timeout"],
+        worker_hang_timeout_s=o["worker_hang_timeout"], grammar_timeout_s=o["grammar_timeout"],
+        tool_call_parser=o["tool_call_parser"],
     )
     try:
         sup = Supervisor(config)

@@ -33,6 +33,10 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     # torch threads of a serve worker on a CPU; None: one fewer than the cores (the engine core and the
     # frontend need the last one: a descheduled torch thread stalls every step).
     worker_threads: int | None = None
+    # Speculative decoding: "ngram" (prompt lookup) drafts up to num_speculative_tokens tokens per decode, all
+    # verified in one step (engine_core/speculative.py); None: off.
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
 
     def validate(self) -> None:
         """Raise ValueError naming the first knob that cannot work."""
@@ -47,6 +51,10 @@ class EngineArgs(msgspec.Struct, kw_only=True):
             raise ValueError(f"swap_space_gb must be >= 0 (got {self.swap_space_gb})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 (got {self.num_kv_blocks})")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be ngram or None (got {self.speculative!r})")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16] (got {self.num_speculative_tokens})")
 
 
     def runner_kwargs(self, model_dir: str) -> dict:
@@ -78,3 +86,5 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
     shutdown_timeout_s: float = 0.0  # on SIGTERM / Ctrl-C, live requests get this long to finish
     worker_hang_timeout_s: float = 10.0  # the least time a step may take before its worker counts as hung
+    grammar_timeout_s: float = 10.0  # a structured_outputs grammar that takes longer to compile is a 400
+    tool_call_parser: str = "hermes"  # how chat outputs become tool_calls: hermes (Qwen's <tool_call>) or llama3_json

@@ -205,6 +205,8 @@ class Supervisor:
             "stream_interval": self.config.stream_interval,
             "status_address": self._ipc("status"),
             "shutdown_timeout_s": self.config.shutdown_timeout_s,
+            "grammar_timeout_s": self.config.grammar_timeout_s,
+            "tool_call_parser": self.config.tool_call_parser,
         }
         return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), str(self.health_path)]
 
@@ -217,6 +219,7 @@ class Supervisor:
             output_address=self._ipc("engine-out"),
             ring_token=token,
             max_model_len=self.max_model_len,
+            vocab_size=self.facts.vocab_size,
             special_tokens=self.special_tokens,
             served_path=str(self.served_path),
             status_address=self._ipc("status"),

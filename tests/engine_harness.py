@@ -22,6 +22,7 @@ class Req:
     params: SamplingParams
     arrive_tick: int = 0
     abort_after: int | None = None
+    grammar: object = None  # a GrammarBlob, with params.structured_outputs (tests/fake_grammars.py)
 
 
 @dataclass
@@ -59,6 +60,7 @@ def run_workload(
     stream_interval: int = 1,
     max_burst: int = 1,
     contain_failures: bool = False,
+    grammar_vocab=None,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each."""
     dev = FakeDevice(
@@ -79,6 +81,8 @@ def run_workload(
         special_tokens=TOKS,
         faults=lane_faults,
     )
+    if grammar_vocab is not None:
+        eng.set_grammar_vocab(grammar_vocab)
     run = Run(engine=eng, device=dev)
     pending = sorted(enumerate(reqs), key=lambda x: x[1].arrive_tick)
     aborted: set[str] = set()
@@ -87,7 +91,7 @@ def run_workload(
         while pending and pending[0][1].arrive_tick <= tick:
             i, r = pending.pop(0)
             run.streams[str(i)] = []
-            eng.add_request(str(i), r.prompt, r.params)
+            eng.add_request(str(i), r.prompt, r.params, grammar=r.grammar)
         for i, r in enumerate(reqs):
             rid = str(i)
             if r.abort_after is not None and rid in run.streams and rid not in aborted and rid not in run.finish:

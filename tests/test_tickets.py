@@ -28,7 +28,7 @@ from shm_guard import no_segment_left_behind  # noqa: E402,F401 - an autouse fix
 
 GEOMETRY = RingGeometry(
     num_slots=3, max_tokens=64, max_rows=8, max_blocks_per_row=6, max_ban_ids=3, max_hist_tokens=40, max_logprobs=5,
-    error_msg_bytes=64,
+    error_msg_bytes=64, max_bitmask_words=4,
 )  # fmt: skip
 
 
@@ -48,7 +48,9 @@ PLAN_FIELDS = {name: (dtype, kind) for name, dtype, kind in ticket_layout.PLAN_F
 
 def random_plan(rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int, so: int = 3, si: int = 2) -> StepPlan:
     """A plan of the given counts whose every array holds random values of its dtype."""
-    shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2)}
+    g = int(rng.integers(0, r + 1))
+    shapes = {"T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
+              "GW": (g, 4 if g else 0)}
     arrays = {}
     for name, (dtype, kind) in PLAN_FIELDS.items():
         shape = shapes[kind]
