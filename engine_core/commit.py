@@ -17,20 +17,19 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
     """Append each sampling row's token to its sequence, skipping discarded rows.
 
     A finished row is skipped only through its discard flag (set by validation or an abort): the lane's
-    correctness rests on that flag, and a test without it (keep_overrun) must be able to see the difference.
+    correctness rests on that flag, and a test without validation must be able to see the difference.
     """
     token_list = tokens.tolist()
-    rewrite = io.faults.rewrite_commit
     toks = io.toks
     logprobs = result is not None and result.logprobs is not None
     for r, seq in enumerate(seqs):
         tok = token_list[r]
         if tok < 0 or (skip is not None and skip[r]):
             continue
-        if rewrite is not None and rewrite == (seq.request_id, seq.num_output):
-            tok ^= 1  # a host-side rewrite the device did not see
         seq.tokens.append(tok)
         seq.pending.append(tok)
+        if seq.outbox is not None:
+            seq.outbox[id(seq)] = seq
         if logprobs and seq.params.logprobs is not None:
             seq.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
         update_row_state(seq, tok, toks)

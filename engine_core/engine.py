@@ -1,11 +1,12 @@
 """EngineCore: requests in, one batch of token deltas out per tick. No sockets here (see core.py).
 
 A tick reads top to bottom: settle the decode burst in flight and, if the batch may go on as it is, launch
-the next; or keep the decode lane running if nothing needs the device quiet, or else drain it; with nothing in
-flight, retire what finished, schedule, and run the step (a decode burst when no row is watched token by
-token and the device can run one, else in the lane when it is all decodes). Every tick commits at most one
-token per request in either loop; a burst commits up to decode_burst tokens of requests that report only at
-their finish, or up to stream_interval tokens of streamed ones.
+the next; or, with a step in flight, schedule the next one and launch it ahead (arrivals admitted, finished rows
+dropped, prefills going on: decode_lane.py), then settle the one in flight; with nothing in flight, retire what
+finished, schedule, and launch the step (a decode burst when no row is watched token by token and the device
+can run one; held in flight for the next tick to run ahead of, or run synchronously without the pipeline).
+Every tick commits at most one token per request in either loop; a burst commits up to decode_burst tokens of
+requests that report only at their finish, or up to stream_interval tokens of streamed ones.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from metrale.ipc.sampling import SamplingParams
 
 from .commit import commit_tokens
 from .decode_burst import Burst, burst_length, launch_burst, settle_burst
-from .decode_lane import discard_row, drain, fail_rows, step_decode_pipelined
+from .decode_lane import discard_row, drain, fail_rows, launch, settle
 from .grammar import GrammarBook
 from .kv_blocks import KvBlockPool
-from .pipeline import Pipeline, PipelineFaults, SpecialTokens, init_row_state, row_mask
+from .pipeline import Pipeline, SpecialTokens, can_feed, init_row_state, row_mask
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .step_builder import StepBuilder
@@ -82,7 +83,6 @@ class EngineCore:
         *,
         special_tokens: SpecialTokens = SpecialTokens(),
         clock: Callable[[], float] = time.monotonic,
-        faults: PipelineFaults | None = None,
     ):
         self.options = options = options or EngineOptions()
         self.device = device
@@ -115,8 +115,7 @@ class EngineCore:
         )
         self.grammars = GrammarBook(info.vocab_size)
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
-        self.pipeline = Pipeline(faults=faults or PipelineFaults())
-        self.io.faults = self.pipeline.faults
+        self.pipeline = Pipeline()
         self.io.recover = options.recover_from_device_loss
         # Bursts need a device that runs several steps of one ticket (await_burst, up to its burst_limit):
         # up to decode_burst steps for rows that report at their finish, stream_interval for streamed ones.
@@ -124,6 +123,7 @@ class EngineCore:
         self._burst_limits = (min(options.decode_burst, device_limit), min(options.stream_interval, device_limit))
         self.burst: Burst | None = None  # the decode burst in flight
         self.requests: dict[str, Sequence] = {}
+        self._outbox: dict[int, Sequence] = {}  # sequences with tokens or a finish to report (Sequence.outbox)
         self._rng = random.Random(options.seed)
         self._arrivals = 0
         self.num_steps = 0
@@ -176,6 +176,7 @@ class EngineCore:
             arrival=self._arrivals,
             stream=stream,
             cache_salt=cache_salt,
+            outbox=self._outbox,
         )
         if params.structured_outputs is not None:
             if grammar is None:
@@ -219,13 +220,16 @@ class EngineCore:
             if not self.io.device_lost and self._quiet_decode():
                 self._launch_burst(running)  # before the outputs go out: the device waits for nothing else
             return self._take_outputs()
-        if self.pipeline.has_inflight():
-            if self._lane_may_continue():
-                step_decode_pipelined(running, self.pipeline, self.io)
-            else:
-                # The device goes quiet. What the drain committed is delivered (and aborts that it
-                # prompts are seen) before the next launch: no tick commits two tokens of one request.
-                drain(running, self.pipeline, self.io)
+        inf = self.pipeline.inflight
+        if inf is not None:
+            if self._may_run_ahead(inf):
+                self.scheduler.retire_finished(keep=inf.seqs)
+                ahead = self.scheduler.schedule_ahead(inf.seqs, inf.samples, inf.discard, can_feed)
+                if ahead is not None:
+                    self.pipeline.next = launch(ahead, self.pipeline, self.io, ahead=True)
+            # What this commits is delivered (and aborts that it prompts are seen) before the next launch:
+            # no tick commits two tokens of one request.
+            settle(self.pipeline, self.io)
             return self._take_outputs()
         self.scheduler.retire_finished()
         step = self.scheduler.schedule()
@@ -234,8 +238,8 @@ class EngineCore:
             self._fail_unschedulable()
         elif every_row_decodes and self._launch_burst(step.seqs):
             pass  # settled (and continued) by the next tick
-        elif self.options.pipeline and every_row_decodes:
-            step_decode_pipelined(self.scheduler.running, self.pipeline, self.io)
+        elif self.options.pipeline:
+            self.pipeline.inflight = launch(step, self.pipeline, self.io)  # the next tick runs ahead of it
         else:
             run_step(step.seqs, step.num_new, self.io)
         return self._take_outputs()
@@ -302,7 +306,7 @@ class EngineCore:
         if self.burst is not None:
             burst, self.burst = self.burst, None
             settle_burst(burst, self.io)
-        drain(self.scheduler.running, self.pipeline, self.io)
+        drain(self.pipeline, self.io)
         return self._take_outputs()
 
     def _launch_burst(self, seqs: list[Sequence]) -> bool:
@@ -320,10 +324,15 @@ class EngineCore:
             return 1
         return burst_length(seqs, final, streamed, self.info.max_model_len)
 
-    def _lane_may_continue(self) -> bool:
-        """True when nothing needs the device quiet and no burst could run instead (then the lane drains,
-        and the next tick bursts)."""
-        return self._quiet_decode() and self._burst_length(self.scheduler.running) <= 1
+    def _may_run_ahead(self, inf) -> bool:
+        """True when the next step may be launched before the one in flight is committed: its tokens are the
+        device's (no host repick pending), the device is there, and no burst could run instead (then the lane
+        settles, and the next tick bursts)."""
+        if inf.host_logits or self.io.device_lost:
+            return False
+        live = [s for s in self.scheduler.running if not s.finished]
+        burst_ready = not self.scheduler.has_admissible() and all(s.num_tokens - s.num_computed <= 1 for s in live)
+        return not (burst_ready and self._burst_length(live) > 1)
 
     def _quiet_decode(self) -> bool:
         """True when the running rows may go on decoding as they are: no arrival to admit, nothing to
@@ -341,15 +350,17 @@ class EngineCore:
         head.finish("error", f"the KV cache ({self.pool.num_blocks} blocks) cannot hold this request")
 
     def _take_outputs(self) -> list[RequestOutputDelta]:
-        """The deltas of every request that committed tokens or finished since the last call.
+        """The deltas of every request that committed tokens or finished since the last call (the outbox:
+        the tick's cost follows what happened, not how many requests there are).
 
-        A finished request stays listed until its blocks are freed, so anything committed to it after
-        its finish (which validation exists to prevent) would show, not vanish.
+        A finished request stays listed (and in the outbox) until its blocks are freed, so anything committed
+        to it after its finish (which validation exists to prevent) would show, not vanish.
         """
         out = []
-        gone = []
         interval = self.options.stream_interval
-        for rid, seq in self.requests.items():
+        outbox = self._outbox
+        for key, seq in list(outbox.items()):
+            rid = seq.request_id
             finishing = seq.finished and not seq.reported_finish
             pending = len(seq.pending)
             # Streamed tokens are due every `interval`; the first ones (nothing reported yet) at once.
@@ -369,10 +380,13 @@ class EngineCore:
                 seq.pending = []
                 seq.pending_logprobs = []
                 seq.reported_finish = seq.finished
-            if seq.finished and not seq.block_table:
-                gone.append(rid)
-        for rid in gone:
-            del self.requests[rid]
+            if seq.finished:
+                if not seq.block_table:  # its blocks are freed: nothing more can come of it
+                    del outbox[key]
+                    if self.requests.get(rid) is seq:
+                        del self.requests[rid]
+            elif not seq.pending:
+                del outbox[key]
         return out
 
     # ---- facts ----------------------------------------------------------------------

@@ -52,7 +52,12 @@ class StepRecord:
 
 
 class FakeDevice:
-    """A toy model that executes each step at launch, in order, and answers awaits from its results."""
+    """A toy model that executes each step at launch, in order, and answers awaits from its results.
+
+    deferred=True: a step runs only when it (or a later one) is awaited, as a real device runs behind the
+    host: the host has built and launched the steps after it by then, so a plan the host changes after its
+    launch (a buffer reused too soon) shows in the output.
+    """
 
     def __init__(
         self,
@@ -68,6 +73,7 @@ class FakeDevice:
         faults: FakeFaults | None = None,
         num_swap_blocks: int = 0,
         max_burst: int = 1,
+        deferred: bool = False,
     ):
         """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst)."""
         self.info = ModelInfo(
@@ -92,6 +98,9 @@ class FakeDevice:
         self._results: dict[int, StepResult | list[StepResult] | DeviceError] = {}
         self._logits: dict[int, np.ndarray] = {}
         self._launched = 0
+        self.deferred = deferred
+        self._queued: list[tuple[int, StepPlan, int]] = []  # launched, not yet run (deferred)
+        self._failed = False  # a step failed and the host has not awaited it yet
 
     # ---- Device protocol ------------------------------------------------------------
 
@@ -104,6 +113,15 @@ class FakeDevice:
             raise ValueError(f"poisoned plan: a row reaches {poison} tokens")
         n = self._launched
         self._launched += 1
+        if self.deferred:
+            self._queued.append((n, plan, steps))
+        else:
+            self._run(n, plan, steps)
+        self.clock.advance(self.step_cost * steps)
+        return Ticket(slot=0, seq=n)
+
+    def _run(self, n: int, plan: StepPlan, steps: int) -> None:
+        """Execute ticket n (a step, or a burst's steps) and keep its result."""
         try:
             if steps == 1:
                 self._results[n] = self._execute(n, plan)
@@ -112,8 +130,7 @@ class FakeDevice:
                 self._results[n] = [self._execute(n, moved_on(plan, k, bs) if k else plan) for k in range(steps)]
         except DeviceError as e:
             self._results[n] = e
-        self.clock.advance(self.step_cost * steps)
-        return Ticket(slot=0, seq=n)
+            self._failed = True
 
     def await_result(self, ticket: Ticket) -> StepResult:
         return self._await(ticket)
@@ -125,8 +142,11 @@ class FakeDevice:
         if self.faults.dead:
             self._results.pop(ticket.seq, None)
             raise DeviceLost("the worker process is gone")
+        while ticket.seq not in self._results:  # deferred: run what was launched, in order, up to this one
+            self._run(*self._queued.pop(0))
         result = self._results.pop(ticket.seq)
         if isinstance(result, DeviceError):
+            self._failed = any(isinstance(r, DeviceError) for r in self._results.values())
             raise result
         return result
 
@@ -138,6 +158,7 @@ class FakeDevice:
 
     def close(self) -> None:
         self._results.clear()
+        self._queued.clear()
 
     def kill(self) -> None:
         """The worker dies: launched steps are lost."""
@@ -147,13 +168,15 @@ class FakeDevice:
         """A new worker: empty KV, nothing in flight."""
         self.faults.dead = False
         self._results.clear()
+        self._queued.clear()
+        self._failed = False
         self.kv.fill(-1)
         self.prev_tokens = np.zeros(0, dtype=np.int64)
 
     @property
     def in_flight(self) -> int:
         """Launched steps nobody has awaited yet (a leak if non-zero at the end)."""
-        return len(self._results)
+        return len(self._results) + len(self._queued)
 
     # ---- the toy model --------------------------------------------------------------
 
@@ -161,7 +184,7 @@ class FakeDevice:
         """Write the step's tokens into the fake KV, then pick a token for every sampling row."""
         if n in self.faults.fail_steps:
             raise DeviceError(f"injected failure of step {n}")
-        if any(isinstance(r, DeviceError) for r in self._results.values()):
+        if self._failed:
             # Launched behind a failure the host has not seen yet: its inputs never existed.
             raise DeviceError("an earlier step failed")
         self._swap(plan)

@@ -116,7 +116,10 @@ def fill_bitmasks(seqs: list[Sequence], kinds: list[int], out: np.ndarray) -> in
 
 
 def allowed_tokens(seq: Sequence, vocab_size: int) -> np.ndarray:
-    """bool [vocab_size]: the tokens seq's grammar allows next (host sampling)."""
+    """bool [vocab_size]: the tokens seq's grammar allows next (host sampling); all of them once it has ended
+    (the row finished: its pick is discarded)."""
+    if seq.grammar.terminated:
+        return np.ones(vocab_size, dtype=bool)
     words = np.zeros((1, xg.bitmask_words(vocab_size)), dtype=np.int32)
     xg.fill_bitmask(seq.grammar.matcher, words, 0)
     return unpack_bitmask(words[0], vocab_size)

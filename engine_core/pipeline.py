@@ -6,7 +6,7 @@ The lane itself (launch ahead, settle, validate, drain) is in decode_lane.py, as
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, Ticket
 
@@ -46,27 +46,19 @@ NO_MASK = RowMask()
 
 
 @dataclass(slots=True)
-class PipelineFaults:
-    """Faults a test injects to show which check makes the lane correct."""
-
-    keep_overrun: bool = False  # commit over-run rows as if their launch had been valid
-    ignore_ahead_allowed: bool = False  # launch ahead even when a mask could go stale
-    # The host commits a token other than the device's: (request id, output index) gets token + 1.
-    rewrite_commit: tuple[str, int] | None = None
-
-
-@dataclass(slots=True)
 class Inflight:
-    """A launched step and what the host knew when it launched it."""
+    """A launched step and what the host knew when it launched it (per row, in plan order)."""
 
     ticket: Ticket
     t0: float
-    rows: list[tuple[int, int]]  # (slot_idx, position written) per row, in slot order
+    seqs: list[Sequence]
+    num_new: list[int]
+    written: list[int]  # num_computed at launch: where the row's first token is written
+    samples: list[bool]  # the row produces a token
     masks: list[RowMask]
-    inputs: list[int] | None  # feed sources (FEED_HOST or a row of the previous step); None: host-fed
-    discard: list[bool]
-    discard_all: bool = False
-    host_logits: bool = False
+    fed_from: list[int]  # FEED_HOST, or the row of the step before whose device token is the input
+    discard: list[bool]  # set by validation (over-run, stale) or an abort: nothing of the row is committed
+    host_logits: bool = False  # RepickOnly: a mask went stale, the host samples the step's logits
 
 
 @dataclass(slots=True)
@@ -75,7 +67,6 @@ class Pipeline:
 
     inflight: Inflight | None = None
     next: Inflight | None = None
-    faults: PipelineFaults = field(default_factory=PipelineFaults)
 
     def has_inflight(self) -> bool:
         return self.inflight is not None
@@ -109,34 +100,18 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
 
 
 def is_plain(seq: Sequence) -> bool:
-    """True when seq's params make every mask NO_MASK, need no penalties and read no row state (so nothing
-    mask_may_change looks at applies either)."""
+    """True when seq's params make every mask NO_MASK, need no penalties and read no row state."""
     p = seq.params
     return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None
                 or p.structured_outputs is not None)
 
 
-def mask_may_change(seq: Sequence, toks: SpecialTokens) -> bool:
-    """True when the value of the token in flight could change seq's next mask (so no running ahead)."""
-    p = seq.params
-    if seq.grammar is not None:  # the next bitmask is the matcher's after that token
-        return True
-    if p.max_thinking_tokens is not None and (toks.think_start is not None or toks.think_end is not None):
-        return True
-    return p.adaptive_sampling and any(
-        t is not None for t in (toks.code_fence, toks.tool_call_start, toks.tool_call_end)
-    )
-
-
-def ahead_allowed(active: list[Sequence], toks: SpecialTokens, faults: PipelineFaults) -> bool:
-    """True when t+1 may be launched before t is committed: no row needs t's token on the host.
-
-    Penalties need the row's full history (t's token included) and a thinking budget or adaptive
-    sampling make the next mask depend on t's token; such rows settle before they launch again.
-    """
-    if faults.ignore_ahead_allowed:
-        return True
-    return not any(not s.plain and (s.params.has_penalties or mask_may_change(s, toks)) for s in active)
+def can_feed(seq: Sequence) -> bool:
+    """True when seq's next step may be fed from the device's token before the host has seen it: its picks
+    need no history on the host (penalties do) and no grammar bitmask (made by the matcher after that token):
+    such a row waits for its commit. A mask that the token could change is predicted and validated, not
+    waited for."""
+    return seq.plain or not (seq.params.has_penalties or seq.grammar is not None)
 
 
 def update_row_state(seq: Sequence, token: int, toks: SpecialTokens) -> None:
@@ -168,7 +143,4 @@ def init_row_state(seq: Sequence, toks: SpecialTokens) -> None:
             seq.think_tokens = 0  # the budget counts generated thinking only
 
 
-def fed_sources(n: int) -> list[int]:
-    """Feed every row of a step launched ahead from the same row of the step before it."""
-    return list(range(n))
 

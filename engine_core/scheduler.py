@@ -6,6 +6,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from metrale.ipc.errors import ErrorCode, Refused
+from metrale.ipc.plan import FEED_HOST
 
 from .kv_blocks import KvBlockPool
 from .sequence import Sequence, SeqStatus
@@ -30,10 +31,17 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ScheduledStep:
-    """The sequences one step runs and how many tokens each runs (in scheduling order)."""
+    """The sequences one step runs, how many tokens each runs and where its input comes from (FEED_HOST, or
+    the row of the step in flight whose device token it is fed), in scheduling order."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
+    fed_from: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, k: int, src: int = FEED_HOST) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(k)
+        self.fed_from.append(src)
 
     @property
     def decode_only(self) -> bool:
@@ -113,11 +121,14 @@ class Scheduler:
         self._waiting = [e for e in self._waiting if e[2] is not seq]
         heapq.heapify(self._waiting)
 
-    def retire_finished(self) -> list[Sequence]:
-        """Remove finished sequences from running and free their blocks."""
-        done = [s for s in self.running if s.finished]
+    def retire_finished(self, keep: list[Sequence] = ()) -> list[Sequence]:
+        """Remove finished sequences from running and free their blocks (those in `keep`, a step still in
+        flight, stay until it is settled)."""
+        kept = set(map(id, keep))
+        done = [s for s in self.running if s.finished and id(s) not in kept]
         if done:
-            self.running = [s for s in self.running if not s.finished]
+            gone = set(map(id, done))
+            self.running = [s for s in self.running if id(s) not in gone]
             for seq in done:
                 self.pool.free(seq)
         return done
@@ -183,8 +194,7 @@ class Scheduler:
                 continue
             k = min(seq.num_tokens - seq.num_computed, budget)
             if self._grow_or_preempt(seq, seq.num_computed + k, step):
-                step.seqs.append(seq)
-                step.num_new.append(k)
+                step.add(seq, k)
                 budget -= k
         while budget > 0 and self.swapped and len(self.running) < self.config.max_num_seqs:
             if not self._swap_in(self.swapped[0], budget, step):
@@ -196,6 +206,45 @@ class Scheduler:
                 break
             budget -= step.num_new[-1]
         return step
+
+    def schedule_ahead(self, inflight: list[Sequence], samples: list[bool], discard: list[bool], can_feed) -> ScheduledStep | None:
+        """The step to launch while the step in flight (its rows, whether each samples, whether each was
+        discarded) runs: each of its rows that will have a new token decodes, fed from that token (if
+        can_feed(seq): a penalised row needs its whole history on the host, so it waits a step); a prefill goes
+        on with its next chunk; running rows it did not run join with their committed input; then swapped and
+        waiting requests are admitted into what is left. No preemption: None (nothing allocated that
+        schedule() would not) when a running row's KV does not fit; the lane then settles first."""
+        step = ScheduledStep()
+        budget = self.config.max_num_batched_tokens
+        feeds = {id(s): j for j, (s, smp, gone) in enumerate(zip(inflight, samples, discard)) if smp and not gone}
+        self.running.sort(key=lambda s: (s.params.priority, s.arrival))
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.finished:
+                continue
+            src = feeds.get(id(seq), FEED_HOST)
+            if src != FEED_HOST:
+                if not can_feed(seq):
+                    continue
+                k = 1
+            else:
+                k = min(seq.num_tokens - seq.num_computed, budget)
+                if k <= 0:
+                    continue
+            if not self.pool.allocate(seq, seq.num_computed + k):
+                return None
+            step.add(seq, k, src)
+            budget -= k
+        while budget > 0 and self.swapped and len(self.running) < self.config.max_num_seqs:
+            if not self._swap_in(self.swapped[0], budget, step):
+                break
+            budget -= step.num_new[-1]
+        while budget > 0 and self._waiting and not self.swapped and len(self.running) < self.config.max_num_seqs:
+            if not self._admit(self._waiting[0][2], budget, step):
+                break
+            budget -= step.num_new[-1]
+        return step if step.seqs else None
 
     def _swap_in(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:
         """Resume the head of the swapped queue into fresh device blocks; False if they do not fit."""
@@ -248,5 +297,4 @@ class Scheduler:
         seq.slot_idx = self._next_slot
         self._next_slot += 1
         self.running.append(seq)
-        step.seqs.append(seq)
-        step.num_new.append(k)
+        step.add(seq, k)

@@ -65,6 +65,9 @@ class Sequence:
     # Prefix caching (kv_blocks): how many leading blocks are hashed, and the last one's hash.
     hashed_blocks: int = 0
     prefix_hash: bytes = b""
+    # The engine's outbox (id -> sequence): a sequence files itself there when it has tokens or a finish to
+    # report, so collecting a tick's outputs visits those only, not every request.
+    outbox: dict | None = field(default=None, repr=False)
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
     grammar: RowGrammar | None = None  # structured outputs: its matcher, past the committed output (grammar.py)
 
@@ -100,3 +103,5 @@ class Sequence:
             self.finish_reason = reason
             self.error = error
             self.error_code = code if reason == "error" else None
+            if self.outbox is not None:
+                self.outbox[id(self)] = self

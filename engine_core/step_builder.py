@@ -188,12 +188,14 @@ class StepBuilder:
         self._arange = np.arange(max_rows + 1, dtype=np.int32)
 
     def build(
-        self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, fed: bool = False, lookahead: int = 0
+        self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, feed: list[int] | None = None,
+        lookahead: int = 0,
     ) -> StepPlan:
         """A plan running num_new[r] tokens of seqs[r] from its num_computed.
 
-        fed=True: a step launched ahead, every row a decode whose input is the previous step's
-        output of the same row, written at position num_computed (its launch bookkeeping comes later).
+        feed: per row FEED_HOST, or the row of the previous step whose sampled token is this row's input (a row
+        launched ahead: one token written at position num_computed, which always samples; its launch bookkeeping
+        comes later). None: every row host-fed.
         lookahead: the block tables also cover that many positions past the step's (a decode burst's).
         """
         b = self._sets[self._turn]
@@ -207,9 +209,9 @@ class StepBuilder:
         tables = b.block_tables[: R * width].reshape(R, width)
         tables[...] = self._mirror.tables[rows, :width]
         if num_new.count(1) == R:
-            self._decode_tokens(b, seqs, starts, rows, fed)
+            self._decode_tokens(b, seqs, starts, rows, feed)
         else:
-            self._mixed_tokens(b, seqs, starts, num_new, tables, fed)
+            self._mixed_tokens(b, seqs, starts, num_new, tables, feed)
         g = self._sampling(b, seqs, rows, masks)
         h = self._history(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
@@ -243,7 +245,8 @@ class StepBuilder:
             num_drafts=b.num_drafts[:R],
         )
 
-    def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray, fed: bool) -> None:
+    def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray,
+                       feed: list[int] | None) -> None:
         """Token and per-row arrays of a step whose every row runs one token, with whole-batch numpy."""
         R, bs = len(seqs), self.block_size
         pos = b.positions[:R]
@@ -251,23 +254,31 @@ class StepBuilder:
         slots = b.slot_mapping[:R]
         np.multiply(self._mirror.tables[rows, pos // bs], bs, out=slots, dtype=np.int64)
         slots += pos % bs
-        b.input_ids[:R] = 0 if fed else [s.tokens[n] for s, n in zip(seqs, starts)]
         np.add(pos, 1, out=b.seq_lens[:R])
-        b.sample[:R] = True if fed else [n + 1 == len(s.tokens) for s, n in zip(seqs, starts)]
         b.query_start[: R + 1] = self._arange[: R + 1]
-        b.feed_from_row[:R] = self._arange[:R] if fed else FEED_HOST
+        if feed is None:
+            b.input_ids[:R] = [s.tokens[n] for s, n in zip(seqs, starts)]
+            b.sample[:R] = [n + 1 == len(s.tokens) for s, n in zip(seqs, starts)]
+            b.feed_from_row[:R] = FEED_HOST
+            return
+        # A fed row's input is the device's (0 here) and it samples; a host-fed row's input was committed.
+        b.input_ids[:R] = [0 if src != FEED_HOST else s.tokens[n] for s, n, src in zip(seqs, starts, feed)]
+        b.sample[:R] = [src != FEED_HOST or n + 1 == len(s.tokens) for s, n, src in zip(seqs, starts, feed)]
+        b.feed_from_row[:R] = feed
 
     def _mixed_tokens(
-        self, b: _Buffers, seqs: list[Sequence], starts: list[int], num_new: list[int], tables: np.ndarray, fed: bool
+        self, b: _Buffers, seqs: list[Sequence], starts: list[int], num_new: list[int], tables: np.ndarray,
+        feed: list[int] | None,
     ) -> None:
         """Token and per-row arrays of a step with prefill chunks, row by row."""
         R, bs = len(seqs), self.block_size
+        feed = feed or [FEED_HOST] * R
         t = 0
         for r, (seq, start, k) in enumerate(zip(seqs, starts, num_new)):
             if k == 1:  # a decode: scalars, no temporary arrays
                 b.positions[t] = start
                 b.slot_mapping[t] = seq.block_table[start // bs] * bs + start % bs
-                b.input_ids[t] = 0 if fed else seq.tokens[start]
+                b.input_ids[t] = 0 if feed[r] != FEED_HOST else seq.tokens[start]
             else:
                 pos = np.arange(start, start + k, dtype=np.int32)
                 b.positions[t : t + k] = pos
@@ -275,10 +286,10 @@ class StepBuilder:
                 b.input_ids[t : t + k] = seq.tokens[start : start + k]
             t += k
         b.seq_lens[:R] = ends = list(map(add, starts, num_new))
-        b.sample[:R] = True if fed else [end == len(s.tokens) for s, end in zip(seqs, ends)]
+        b.sample[:R] = [src != FEED_HOST or end == len(s.tokens) for s, end, src in zip(seqs, ends, feed)]
         b.query_start[0] = 0
         np.cumsum(num_new, out=b.query_start[1 : R + 1])
-        b.feed_from_row[:R] = self._arange[:R] if fed else FEED_HOST
+        b.feed_from_row[:R] = feed
 
     def _sampling(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, masks: list[RowMask]) -> int:
         """Each row's sampling values (from the mirror) and mask; returns the grammar rows (their bitmasks filled)."""

@@ -1,13 +1,13 @@
 """What a step needs from its surroundings: the device, the block pool, the plan builder, the clock.
 
-Effects on KV and logits are values passed to one `apply` (as in the seed), so tests can fake and count them.
+Effects on KV and logits are values passed to one `apply` (as in the seed), so tests can fake and count them
+(tests/engine_harness.py counts them by wrapping StepIo.apply; the engine keeps no counters of its own).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -15,7 +15,7 @@ import numpy as np
 from metrale.ipc.plan import Device, Ticket
 
 from .kv_blocks import KvBlockPool
-from .pipeline import PipelineFaults, SpecialTokens
+from .pipeline import SpecialTokens
 from .sequence import Sequence
 from .step_builder import StepBuilder
 
@@ -56,15 +56,12 @@ class StepIo:
     eos_ids: tuple[int, ...]
     max_model_len: int
     clock: Callable[[], float] = time.monotonic
-    effects: Counter = field(default_factory=Counter)
     last_error: str | None = None  # the last device error, for health reports
     recover: bool = False  # a lost device requeues its rows (True) or fails them (False, the seed's way)
     device_lost: str | None = None  # set when the device died under recover; the engine requeues
-    faults: PipelineFaults = field(default_factory=PipelineFaults)
 
     def apply(self, effect: Effect) -> bool | np.ndarray:
         """Carry out one effect. ReserveKv answers False when the pool is dry."""
-        self.effects[type(effect).__name__] += 1
         if isinstance(effect, ReserveKv):
             return self.pool.allocate(effect.seq, effect.seq.num_computed + effect.tokens)
         if isinstance(effect, Rollback):

@@ -1,27 +1,21 @@
-"""Load a Hugging Face model folder (config.json + *.safetensors) into our model. Never touches a hub."""
+"""Build the model a checkpoint's facts name (models/registry.py) and fill it from its safetensors. Never touches a hub."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from metrale.gpu_worker.models import LlamaConfig, LlamaForCausalLM, check_supported
+from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
+from metrale.gpu_worker.models.context import ModelContext
+from metrale.gpu_worker.models.registry import model_class
+from metrale.model_facts import ModelFacts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_config(model_dir: str | pathlib.Path) -> dict:
-    """config.json as a dict; ValueError if its architecture is not one we implement."""
-    path = pathlib.Path(model_dir) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"no config.json in {model_dir}")
-    config = json.loads(path.read_text(encoding="utf-8"))
-    check_supported(config)
-    return config
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: dict) -> torch.dtype:
@@ -50,36 +44,35 @@ def weight_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_model(
-    model_dir: str | pathlib.Path,
+    facts: ModelFacts,
     *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
+    native: bool = False,
+    attention: TorchAttention = TORCH,
     show_progress: bool = True,
-) -> tuple[LlamaForCausalLM, dict]:
-    """Build the model for model_dir's config and fill it from its safetensors; returns (model, config)."""
-    config = load_config(model_dir)
-    torch_dtype = resolve_dtype(dtype, config)
-    device = torch.device(device)
-    model = LlamaForCausalLM(LlamaConfig.from_hf(config), dtype=torch_dtype, device=device)
-    loaded = _load_tensors(model, weight_files(model_dir), show_progress)
-    if model.config.tie_word_embeddings or "lm_head.weight" not in loaded:
-        model.tie_embeddings()
-        loaded.add("lm_head.weight")
-    missing = model.expected_weights() - loaded
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-    model.eval()
-    return model, config
+):
+    """The model for facts (its architecture's class from the registry), loaded and ready to run.
+
+    native: the native CPU kernels are loaded; attention: the device's attention backend. ModelError for an
+    architecture no model here implements (before anything is read); ValueError for a checkpoint that does
+    not fit the model.
+    """
+    cls = model_class(facts.architecture)
+    ctx = ModelContext(
+        facts=facts, dtype=resolve_dtype(dtype, facts.config), device=torch.device(device), native=native, attention=attention
+    )
+    model = cls(ctx)
+    model.load_weights(_tensors(weight_files(facts.path), show_progress))
+    return model
 
 
-def _load_tensors(model: LlamaForCausalLM, files: list[pathlib.Path], show_progress: bool) -> set[str]:
-    """Copy every tensor of the files into the model (cast to its dtype); return the names loaded."""
-    loaded: set[str] = set()
+def _tensors(files: list[pathlib.Path], show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the files, one at a time."""
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress, leave=False) as bar:
         for handle in handles:
             for name in handle.keys():
-                loaded.add(model.load_weight(name, handle.get_tensor(name)))
+                yield name, handle.get_tensor(name)
                 bar.update(1)
-    return loaded

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from metrale.gpu_worker.layers import cpu_kernels
-from metrale.gpu_worker.layers.attention import AttentionMetadata, build_metadata
+from metrale.gpu_worker.layers.attention_backends import select_backend
+from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
@@ -51,7 +52,7 @@ class _Prepared:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
-    dynamic_seq_lens: torch.Tensor | None
+    token_seq_lens: torch.Tensor | None  # each token's row seq_len, when the rotary needs it this step
 
 
 class _Staging:
@@ -96,24 +97,27 @@ class ModelRunner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
         self.facts = resolve_model(model_dir, max_model_len)
-        self.model, _ = load_model(model_dir, dtype=dtype, device=self.device, show_progress=show_progress)
         # The native CPU kernels (layers/cpu_kernels.py): decode attention reading keys stored
-        # head-dim-major (see layers/kv_cache.py), the KV write, RMSNorm and the greedy argmax.
+        # head-dim-major (see layers/kv_cache.py), the KV write, RMSNorm, rotary, SiLU and the greedy argmax.
         self._native = self.device.type == "cpu" and cpu_kernels.available()
-        self.model.prepare(native=self._native)
-        cfg = self.model.config
+        self.model = load_model(
+            self.facts, dtype=dtype, device=self.device, native=self._native,
+            attention=select_backend(self.device, native=self._native), show_progress=show_progress,
+        )
+        kv = self.model.kv_shape
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         num_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory)
+        # Keys head-dim-major only when some layer's decode runs the native kernel (its layout).
         self.kv_cache = PagedKVCache(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=self.model.dtype, device=self.device, transposed_keys=self._native,
+            kv.num_layers, num_blocks, block_size, kv.num_kv_heads, kv.head_dim,
+            dtype=self.model.dtype, device=self.device, transposed_keys=self.model.uses_native_decode,
         )
-        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.model.dtype)
+        per_block = PagedKVCache.bytes_per_block(kv.num_layers, block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype)
         self.swap = KvSwapSpace(self.kv_cache, KvSwapSpace.blocks_for(swap_space, per_block))
         self.info = ModelInfo(
             name=self.model_dir.name,
-            vocab_size=cfg.vocab_size,
+            vocab_size=self.facts.vocab_size,
             max_model_len=self.facts.max_model_len,
             eos_token_ids=self.facts.eos_token_ids,
             num_kv_blocks=num_blocks,
@@ -122,9 +126,8 @@ class ModelRunner:
             fed_ahead_policy=FedAheadPolicy.REWIND,
             num_swap_blocks=self.swap.num_blocks,
         )
-        self.sampler = Sampler(cfg.vocab_size, self.device)
+        self.sampler = Sampler(self.facts.vocab_size, self.device)
         self._staging = _Staging(self.device)
-        self._dynamic_rope = cfg.rope.rope_type == "dynamic"
         self._last_tokens = torch.full((max(max_num_seqs, 1),), -1, dtype=torch.int64, device=self.device)
         self._arange = np.arange(max(max_num_seqs, 1), dtype=np.int32)  # feed_from_row of an all-self-fed step
         self._last_sample: np.ndarray | None = None  # bool [R] of the last executed step; None = no source
@@ -244,12 +247,14 @@ class ModelRunner:
             windows=self.model.windows,
             device=self.device,
             dtype=self.model.dtype,
-            native=self._native,
+            native=self.model.uses_native_decode,
+            masks=self.model.uses_masked_decode,
         )
-        dynamic = None
-        if self._dynamic_rope and int(plan.seq_lens.max()) > self.model.config.rope.max_position_embeddings:
-            dynamic = self._staging.put("token_seq_lens", np.repeat(plan.seq_lens, np.diff(plan.query_start)))
-        return _Prepared(input_ids, positions, meta, dynamic)
+        token_seq_lens = None
+        threshold = self.model.rope_seq_len_threshold
+        if threshold is not None and int(plan.seq_lens.max()) > threshold:
+            token_seq_lens = self._staging.put("token_seq_lens", np.repeat(plan.seq_lens, np.diff(plan.query_start)))
+        return _Prepared(input_ids, positions, meta, token_seq_lens)
 
     def _inputs(self, plan: StepPlan, prev: np.ndarray | None) -> torch.Tensor:
         """The step's input ids on the device: the plan's, except that a fed row takes the previous step's
@@ -281,7 +286,7 @@ class ModelRunner:
 
     def _forward(self, p: _Prepared) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens."""
-        return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.dynamic_seq_lens)
+        return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens)
 
     def _logits_of(self, plan: StepPlan, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """[S, V] logits (the model's dtype) at the last token of each sampling row."""
@@ -335,10 +340,8 @@ class ModelRunner:
         capped at what max_num_seqs sequences of max_model_len could use)."""
         if num_kv_blocks is not None:
             return int(num_kv_blocks)
-        cfg = self.model.config
-        per_block = PagedKVCache.bytes_per_block(
-            cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, self.model.dtype
-        )
+        kv = self.model.kv_shape
+        per_block = PagedKVCache.bytes_per_block(kv.num_layers, self.block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype)
         if kv_cache_memory is not None:
             return max(1, int(kv_cache_memory) // per_block)
         cap = self.max_num_seqs * math.ceil(self.facts.max_model_len / self.block_size) + 1

@@ -137,10 +137,20 @@ def make_tiny_model(
     tensors = {name: t.to(torch_dtype).contiguous() for name, t in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)
+    write_tokenizer(out, tokenizer, model_max_length=config["max_position_embeddings"])
+    return out
+
+
+def write_tokenizer(out_dir: str | os.PathLike, tokenizer=None, *, model_max_length: int) -> Any:
+    """Write the tiny tokenizer's files (tokenizer.json, tokenizer_config.json, generation_config.json) into
+    out_dir, training it unless given; returns it. Model folders made elsewhere (tests save transformers'
+    own random models) get the same tokenizer and stop ids this way."""
+    out = pathlib.Path(out_dir)
+    tokenizer = tokenizer or train_tokenizer()
     _write_json(out / "generation_config.json", _generation_config(tokenizer))
     tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(config))
-    return out
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(model_max_length))
+    return tokenizer
 
 
 def default_model_dir() -> pathlib.Path:
@@ -311,7 +321,7 @@ def _generation_config(tokenizer) -> dict[str, Any]:
     }
 
 
-def _tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+def _tokenizer_config(model_max_length: int) -> dict[str, Any]:
     """tokenizer_config.json: the special tokens and the chat template."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -322,7 +332,7 @@ def _tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
+        "model_max_length": model_max_length,
         "additional_special_tokens": [IM_START, IM_END, THINK, THINK_END, TOOL_CALL, TOOL_CALL_END],
         "chat_template": CHAT_TEMPLATE,
     }

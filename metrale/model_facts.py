@@ -78,8 +78,7 @@ def _resolve(path: str) -> ModelFacts:
 
 def facts_from_config(config: dict, generation: dict, *, path: str, name: str) -> ModelFacts:
     """The facts a config.json dict (and a generation_config dict) state."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
-    cfg = {**config, **text} if text else config  # multimodal wrappers keep the decoder's facts here
+    cfg = decoder_config(config)
     try:
         num_layers = int(cfg["num_hidden_layers"])
         vocab_size = int(cfg["vocab_size"])
@@ -87,7 +86,7 @@ def facts_from_config(config: dict, generation: dict, *, path: str, name: str) -
         raise ModelError(f"{path}: config.json lacks a valid {e}") from None
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
     rope = rope_parameters(cfg)
-    rope_type = str(rope.get("rope_type", rope.get("type", "default")) or "default")
+    rope_type = rope["rope_type"]
     return ModelFacts(
         path=path,
         name=name,
@@ -110,15 +109,52 @@ def architecture_of(config: dict) -> str:
     return str(archs[0]) if archs else f"<none; model_type={config.get('model_type')!r}>"
 
 
-def rope_parameters(cfg: dict) -> dict:
-    """The rope settings in either form transformers writes (`rope_parameters` or the older `rope_scaling`)."""
+def decoder_config(config: dict) -> dict:
+    """The decoder's fields of a config.json dict: multimodal wrappers keep them in text_config."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
+    return {**config, **text} if text else config
+
+
+def rope_parameters(cfg: dict, layer_type: str | None = None) -> dict:
+    """The rope settings of a (decoder) config, standardised as transformers does: either form it writes
+    (`rope_parameters`, or the older `rope_scaling` + `rope_theta`), nested per layer type or not, with
+    rope_type, rope_theta, partial_rotary_factor and (for the types that need it)
+    original_max_position_embeddings filled in.
+
+    layer_type ("full_attention", "sliding_attention") picks a per-layer-type rotary (Gemma 3's global and
+    local ones); None is the full-attention one.
+    """
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if isinstance(params, dict) and "rope_type" not in params and "type" not in params and params:
-        # transformers 5 may nest per layer type: {"full_attention": {...}, "sliding_attention": {...}}
-        nested = [v for v in params.values() if isinstance(v, dict)]
-        if nested:
-            return dict(params.get("full_attention") or nested[0])
-    return dict(params) if isinstance(params, dict) else {}
+    params = params if isinstance(params, dict) else {}
+    model_type = cfg.get("model_type", "")
+    nested = {k: v for k, v in params.items() if isinstance(v, dict)}
+    theta = cfg.get("rope_theta")
+    if nested and "rope_type" not in params and "type" not in params:
+        # transformers 5 nests per layer type: {"full_attention": {...}, "sliding_attention": {...}}
+        params = dict(nested.get(layer_type or "full_attention") or nested.get("full_attention") or next(iter(nested.values())))
+    elif model_type in ("gemma3", "gemma3_text"):
+        # transformers 4's form: rope_theta and rope_scaling for the global layers, rope_local_base_freq local.
+        if layer_type == "sliding_attention":
+            params, theta = {}, cfg.get("rope_local_base_freq", 10_000.0)
+        elif theta is None:
+            theta = 1_000_000.0
+        params = dict(params)
+    else:
+        params = dict(params)
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's config names its longrope so
+    params["rope_type"] = rope_type
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = 10_000.0 if theta is None else theta
+    if cfg.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # transformers prefers a top-level original_max_position_embeddings (Phi-3 keeps it there).
+        if cfg.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings") or 2048)
+    return params
 
 
 def derived_max_model_len(cfg: dict, rope: dict, rope_type: str, max_pos: int) -> int:
@@ -128,8 +164,7 @@ def derived_max_model_len(cfg: dict, rope: dict, rope_type: str, max_pos: int) -
     if rope_type not in _STRETCHING_ROPE or factor <= 1.0 or cfg.get("model_type") in ("gemma3", "gemma3_text"):
         return max_pos  # Gemma 3 states its long context already and scales only its global layers' rope
     if rope_type == "yarn":
-        base = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos)
-        return int(base * factor)
+        return int(int(rope.get("original_max_position_embeddings") or max_pos) * factor)
     return int(max_pos * factor)
 
 

@@ -48,6 +48,29 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """make_model(kind, **config) -> Path: a tiny random model saved by transformers (tests/hf_models.py), built
+    once per session per arguments."""
+    from hf_models import make_hf_model
+
+    from metrale.gpu_worker.tiny_model import train_tokenizer
+
+    _torch_threads()
+    built: dict[tuple, pathlib.Path] = {}
+    tokenizer = []
+
+    def make_model(kind: str, **kw) -> pathlib.Path:
+        key = (kind, repr(sorted(kw.items())))
+        if key not in built:
+            if not tokenizer:
+                tokenizer.append(train_tokenizer())
+            built[key] = make_hf_model(tmp_path_factory.mktemp(f"hf-{kind}"), kind, tokenizer=tokenizer[0], **kw)
+        return built[key]
+
+    return make_model
+
+
+@pytest.fixture(scope="session")
 def default_model(tmp_path_factory) -> pathlib.Path:
     """The "default" preset (the demo model), built in a session temp dir, not the user's cache."""
     from metrale.gpu_worker.tiny_model import make_tiny_model

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 
 from metrale.engine_core.engine import EngineCore, EngineOptions
 from metrale.engine_core.fake_device import FakeDevice, FakeFaults
-from metrale.engine_core.pipeline import PipelineFaults, SpecialTokens
+from metrale.engine_core.pipeline import SpecialTokens
+from metrale.engine_core.step_io import StepIo
 from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams
 
 THINK_START, THINK_END = 2, 3
-TOKS = SpecialTokens(think_start=THINK_START, think_end=THINK_END)
+CODE_FENCE, TOOL_START, TOOL_END = 46, 45, 44  # ordinary ids the toy model also picks: adaptive masks change
+TOKS = SpecialTokens(think_start=THINK_START, think_end=THINK_END, code_fence=CODE_FENCE,
+                     tool_call_start=TOOL_START, tool_call_end=TOOL_END)
 
 
 @dataclass
@@ -33,6 +38,7 @@ class Run:
     errors: dict[str, str] = field(default_factory=dict)
     error_codes: dict[str, str] = field(default_factory=dict)
     failures: int = 0  # ticks that raised and were contained
+    effects: Counter = field(default_factory=Counter)  # StepIo effects applied, by kind (count_effects=True)
     ticks: int = 0
     recoveries: int = 0
     engine: EngineCore | None = None
@@ -48,7 +54,7 @@ def run_workload(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
     policy: FedAheadPolicy = FedAheadPolicy.REWIND,
-    lane_faults: PipelineFaults | None = None,
+    count_effects: bool = False,
     device_faults: FakeFaults | None = None,
     prefix_caching: bool = True,
     max_ticks: int = 20_000,
@@ -61,11 +67,12 @@ def run_workload(
     max_burst: int = 1,
     contain_failures: bool = False,
     grammar_vocab=None,
+    deferred: bool = False,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each."""
     dev = FakeDevice(
         num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len,
-        num_swap_blocks=num_swap_blocks, max_burst=max_burst,
+        num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred,
     )
     eng = EngineCore(
         dev,
@@ -79,11 +86,17 @@ def run_workload(
             stream_interval=stream_interval,
         ),
         special_tokens=TOKS,
-        faults=lane_faults,
     )
     if grammar_vocab is not None:
         eng.set_grammar_vocab(grammar_vocab)
     run = Run(engine=eng, device=dev)
+    with _counting(run.effects) if count_effects else contextlib.nullcontext():
+        _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures)
+    return run
+
+
+def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> None:
+    """Step the engine through the workload, recording its streams; check nothing leaked at the end."""
     pending = sorted(enumerate(reqs), key=lambda x: x[1].arrive_tick)
     aborted: set[str] = set()
     tick = 0
@@ -127,4 +140,19 @@ def run_workload(
     assert eng.pool.num_used == 0, "blocks still referenced after every request finished"
     assert dev.in_flight == 0, "a launched step was never awaited"
     assert eng.scheduler.swap.num_free == eng.scheduler.swap.num_blocks, "host swap blocks leaked"
-    return run
+
+
+@contextlib.contextmanager
+def _counting(effects: Counter):
+    """Count every StepIo effect applied meanwhile, by kind (the engine itself keeps no counters)."""
+    apply = StepIo.apply
+
+    def counted(io, effect):
+        effects[type(effect).__name__] += 1
+        return apply(io, effect)
+
+    StepIo.apply = counted
+    try:
+        yield
+    finally:
+        StepIo.apply = apply

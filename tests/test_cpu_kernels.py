@@ -158,7 +158,7 @@ def test_rotary_is_bit_identical_to_the_torch_path(dtype):
     from metrale.gpu_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
     cfg = RopeConfig(head_dim=64, theta=10000.0, rope_type="default", factor=1.0, max_position_embeddings=512)
-    rope = RotaryEmbedding(cfg, dtype=dtype, device=torch.device("cpu"))
+    rope = RotaryEmbedding(cfg, 512, dtype=dtype, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(17)
     qkv = torch.randn(21, 14, 64, generator=g).to(dtype)
     positions = torch.randint(0, 512, (21,), generator=g)

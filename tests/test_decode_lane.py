@@ -8,7 +8,12 @@ from hypothesis import strategies as st
 
 from metrale.engine_core.decode_lane import POISONED
 from metrale.engine_core.fake_device import FakeFaults
-from metrale.engine_core.pipeline import PipelineFaults, SpecialTokens, init_row_state
+import numpy as np
+
+from metrale.engine_core import decode_lane
+from metrale.engine_core import engine as engine_module
+from metrale.engine_core.pipeline import SpecialTokens, init_row_state
+from metrale.ipc.plan import FEED_HOST
 from metrale.engine_core.sequence import Sequence
 from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams
@@ -18,27 +23,42 @@ from engine_harness import THINK_START, Req, run_workload
 VOCAB = 48
 
 
+PREFIXES = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+
+
 @st.composite
 def requests(draw) -> Req:
+    """A request as serving traffic brings them: often sharing a prompt prefix (blocks of 4 in the harness),
+    with any sampling knob, mask kind and priority, arriving while others decode, sometimes aborted."""
     prompt = draw(st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24))
+    if draw(st.booleans()):
+        prompt = draw(st.sampled_from(PREFIXES)) + prompt[: draw(st.integers(0, 6))]
     max_tokens = draw(st.integers(1, 30))
     think = draw(st.one_of(st.none(), st.integers(0, 6)))
     if think is not None and draw(st.booleans()):
         prompt = prompt + [THINK_START]  # a template that opens the thinking block
+    penalty = draw(st.sampled_from([0.0, 0.0, 0.0, 0.5, -0.3]))
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=draw(st.sampled_from([0.0, 0.0, 0.7, 1.3])),
         top_k=draw(st.sampled_from([0, 0, 5])),
+        top_p=draw(st.sampled_from([1.0, 1.0, 0.9])),
+        min_p=draw(st.sampled_from([0.0, 0.0, 0.05])),
+        presence_penalty=penalty,
+        frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.2])) if penalty else 0.0,
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.1])),
         seed=draw(st.integers(0, 2**32)),
         stop_token_ids=draw(st.lists(st.integers(4, VOCAB - 1), max_size=2)),
         min_tokens=draw(st.integers(0, min(4, max_tokens))),
         max_thinking_tokens=think,
+        adaptive_sampling=draw(st.booleans()),
         ignore_eos=draw(st.booleans()),
+        priority=draw(st.sampled_from([0, 0, 0, 1, -1])),
     )
     return Req(
         prompt=prompt,
         params=params,
-        arrive_tick=draw(st.integers(0, 25)),
+        arrive_tick=draw(st.integers(0, 60)),
         abort_after=draw(st.one_of(st.none(), st.none(), st.integers(0, 12))),
     )
 
@@ -53,17 +73,19 @@ workloads = st.lists(requests(), min_size=1, max_size=12)
     seqs=st.sampled_from([2, 4, 8]),
     mode=st.sampled_from(["recompute", "swap"]),
     swap_blocks=st.integers(0, 40),
+    deferred=st.booleans(),
 )
-def test_pipelined_streams_equal_synchronous_for_any_workload(reqs, small_pool, seqs, mode, swap_blocks):
-    """Arrivals, stops, aborts, think budgets, min_tokens, seeds, a dry pool with preemption by swap or
-    recompute: the same streams as the synchronous loop with room to spare, and no block leaked."""
+def test_pipelined_streams_equal_synchronous_for_any_workload(reqs, small_pool, seqs, mode, swap_blocks, deferred):
+    """Arrivals during decode, stops, aborts, shared prefixes, penalties, top-p/min-p, priorities, every mask
+    kind, a dry pool with preemption by swap or recompute, and a device that runs steps behind the host: the
+    same streams as the synchronous loop with room to spare, and no block leaked."""
     reference = run_workload(reqs, pipeline=False, max_num_seqs=seqs)
-    piped = run_workload(reqs, pipeline=True, max_num_seqs=seqs)
+    piped = run_workload(reqs, pipeline=True, max_num_seqs=seqs, deferred=deferred)
     assert piped.streams == reference.streams
     assert piped.finish == reference.finish
     small = dict(num_kv_blocks=small_pool, max_num_seqs=seqs, preemption_mode=mode, num_swap_blocks=swap_blocks)
     small_sync = run_workload(reqs, pipeline=False, **small)
-    small_piped = run_workload(reqs, pipeline=True, **small)
+    small_piped = run_workload(reqs, pipeline=True, deferred=deferred, **small)
     assert small_piped.streams == small_sync.streams == reference.streams
     assert small_piped.finish == small_sync.finish == reference.finish
 
@@ -122,13 +144,22 @@ def test_the_lane_really_runs_ahead():
     assert fed > len(run.device.records) // 2
 
 
-def test_without_overrun_validation_the_property_fails():
-    """keep_overrun commits the steps that ran past a finish: the streams then differ from synchronous."""
+def test_without_overrun_validation_the_property_fails(monkeypatch):
+    """A lane that commits the steps that ran past a finish (validation taking every row as valid) streams
+    after a finish: the check the property rests on is the one that makes it hold."""
     reqs = _finishing_workload()
     reference = run_workload(reqs, pipeline=False)
-    with pytest.raises(AssertionError, match="streamed after its finish"):
-        run_workload(reqs, pipeline=True, lane_faults=PipelineFaults(keep_overrun=True))
     assert run_workload(reqs, pipeline=True).streams == reference.streams
+
+    def every_row_valid(nxt, prev_tokens, io):
+        for s, src in zip(nxt.seqs, nxt.fed_from):
+            if src != FEED_HOST:
+                s.num_computed += 1
+        return []
+
+    monkeypatch.setattr(decode_lane, "validate_next", every_row_valid)
+    with pytest.raises(AssertionError, match="streamed after its finish"):
+        run_workload(reqs, pipeline=True)
 
 
 def test_device_error_fails_exactly_the_inflight_rows_and_frees_every_block():
@@ -142,39 +173,48 @@ def test_device_error_fails_exactly_the_inflight_rows_and_frees_every_block():
     assert run.finish["6"] == "length" and len(run.streams["6"]) == 5
 
 
+def rewrite_commit(monkeypatch, request_id: str, index: int) -> None:
+    """The host commits a token other than the device's for output `index` of request_id (token ^ 1), in the
+    lane and in the synchronous step alike: what the device fed a step launched ahead is then not the host's."""
+    original = decode_lane.commit_tokens
+
+    def rewritten(io, seqs, tokens, result, skip):
+        tokens = np.array(tokens, copy=True)
+        for r, s in enumerate(seqs):
+            if s.request_id == request_id and s.num_output == index and tokens[r] >= 0:
+                tokens[r] ^= 1
+        original(io, seqs, tokens, result, skip)
+
+    monkeypatch.setattr(decode_lane, "commit_tokens", rewritten)
+    monkeypatch.setattr(engine_module, "commit_tokens", rewritten)
+
+
 def test_repick_only_stale_mask_is_resampled_on_the_host():
     """RepickOnly: a step launched ahead whose mask went stale stands, and the host picks its token."""
     think = [Req([5, 6, THINK_START], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, max_thinking_tokens=2))]
     others = [Req([8 + i, 9], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i in range(3)]
     reference = run_workload(think + others, pipeline=False, policy=FedAheadPolicy.REPICK_ONLY)
-    forced = run_workload(
-        think + others,
-        pipeline=True,
-        policy=FedAheadPolicy.REPICK_ONLY,
-        lane_faults=PipelineFaults(ignore_ahead_allowed=True),
-    )
-    assert forced.engine.io.effects["ReadLogits"] > 0, "no stale mask was met: the test did not test"
+    forced = run_workload(think + others, pipeline=True, policy=FedAheadPolicy.REPICK_ONLY, count_effects=True)
+    assert forced.effects["ReadLogits"] > 0, "no stale mask was met: the test did not test"
     assert forced.streams == reference.streams
 
 
 def test_rewind_stale_mask_redoes_the_step():
-    """Rewind: the same stale mask discards the step whole and launches it again."""
+    """Rewind: the same stale mask discards that row of the step launched ahead; it runs again, host-fed."""
     think = [Req([5, 6, THINK_START], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, max_thinking_tokens=2))]
     others = [Req([8 + i, 9], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i in range(3)]
     reference = run_workload(think + others, pipeline=False)
-    forced = run_workload(think + others, pipeline=True, lane_faults=PipelineFaults(ignore_ahead_allowed=True))
-    assert forced.engine.io.effects["Rollback"] > 0
+    forced = run_workload(think + others, pipeline=True, count_effects=True)
+    assert forced.effects["Rollback"] > 0
     assert forced.streams == reference.streams
 
 
-def test_repick_only_poisoned_row_fails_and_others_are_unaffected():
+def test_repick_only_poisoned_row_fails_and_others_are_unaffected(monkeypatch):
     """A RepickOnly row fed a token the host did not commit fails with the seed's message; others go on."""
     reqs = [Req([5 + i, 9], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for i in range(3)]
-    rewrite = PipelineFaults(rewrite_commit=("0", 4))
-    reference = run_workload(reqs, pipeline=False, policy=FedAheadPolicy.REPICK_ONLY, lane_faults=rewrite)
-    run = run_workload(
-        reqs, pipeline=True, policy=FedAheadPolicy.REPICK_ONLY, lane_faults=PipelineFaults(rewrite_commit=("0", 4))
-    )
+    rewrite_commit(monkeypatch, "0", 4)
+    reference = run_workload(reqs, pipeline=False, policy=FedAheadPolicy.REPICK_ONLY)
+    run = run_workload(reqs, pipeline=True, policy=FedAheadPolicy.REPICK_ONLY)
     assert run.finish["0"] == "error" and run.errors["0"] == POISONED
     assert run.streams["0"] == reference.streams["0"][:5]
     for rid in ("1", "2"):
@@ -182,13 +222,14 @@ def test_repick_only_poisoned_row_fails_and_others_are_unaffected():
         assert run.finish[rid] == "length"
 
 
-def test_rewind_host_rewrite_is_an_overrun_and_is_redone():
+def test_rewind_host_rewrite_is_an_overrun_and_is_redone(monkeypatch):
     """Rewind: the same host-side rewrite makes the step launched ahead an over-run; it is run again
     from the host's token and the stream equals the synchronous loop's."""
     reqs = [Req([5 + i, 9], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for i in range(3)]
-    reference = run_workload(reqs, pipeline=False, lane_faults=PipelineFaults(rewrite_commit=("0", 4)))
-    run = run_workload(reqs, pipeline=True, lane_faults=PipelineFaults(rewrite_commit=("0", 4)))
-    assert run.engine.io.effects["Rollback"] > 0
+    rewrite_commit(monkeypatch, "0", 4)
+    reference = run_workload(reqs, pipeline=False)
+    run = run_workload(reqs, pipeline=True, count_effects=True)
+    assert run.effects["Rollback"] > 0
     assert run.streams == reference.streams
     assert run.finish == reference.finish
 

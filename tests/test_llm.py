@@ -41,6 +41,23 @@ def test_greedy_tokens_equal_transformers_generate(tiny_model_dir, arch):
         assert out.token_ids == gen[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "mixtral"])
+def test_new_architectures_generate_through_llm_as_transformers_does(hf_model_dir, kind):
+    """The whole offline engine (scheduler, lane, bursts) on checkpoints transformers saved: greedy tokens equal
+    its generate."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = hf_model_dir(kind)
+    prompts = _prompts(4, seed=5)
+    with LLM(str(path), show_progress=False) as engine:
+        ours = engine.generate(prompts, SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out.token_ids == gen[0, len(prompt):].tolist()
+
+
 def test_pipelined_equals_synchronous_for_32_requests(tiny_model_dir, llm):
     """Greedy and seeded, 32 requests: the lane on and off give the same tokens."""
     prompts = _prompts(32, seed=2)

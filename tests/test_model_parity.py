@@ -8,6 +8,7 @@ inputs fed on the device. Theirs is `generate(do_sample=False)`, one prompt at a
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ VARIANTS = {
         {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "max_position_embeddings": 48},
     ),
     "mistral-window": ("mistral", {"sliding_window": 8}),
+    "llama-yarn-rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}),
 }
 
 
@@ -122,9 +124,9 @@ def hf_generate(model, prompt: list[int], num_new: int):
     return tokens, logits
 
 
-def _hf_model(path, dtype=torch.float32):
+def _hf_model(path, dtype=torch.float32, attn="sdpa"):
     """The transformers model for a folder, greedy and quiet."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(DEVICE)
     model.generation_config.eos_token_id = None
     return model.eval()
 
@@ -237,3 +239,125 @@ def test_bf16_argmax_agrees_with_transformers_bf16_under_teacher_forcing(arch, t
             agree += sum(x == y for x, y in zip(mine, theirs))
             total += len(theirs)
     assert agree / total >= 0.95, f"bf16 argmax agreement {agree}/{total}"
+
+
+# Checkpoints transformers itself makes and saves (tests/hf_models.py): each family's own names, fusions
+# and config fields. Prompts cross the sliding windows (8) mid-generation.
+HF_PROMPT_LENS = (3, 12, 17, 40)
+HF_NUM_NEW = 24
+_LONGROPE = {
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+    },
+    "original_max_position_embeddings": 32,
+}
+# transformers' Phi-3 generate recomputes the whole cache when a sequence first grows past
+# original_max_position_embeddings (so earlier keys get the long factors too); the runner, like vLLM, keeps the
+# cache and rotates the tokens past it with the long factors. Against generate, longrope prompts therefore
+# stay below 32 throughout or start past it; test_longrope_switches_per_row_as_transformers_forward covers a
+# row crossing it.
+_LONGROPE_LENS = (3, 5, 33, 40)
+# Gemma 2's soft-capped attention has no SDPA form in transformers: its reference runs eager attention.
+HF_EAGER = ("gemma2",)
+HF_VARIANTS = {
+    "gemma2": ("gemma2", {}, HF_PROMPT_LENS),
+    "gemma3": ("gemma3", {}, HF_PROMPT_LENS),
+    "phi3": ("phi3", {}, HF_PROMPT_LENS),
+    "phi3-longrope": ("phi3", _LONGROPE, _LONGROPE_LENS),
+    "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}, HF_PROMPT_LENS),
+    "phi3-window": ("phi3", {"sliding_window": 8}, HF_PROMPT_LENS),
+    "olmo2": ("olmo2", {}, HF_PROMPT_LENS),
+    "qwen3_moe": ("qwen3_moe", {}, HF_PROMPT_LENS),
+    "qwen3_moe-dense-layer": ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": False}, HF_PROMPT_LENS),
+    "mixtral": ("mixtral", {}, HF_PROMPT_LENS),
+    "mixtral-window": ("mixtral", {"sliding_window": 8}, HF_PROMPT_LENS),
+}
+
+
+def _hf_prompts(vocab: int, lens) -> list[list[int]]:
+    rng = np.random.default_rng(4)
+    return [rng.integers(16, vocab, size=n).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+def test_transformers_made_checkpoints_match_transformers(variant, hf_model_dir, plans):
+    kind, kw, lens = HF_VARIANTS[variant]
+    path = hf_model_dir(kind, **kw)
+    runner = ModelRunner(path, device=DEVICE, num_kv_blocks=256, show_progress=False)
+    prompts = _hf_prompts(runner.info.vocab_size, lens)
+    ours = run_greedy(runner, prompts, HF_NUM_NEW, plans)
+    hf = _hf_model(path, attn="eager" if kind in HF_EAGER else "sdpa")
+    for i, (prompt, seq) in enumerate(zip(prompts, ours)):
+        tokens, logits = hf_generate(hf, prompt, HF_NUM_NEW)
+        assert seq.out == tokens, f"{variant}: prompt {i} (len {len(prompt)}) diverges"
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits))
+        assert worst < LOGIT_ATOL, f"{variant}: prompt {i} logits differ by {worst}"
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_transformers_made_checkpoints_under_chunked_prefill(kind, hf_model_dir, plans):
+    """A 12-token budget: later chunks read their cached prefix through sliding and global layers (Gemma 2's
+    soft-capped ones on the eager path)."""
+    path = hf_model_dir(kind)
+    runner = ModelRunner(path, device=DEVICE, num_kv_blocks=256, show_progress=False)
+    prompts = _hf_prompts(runner.info.vocab_size, HF_PROMPT_LENS)
+    ours = run_greedy(runner, prompts, 8, plans, budget=12)
+    hf = _hf_model(path, attn="eager" if kind in HF_EAGER else "sdpa")
+    for i, (prompt, seq) in enumerate(zip(prompts, ours)):
+        tokens, logits = hf_generate(hf, prompt, 8)
+        assert seq.out == tokens, f"{kind}: prompt {i} diverges under chunked prefill"
+        assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits)) < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "qwen3_moe"])
+def test_transformers_made_checkpoints_in_bf16_agree_with_transformers_bf16(kind, hf_model_dir, plans):
+    """bf16 (the float32-scale norms off the native kernel, the eager soft-capped path, bf16 routing):
+    teacher-forced argmaxes agree with transformers' own bf16 run."""
+    path = hf_model_dir(kind)
+    runner = ModelRunner(path, device=DEVICE, dtype="bfloat16", num_kv_blocks=256, show_progress=False)
+    seqs = _hf_prompts(runner.info.vocab_size, (9, 20, 33))
+    blocks = [plans.blocks_for(i, MAX_LEN) for i in range(len(seqs))]
+    result = runner.execute(plans.make_plan([plans.Row(s[:-8], 0, b) for s, b in zip(seqs, blocks)]))
+    ours = [[int(t)] for t in result.tokens]
+    for k in range(7):
+        rows = [plans.Row([s[len(s) - 8 + k]], len(s) - 8 + k, b) for s, b in zip(seqs, blocks)]
+        result = runner.execute(plans.make_plan(rows))
+        for i, t in enumerate(result.tokens):
+            ours[i].append(int(t))
+    hf = _hf_model(path, dtype=torch.bfloat16, attn="eager" if kind in HF_EAGER else "sdpa")
+    agree = total = 0
+    with torch.no_grad():
+        for s, mine in zip(seqs, ours):
+            theirs = hf(torch.tensor([s], device=DEVICE)).logits[0, len(s) - 9 : len(s) - 1].argmax(-1).tolist()
+            agree += sum(x == y for x, y in zip(mine, theirs))
+            total += len(theirs)
+    assert agree / total >= 0.9, f"{kind}: bf16 argmax agreement {agree}/{total}"
+
+
+def _kept_cache(model, out) -> dict:
+    """The forward keyword that hands a model output's cache back (transformers 5 renamed it `cache`)."""
+    cache = getattr(out, "cache", None) or out.past_key_values
+    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
+
+
+def test_longrope_switches_per_row_as_transformers_forward(hf_model_dir, plans):
+    """Rows crossing original_max_position_embeddings (32) mid-decode, batched with a row past it from the
+    start: each row's tokens past 32 take the long factors, its cached keys stay, as transformers' forward over
+    a kept cache computes them (teacher-forced with our tokens)."""
+    path = hf_model_dir("phi3", **_LONGROPE)
+    runner = ModelRunner(path, device=DEVICE, num_kv_blocks=256, show_progress=False)
+    prompts = _hf_prompts(runner.info.vocab_size, (12, 17, 40))
+    ours = run_greedy(runner, prompts, HF_NUM_NEW, plans)
+    hf = _hf_model(path)
+    for prompt, seq in zip(prompts, ours):
+        with torch.no_grad():
+            out = hf(torch.tensor([prompt], device=DEVICE), use_cache=True)
+            theirs = [out.logits[0, -1].float().cpu().numpy()]
+            for tok in seq.out[:-1]:
+                out = hf(torch.tensor([[tok]], device=DEVICE), use_cache=True, **_kept_cache(hf, out))
+                theirs.append(out.logits[0, -1].float().cpu().numpy())
+        assert [int(t.argmax()) for t in theirs] == seq.out
+        assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, theirs)) < LOGIT_ATOL

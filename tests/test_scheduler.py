@@ -172,3 +172,75 @@ def test_has_admissible_applies_the_watermark_admission_applies():
     sched.running.clear()
     pool.free(running)
     assert sched.has_admissible()  # with nothing running there is no watermark
+
+
+def test_preemption_takes_the_lowest_priority_latest_arrival():
+    """A dry pool preempts the running sequence that runs last: the highest priority value, latest arrival."""
+    from metrale.engine_core.kv_blocks import KvBlockPool
+    from metrale.engine_core.scheduler import Scheduler, SchedulerConfig
+    from metrale.engine_core.sequence import Sequence
+
+    pool = KvBlockPool(6, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), pool)
+    seqs = [Sequence(name, SamplingParams(max_tokens=9, priority=prio), 0, [1, 2, 3, 4], 4, arrival)
+            for arrival, (name, prio) in enumerate([("urgent-early", 0), ("lazy", 1), ("urgent-late", 0)])]
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()  # three prompts of one block each
+    for s in seqs:
+        s.num_computed, s.tokens = 4, s.tokens + [5]  # each decodes next: a second block each, 6 in all
+    sched.schedule()
+    for s in seqs:
+        s.num_computed, s.tokens = 5, s.tokens + [6, 7, 8, 9]
+    step = sched.schedule()  # positions 5..8 need a third block each: none is left, so one must go
+    assert [s.request_id for s in sched.running] == ["urgent-early", "urgent-late"]
+    assert sched.num_preemptions == 1 and seqs[1].num_preemptions == 1
+    assert "lazy" not in [s.request_id for s in step.seqs]
+
+
+def test_min_tokens_bans_stops_until_exactly_min_tokens_exist():
+    from metrale.engine_core.pipeline import NO_MASK, init_row_state, row_mask
+    from metrale.engine_core.sequence import Sequence
+    from metrale.ipc.plan import MASK_BAN
+
+    from engine_harness import TOKS
+
+    seq = Sequence("m", SamplingParams(min_tokens=3, stop_token_ids=[9]), 0, [5, 6], 2, 0)
+    init_row_state(seq, TOKS)
+    for n in range(3):  # 0, 1, 2 outputs so far: the next pick may not stop
+        assert row_mask(seq, TOKS, (1,)).kind & MASK_BAN and set(row_mask(seq, TOKS, (1,)).ban) == {1, 9}
+        assert row_mask(seq, TOKS, (1,), ahead=1).kind & MASK_BAN or n == 2
+        seq.tokens.append(20 + n)
+    assert row_mask(seq, TOKS, (1,)) == NO_MASK  # the fourth pick may stop
+
+
+def test_the_thinking_budget_counts_generated_thinking_only():
+    """A prompt that already holds thinking tokens after <think> does not use up the budget."""
+    from metrale.engine_core.pipeline import init_row_state, row_mask, update_row_state
+    from metrale.engine_core.sequence import Sequence
+    from metrale.ipc.plan import MASK_FORCE
+
+    from engine_harness import THINK_END, THINK_START, TOKS
+
+    prompt = [5, THINK_START, 9, 9, 9]
+    seq = Sequence("t", SamplingParams(max_thinking_tokens=2), 0, list(prompt), len(prompt), 0)
+    init_row_state(seq, TOKS)
+    for _ in range(2):
+        assert not row_mask(seq, TOKS, (1,)).kind & MASK_FORCE
+        seq.tokens.append(11)
+        update_row_state(seq, 11, TOKS)
+    mask = row_mask(seq, TOKS, (1,))
+    assert mask.kind & MASK_FORCE and mask.force_token == THINK_END
+
+
+def test_a_block_is_cached_only_once_every_position_of_it_is_computed():
+    """A request that stops right after its first token leaves that token's position uncomputed: the block
+    holding it must not be cached, or a request whose prompt continues it reads KV never written."""
+    a_prompt = [5, 6, 7, 8, 9, 10, 11]  # 7 tokens: the first output sits at position 7, the end of block 1
+    first = run_workload([Req(a_prompt, greedy(1))], pipeline=False)
+    b_prompt = a_prompt + first.streams["0"] + [12, 13]
+    reqs = [Req(a_prompt, greedy(1)), Req(b_prompt, greedy(6), arrive_tick=6)]
+    # Synchronous: the pipelined lane's over-run of the finished request would write that position anyway.
+    cached = run_workload(reqs, pipeline=False)
+    uncached = run_workload(reqs, pipeline=False, prefix_caching=False)
+    assert cached.streams == uncached.streams

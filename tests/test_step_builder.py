@@ -35,7 +35,8 @@ class ReferenceBuilder:
         self.max_tokens = max_tokens
         self.hist_cap = max(4096, max_tokens)
 
-    def build(self, seqs, num_new, masks, *, fed=False) -> StepPlan:
+    def build(self, seqs, num_new, masks, *, feed=None) -> StepPlan:
+        feed = feed or [FEED_HOST] * len(seqs)
         R = len(seqs)
         T = sum(num_new)
         i32 = np.int32
@@ -50,6 +51,7 @@ class ReferenceBuilder:
         floats, ints, seq_lens, samples, kinds, forces = [], [], [], [], [], []
         t = h = 0
         for r, (seq, k, mask) in enumerate(zip(seqs, num_new, masks)):
+            fed = feed[r] != FEED_HOST
             start = seq.num_computed
             bt = seq.block_table
             tables[r, : len(bt)] = bt
@@ -92,7 +94,7 @@ class ReferenceBuilder:
             seq_lens=np.array(seq_lens, i32),
             block_tables=tables,
             sample=np.array(samples, np.bool_),
-            feed_from_row=np.arange(R, dtype=i32) if fed else np.full(R, FEED_HOST, i32),
+            feed_from_row=np.array(feed, i32),
             temperature=f[:, 0].copy(),
             top_k=as_i32(i[:, 0]),
             top_p=f[:, 1].copy(),
@@ -154,6 +156,12 @@ class World:
             if len(seq.block_table) < need:
                 seq.block_table.extend(self.blocks(need - len(seq.block_table)))
             del seq.block_table[width:]  # a longer table than any row needs never reaches a plan
+
+    def feed(self, rows: int) -> list[int]:
+        """A launch-ahead step's feeds: most rows from some row of the step before, some host-fed (churn)."""
+        sources = list(range(rows + 4))
+        self.rng.shuffle(sources)
+        return [FEED_HOST if self.rng.random() < 0.25 else src for src in sources[:rows]]
 
     def mask(self) -> RowMask:
         """NO_MASK mostly; sometimes an equal copy, a ban list (longer than MAX_BAN_IDS), a force, greedy."""
@@ -229,7 +237,8 @@ def test_plans_equal_the_row_by_row_builder(seed):
             for seq in world.seqs:
                 seq.num_computed = seq.num_tokens - 1
         seqs, num_new, masks = world.step(8, fed)
-        assert_same_plan(new.build(seqs, num_new, masks, fed=fed), ref.build(seqs, num_new, masks, fed=fed))
+        feed = world.feed(len(seqs)) if fed else None
+        assert_same_plan(new.build(seqs, num_new, masks, feed=feed), ref.build(seqs, num_new, masks, feed=feed))
         world.advance(seqs, num_new)
 
 
@@ -245,7 +254,8 @@ def test_all_decode_plans_equal_the_row_by_row_builder(rows):
         seqs, num_new = world.seqs, [1] * rows
         masks = [world.mask() for _ in seqs]
         world.fit(seqs, num_new)
-        assert_same_plan(new.build(seqs, num_new, masks, fed=fed), ref.build(seqs, num_new, masks, fed=fed))
+        feed = world.feed(len(seqs)) if fed else None
+        assert_same_plan(new.build(seqs, num_new, masks, feed=feed), ref.build(seqs, num_new, masks, feed=feed))
         world.advance(seqs, num_new)
         for seq in seqs:
             seq.num_computed = seq.num_tokens - 1

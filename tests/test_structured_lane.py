@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from metrale.engine_core import engine as engine_module
 from metrale.engine_core.engine import EngineCore
 from metrale.engine_core.fake_device import FakeDevice
-from metrale.engine_core.pipeline import PipelineFaults
+from metrale.engine_core.step_io import Rollback, StepIo
 from metrale.ipc.errors import Refused
 from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams, StructuredOutputs
@@ -73,16 +74,24 @@ def mixed_requests(draw) -> Req:
     return req
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def feed_every_row(monkeypatch) -> None:
+    """Let the lane feed grammar rows from the device's token (their bitmasks are then made a token early)."""
+    monkeypatch.setattr(engine_module, "can_feed", lambda seq: not seq.params.has_penalties)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(reqs=st.lists(mixed_requests(), min_size=1, max_size=8), pool=st.integers(14, 40), seqs=st.sampled_from([2, 4, 8]))
-def test_pipelined_equals_synchronous_with_grammar_rows(reqs, pool, seqs):
+def test_pipelined_equals_synchronous_with_grammar_rows(monkeypatch, reqs, pool, seqs):
     """Grammar rows beside plain ones, arrivals, aborts, stops and a dry pool (preemption): the lane streams what
-    the synchronous loop streams, greedy and seeded; forced to run ahead of grammar rows (their bitmasks then go
-    stale), it still does."""
+    the synchronous loop streams, greedy and seeded, on a device that runs steps at launch or only when awaited;
+    forced to feed grammar rows ahead (their bitmasks then go stale), it still does."""
     kw = dict(grammar_vocab=FAKE_GRAMMAR_VOCAB, max_num_seqs=seqs)
     reference = run_workload(reqs, pipeline=False, **kw)
-    for extra in ({}, {"num_kv_blocks": pool}, {"lane_faults": PipelineFaults(ignore_ahead_allowed=True)}):
-        piped = run_workload(reqs, pipeline=True, **kw, **extra)
+    for extra in ({}, {"num_kv_blocks": pool}, {"deferred": True}, {"forced": True}):
+        with monkeypatch.context() as m:
+            if extra.pop("forced", False):
+                feed_every_row(m)
+            piped = run_workload(reqs, pipeline=True, **kw, **extra)
         assert piped.streams == reference.streams
         assert piped.finish == reference.finish
 
@@ -92,31 +101,43 @@ def _stale_workload() -> list[Req]:
     return [_req(i, i % 3, 0.0 if i % 2 else 0.8) for i in range(4)] + [_req(9, -1, 0.0, max_tokens=30, ignore_eos=True)]
 
 
-def test_rewind_stale_grammar_mask_redoes_the_step():
-    """Run ahead of grammar rows anyway: validation finds each bitmask made a token early and redoes the step."""
+def test_rewind_stale_grammar_mask_redoes_the_row(monkeypatch):
+    """Feed grammar rows ahead anyway: validation finds each bitmask made a token early and runs the row again."""
     reqs = _stale_workload()
     reference = run_workload(reqs, pipeline=False, grammar_vocab=FAKE_GRAMMAR_VOCAB)
-    forced = run_workload(reqs, pipeline=True, grammar_vocab=FAKE_GRAMMAR_VOCAB,
-                          lane_faults=PipelineFaults(ignore_ahead_allowed=True))
-    assert forced.engine.io.effects["Rollback"] > 0, "no stale bitmask was met: the test did not test"
+    feed_every_row(monkeypatch)
+    forced = run_workload(reqs, pipeline=True, grammar_vocab=FAKE_GRAMMAR_VOCAB, count_effects=True)
+    assert forced.effects["Rollback"] > 0, "no stale bitmask was met: the test did not test"
     assert forced.streams == reference.streams
 
 
-def test_repick_only_stale_grammar_mask_is_sampled_on_the_host():
+def test_repick_only_stale_grammar_mask_is_sampled_on_the_host(monkeypatch):
     """RepickOnly: the stale bitmask's forward stands and the host picks under the grammar's current mask."""
     reqs = _stale_workload()
     reference = run_workload(reqs, pipeline=False, grammar_vocab=FAKE_GRAMMAR_VOCAB, policy=FedAheadPolicy.REPICK_ONLY)
+    feed_every_row(monkeypatch)
     forced = run_workload(reqs, pipeline=True, grammar_vocab=FAKE_GRAMMAR_VOCAB, policy=FedAheadPolicy.REPICK_ONLY,
-                          lane_faults=PipelineFaults(ignore_ahead_allowed=True))
-    assert forced.engine.io.effects["ReadLogits"] > 0, "no stale bitmask was met: the test did not test"
+                          count_effects=True)
+    assert forced.effects["ReadLogits"] > 0, "no stale bitmask was met: the test did not test"
     assert forced.streams == reference.streams
 
 
-def test_the_lane_settles_grammar_rows_before_it_launches_again():
-    """Unforced, the lane never launches past a grammar row (its next bitmask needs the token in flight)."""
-    run = run_workload([_req(0, 2, 0.0)], pipeline=True, grammar_vocab=FAKE_GRAMMAR_VOCAB)
-    assert not any(r.fed for r in run.device.records)
-    assert run.engine.io.effects["Rollback"] == 0
+def test_grammar_rows_wait_for_their_commit_while_plain_rows_run_ahead(monkeypatch):
+    """A grammar row is never fed from the device (its next bitmask needs the token in flight), so it is never
+    discarded; the plain row beside it is fed (and over-runs only at its finish)."""
+    rolled_back = []
+    apply = StepIo.apply
+
+    def recording(io, effect):
+        if isinstance(effect, Rollback):
+            rolled_back.append(effect.seq.request_id)
+        return apply(io, effect)
+
+    monkeypatch.setattr(StepIo, "apply", recording)
+    reqs = [_req(0, 2, 0.0), _req(1, -1, 0.0, max_tokens=30, ignore_eos=True)]
+    run = run_workload(reqs, pipeline=True, grammar_vocab=FAKE_GRAMMAR_VOCAB)
+    assert run.finish["0"] == "stop" and "0" not in rolled_back
+    assert any(r.fed for r in run.device.records)
 
 
 def test_a_resubmitted_request_continues_its_grammar():

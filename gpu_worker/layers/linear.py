@@ -1,123 +1,238 @@
-"""A linear layer whose weight may be several Hugging Face weights stacked (q/k/v, gate/up).
+"""Linear layers with a quantization method and a parallel group (vLLM's shapes, group of one today).
 
-On a CPU with oneDNN the weight is repacked once, after loading, into the blocked layout oneDNN's
-matmul reads (AMX tiles for bfloat16): an unpacked weight is reordered on every call, which for a
-decode step's few rows costs as much as the product itself. `pack_weight` checks the packed product
-against F.linear on a probe before it is used, and anything it cannot pack keeps the plain path.
+- `ReplicatedLinear`: the whole weight on every rank (a MoE router).
+- `ColumnParallelLinear`: output rows split over the group; `MergedColumnParallelLinear` stacks several
+  checkpoint weights along the output (gate/up), `QKVParallelLinear` the q, k and v projections, so each
+  is one matmul however the checkpoint stores them.
+- `RowParallelLinear`: input features split over the group, the partial products summed (all-reduce).
+
+Each layer's `weight_loader(param, loaded_weight, shard_id=None)` is attached to every parameter its
+method creates (layers/linear_method.py): a split checkpoint loads part by part (`shard_id` 0/1 for
+gate/up, "q"/"k"/"v"), a pre-fused one (Phi-3's qkv_proj and gate_up_proj) in one call with shard_id None,
+and either way the loader keeps only this rank's rows (column) or columns (row). With a group of one the
+forward is the method's product and nothing else.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-# oneDNN picks its blocking for this many rows; the packed weight serves any row count, and this
-# hint keeps bfloat16 results identical to F.linear from 1 row to a full prefill chunk (measured).
-PACK_ROWS_HINT = 256
-_PROBE_ROWS = 3
+from metrale.gpu_worker.layers.linear_method import DenseLinearMethod, LinearMethod, set_weight_attrs
+from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 
 
-class PackedWeight:
-    """A weight in oneDNN's layout and the op that multiplies by it: y = x @ W.T (+ b)."""
-
-    __slots__ = ("packed", "out_features")
-
-    def __init__(self, packed: torch.Tensor, out_features: int):
-        """Wrap an already packed weight (see pack_weight)."""
-        self.packed = packed
-        self.out_features = out_features
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The product for x [..., in_features] (made contiguous if it is not)."""
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
-
-
-def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
-    """The weight packed for oneDNN, or None where that is not available or not faithful here.
-
-    CPU only; float32 and (where the CPU has the instructions) bfloat16. The packed product must
-    match F.linear on a probe (bit for bit in bfloat16, to float32 rounding otherwise).
-    """
-    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
-        return None
-    if weight.dtype == torch.bfloat16:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return None
-    elif weight.dtype != torch.float32:
-        return None
-    try:
-        with torch.inference_mode():
-            packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT), weight.shape[0])
-            probe = torch.linspace(-1, 1, _PROBE_ROWS * weight.shape[1], dtype=torch.float32)
-            probe = probe.view(_PROBE_ROWS, -1).to(weight.dtype)
-            want, got = F.linear(probe, weight, bias).float(), packed(probe, bias).float()
-    except (RuntimeError, AttributeError):  # an op this build of torch lacks, or a layout it refuses
-        return None
-    tol = 0.0 if weight.dtype == torch.bfloat16 else 1e-4 * (1.0 + float(want.abs().max()))
-    if got.shape != want.shape or float((got - want).abs().max()) > tol:
-        return None
-    return packed
-
-
-class StackedLinear(nn.Module):
-    """y = x @ W.T (+ b), where W's rows are the named parts in order; one matmul instead of several."""
+class LinearBase(nn.Module):
+    """Shared setup: the method's weights, an optional bias, the group."""
 
     def __init__(
         self,
-        in_features: int,
-        parts: dict[str, int],
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
         *,
-        bias: bool | dict[str, bool] = False,
+        bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        quant_method: LinearMethod | None,
+        group: ParallelGroup,
     ):
-        """parts maps each stacked HF weight's suffix to its number of output rows."""
+        """Create the weights through the method and the bias (zeros: a checkpoint may omit it per part)."""
         super().__init__()
-        self.parts = dict(parts)
-        self.offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, rows in self.parts.items():
-            self.offsets[name] = (start, rows)
-            start += rows
-        self.sizes = list(self.parts.values())
-        self.weight = nn.Parameter(torch.empty(start, in_features, dtype=dtype, device=device), requires_grad=False)
-        bias_parts = bias if isinstance(bias, dict) else {name: bias for name in self.parts}
-        self.bias_parts = {name for name, on in bias_parts.items() if on}
+        self.group = group
+        self.input_size_per_partition = input_size_per_partition
+        self.output_partition_sizes = list(output_partition_sizes)
+        self.output_size_per_partition = sum(output_partition_sizes)
+        self.quant_method = quant_method or DenseLinearMethod()
+        self.quant_method.create_weights(
+            self, input_size_per_partition, self.output_partition_sizes,
+            dtype=dtype, device=device, weight_loader=self.weight_loader,
+        )
         self.bias = None
-        if self.bias_parts:
-            # Parts without a bias in the checkpoint keep zeros there.
-            self.bias = nn.Parameter(torch.zeros(start, dtype=dtype, device=device), requires_grad=False)
-        self.packed: PackedWeight | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=dtype, device=device), requires_grad=False)
+            set_weight_attrs(self.bias, output_dim=0, input_dim=None, weight_loader=self.weight_loader)
+
+    def _tag_shards(self, shard_ids: list) -> None:
+        """Record on each row-stacked parameter the shards a complete checkpoint loads into it."""
+        for param in self.parameters(recurse=False):
+            if getattr(param, "output_dim", None) is not None:
+                param.shard_ids = list(shard_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The stacked projection [.., sum(parts)]; split it with .split(self.sizes, -1)."""
-        if self.packed is not None:
-            return self.packed(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        """x [..., in] -> [..., out] (this rank's rows)."""
+        return self.quant_method.apply(self, x, self.bias)
 
-    def pack(self) -> bool:
-        """Switch to the packed weight where the platform has one (after loading); True if it did.
+    def process_weights_after_loading(self) -> None:
+        """Let the method prepare what its products read."""
+        self.quant_method.process_weights_after_loading(self)
 
-        The plain weight is then released (an empty placeholder keeps the parameter's name), so the
-        model is not held twice in memory; load every part before packing.
-        """
-        self.packed = pack_weight(self.weight, self.bias)
-        if self.packed is not None:
-            self.weight = nn.Parameter(self.weight.new_empty((0, self.weight.shape[1])), requires_grad=False)
-        return self.packed is not None
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy a checkpoint tensor into param (a replicated layer: whole)."""
+        _copy(param.data, loaded)
 
-    def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
-        """Copy one HF weight ("weight" or "bias") into its rows."""
-        if self.packed is not None:
-            raise ValueError(f"{part}.{kind}: the layer's weight is already packed; load before packing")
-        start, rows = self.offsets[part]
-        if kind == "bias":
-            if part not in self.bias_parts:
-                raise ValueError(f"unexpected bias for {part}")
-            target = self.bias[start : start + rows]
+
+class ReplicatedLinear(LinearBase):
+    """y = x @ W.T (+ b) with the whole weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False, dtype, device, quant_method=None, group=SINGLE):
+        """A plain linear layer (the group only decides nothing here)."""
+        super().__init__(input_size, [output_size], bias=bias, dtype=dtype, device=device, quant_method=quant_method, group=group)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x @ W.T (+ b) for this rank's share of W's rows (the output features)."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False, dtype, device, quant_method=None, group=SINGLE):
+        """A column-parallel layer of output_size rows over the whole group."""
+        super().__init__(
+            input_size, [group.split(output_size, "output size")], bias=bias, dtype=dtype, device=device,
+            quant_method=quant_method, group=group,
+        )
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        """This rank's rows of the full checkpoint tensor."""
+        _copy(param.data, _shard(param, loaded, self.group, getattr(param, "output_dim", None), self.group.rank))
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel projections of the same input stacked into one (gate/up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool = False, dtype, device, quant_method=None, group=SINGLE):
+        """output_sizes: each stacked part's full row count, in checkpoint order (shard_id = its index)."""
+        self.output_sizes = list(output_sizes)
+        super().__init__(
+            input_size, [group.split(n, "output size") for n in output_sizes], bias=bias, dtype=dtype, device=device,
+            quant_method=quant_method, group=group,
+        )
+        self._tag_shards(list(range(len(output_sizes))))
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        """Part shard_id's rows (this rank's share); shard_id None: a pre-fused tensor holding every part."""
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            _copy(param.data, loaded)
+            return
+        if shard_id is None:
+            for i, part in enumerate(_split_fused(param, loaded, dim, self.output_partition_sizes, self.group.size)):
+                self.weight_loader(param, part, i)
+            return
+        target = _part(param, dim, self.output_partition_sizes, shard_id)
+        _copy(target, _shard_to(target, loaded, dim, self.group.rank, self.group.size))
+
+
+class QKVParallelLinear(LinearBase):
+    """The q, k and v projections stacked into one: [heads * head_dim | kv_heads * head_dim | kv_heads * head_dim].
+
+    With fewer KV heads than ranks, each KV head is replicated on size / kv_heads ranks (vLLM's rule).
+    """
+
+    SHARDS = ("q", "k", "v")
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
+        bias: bool = False, dtype, device, quant_method=None, group=SINGLE,
+    ):
+        """Per-rank heads: num_heads / size, and max(1, num_kv_heads / size) KV heads."""
+        self.head_dim = head_dim
+        self.num_heads = group.split(num_heads, "num_attention_heads")
+        if num_kv_heads >= group.size:
+            self.num_kv_heads = group.split(num_kv_heads, "num_key_value_heads")
+            self.kv_replicas = 1
         else:
-            target = self.weight[start : start + rows]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"{part}.{kind}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-        target.copy_(tensor)
+            if group.size % num_kv_heads:
+                raise ValueError(f"{num_kv_heads} KV heads cannot be replicated over {group.size} ranks")
+            self.num_kv_heads, self.kv_replicas = 1, group.size // num_kv_heads
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, [q, kv, kv], bias=bias, dtype=dtype, device=device, quant_method=quant_method, group=group)
+        self._tag_shards(list(self.SHARDS))
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        """Shard "q", "k" or "v" (this rank's heads); None: a pre-fused qkv tensor."""
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            _copy(param.data, loaded)
+            return
+        if shard_id is None:
+            q, kv = self.output_partition_sizes[0], self.output_partition_sizes[1]
+            kv_full = kv * self.group.size // self.kv_replicas
+            full = [q * self.group.size, kv_full, kv_full]
+            for name, part in zip(self.SHARDS, _split_exact(param, loaded, dim, self.output_partition_sizes, full)):
+                self.weight_loader(param, part, name)
+            return
+        i = self.SHARDS.index(shard_id)
+        rank, parts = self.group.rank, self.group.size
+        if i > 0:  # a KV head held by kv_replicas ranks
+            rank, parts = rank // self.kv_replicas, parts // self.kv_replicas
+        target = _part(param, dim, self.output_partition_sizes, i)
+        _copy(target, _shard_to(target, loaded, dim, rank, parts))
+
+
+class RowParallelLinear(LinearBase):
+    """y = sum over ranks of x_r @ W_r.T (+ b): this rank holds a share of W's columns (the input features)."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False, dtype, device, quant_method=None, group=SINGLE):
+        """A row-parallel layer whose input arrives already split (the column-parallel layer's output)."""
+        super().__init__(
+            group.split(input_size, "input size"), [output_size], bias=bias, dtype=dtype, device=device,
+            quant_method=quant_method, group=group,
+        )
+        self.reduce = group.size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The partial product, summed over the group; the bias is added once (rank 0, before the sum)."""
+        if not self.reduce:
+            return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias if self.group.rank == 0 else None)
+        return self.group.all_reduce(out)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        """This rank's columns of the full tensor (a bias is whole)."""
+        _copy(param.data, _shard(param, loaded, self.group, getattr(param, "input_dim", None), self.group.rank))
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target <- source, ValueError when the shapes differ."""
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(f"shape {tuple(source.shape)}, expected {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(source)
+
+
+def _shard(param: nn.Parameter, loaded: torch.Tensor, group: ParallelGroup, dim: int | None, rank: int) -> torch.Tensor:
+    """loaded cut to this rank's share along dim (its length is param's along dim); whole when dim is None."""
+    if dim is None:
+        return loaded
+    return _shard_to(param.data, loaded, dim, rank, group.size)
+
+
+def _shard_to(target: torch.Tensor, loaded: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    """The rank-th of `parts` target-sized slices of loaded along dim; ValueError unless loaded holds exactly
+    `parts` of them (a checkpoint tensor of the wrong size is never cut to fit)."""
+    n = target.shape[dim]
+    if loaded.dim() <= dim or loaded.shape[dim] != n * parts:
+        raise ValueError(f"shape {tuple(loaded.shape)}, expected {n * parts} along dimension {dim}")
+    return loaded if parts == 1 else loaded.narrow(dim, rank * n, n)
+
+
+def _part(param: nn.Parameter, dim: int, sizes: list[int], index: int) -> torch.Tensor:
+    """The slice of param that holds stacked part `index`: the layer counts rows, param's dim may hold them
+    packed or grouped, so offsets scale by param.shape[dim] / sum(sizes)."""
+    num, den = param.shape[dim], sum(sizes)
+    start, length = sum(sizes[:index]) * num, sizes[index] * num
+    if start % den or length % den:
+        raise ValueError(f"a parameter of {num} rows along dimension {dim} cannot hold parts {sizes}")
+    return param.data.narrow(dim, start // den, length // den)
+
+
+def _split_exact(param, loaded: torch.Tensor, dim: int, sizes: list[int], full_sizes: list[int]) -> list[torch.Tensor]:
+    """A fused checkpoint tensor split into its parts (each the full, unsharded part), in param's units."""
+    num, den = param.shape[dim], sum(sizes)
+    lengths = [n * num // den for n in full_sizes]
+    if loaded.dim() <= dim or loaded.shape[dim] != sum(lengths):
+        raise ValueError(f"fused shape {tuple(loaded.shape)} does not hold parts of {lengths} along dimension {dim}")
+    return list(loaded.split(lengths, dim=dim))
+
+
+def _split_fused(param, loaded: torch.Tensor, dim: int, sizes: list[int], group_size: int) -> list[torch.Tensor]:
+    """A fused tensor split into parts whose full sizes are the per-rank sizes times the group size."""
+    return _split_exact(param, loaded, dim, sizes, [n * group_size for n in sizes])
