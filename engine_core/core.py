@@ -80,7 +80,9 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
         max_ban_ids=MAX_BAN_IDS,
         max_hist_tokens=max(65536, e.max_num_seqs * args.max_model_len),
         # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
-        max_burst=max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
+        # ... and a verify step's picks come back as the steps of a burst.
+        max_burst=max(1, min(args.serve.stream_interval, MAX_STREAM_BURST),
+                      1 + e.num_speculative_tokens if e.speculative else 1),
         max_bitmask_words=max(1, -(-args.vocab_size // 32)),
     )
 

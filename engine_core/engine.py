@@ -27,6 +27,7 @@ from .commit import commit_tokens
 from .decode_burst import Burst, burst_length, launch_burst, settle_burst
 from .decode_lane import discard_row, drain, fail_rows, launch, settle
 from .grammar import GrammarBook
+from .speculative import NgramProposer, Speculator
 from .kv_blocks import KvBlockPool
 from .pipeline import Pipeline, SpecialTokens, can_feed, init_row_state, row_mask
 from .scheduler import Scheduler, SchedulerConfig
@@ -56,6 +57,8 @@ class EngineOptions:
     # A streamed request's tokens are reported every this many (its first and its last at once): the
     # frontend's --stream-interval, applied where the tokens are made, so the ticks between send nothing.
     stream_interval: int = 1
+    speculative: str | None = None  # "ngram": decode steps verify prompt-lookup drafts (speculative.py)
+    num_speculative_tokens: int = 3
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
@@ -70,6 +73,8 @@ class EngineOptions:
             recover_from_device_loss=recover_from_device_loss,
             preemption_mode=args.preemption_mode,
             decode_burst=args.decode_burst,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
 
 
@@ -114,6 +119,8 @@ class EngineCore:
             vocab_size=info.vocab_size,
         )
         self.grammars = GrammarBook(info.vocab_size)
+        self.speculator = (Speculator(NgramProposer(), options.num_speculative_tokens, info.max_model_len)
+                           if options.speculative == "ngram" else None)
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
         self.pipeline = Pipeline()
         self.io.recover = options.recover_from_device_loss
@@ -236,6 +243,8 @@ class EngineCore:
         every_row_decodes = step.decode_only and len(step) == len(self.scheduler.running)
         if not step.seqs:
             self._fail_unschedulable()
+        elif every_row_decodes and self._speculate(step.seqs):
+            pass  # verified and committed
         elif every_row_decodes and self._launch_burst(step.seqs):
             pass  # settled (and continued) by the next tick
         elif self.options.pipeline:
@@ -317,10 +326,22 @@ class EngineCore:
             self.burst = launch_burst(seqs, steps, self.io)
         return self.burst is not None
 
+    def _speculate(self, seqs: list[Sequence]) -> bool:
+        """Run the decode step as a verify step when some row has drafts; False (nothing run) when none has."""
+        drafts = self.speculator.drafts(seqs) if self.speculator is not None else None
+        if drafts is None:
+            return False
+        self.speculator.run(seqs, drafts, self.io)
+        return True
+
+    def _drafts_ready(self, seqs: list[Sequence]) -> bool:
+        """True when a verify step could run for these rows (then neither a burst nor the lane runs ahead)."""
+        return self.speculator is not None and self.speculator.drafts([s for s in seqs if not s.finished]) is not None
+
     def _burst_length(self, seqs: list[Sequence]) -> int:
         """How many steps a burst of these rows may run (1: none)."""
         final, streamed = self._burst_limits
-        if final <= 1 and streamed <= 1:
+        if final <= 1 and streamed <= 1 or self._drafts_ready(seqs):
             return 1
         return burst_length(seqs, final, streamed, self.info.max_model_len)
 
@@ -328,7 +349,7 @@ class EngineCore:
         """True when the next step may be launched before the one in flight is committed: its tokens are the
         device's (no host repick pending), the device is there, and no burst could run instead (then the lane
         settles, and the next tick bursts)."""
-        if inf.host_logits or self.io.device_lost:
+        if inf.host_logits or self.io.device_lost or self._drafts_ready(self.scheduler.running):
             return False
         live = [s for s in self.scheduler.running if not s.finished]
         burst_ready = not self.scheduler.has_admissible() and all(s.num_tokens - s.num_computed <= 1 for s in live)
@@ -407,6 +428,8 @@ class EngineCore:
             swapped_in_blocks=self.scheduler.swap.blocks_in,
             steps=self.num_steps,
             generated_tokens=self.generated_tokens,
+            spec_draft_tokens=self.speculator.stats.drafted if self.speculator else 0,
+            spec_accepted_tokens=self.speculator.stats.accepted if self.speculator else 0,
         )
 
 

@@ -189,7 +189,7 @@ class StepBuilder:
 
     def build(
         self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, feed: list[int] | None = None,
-        lookahead: int = 0,
+        lookahead: int = 0, drafts: list[list[int]] | None = None,
     ) -> StepPlan:
         """A plan running num_new[r] tokens of seqs[r] from its num_computed.
 
@@ -197,6 +197,8 @@ class StepBuilder:
         launched ahead: one token written at position num_computed, which always samples; its launch bookkeeping
         comes later). None: every row host-fed.
         lookahead: the block tables also cover that many positions past the step's (a decode burst's).
+        drafts: per row, draft tokens that follow its committed ones (a verify step, engine_core/speculative.py):
+        the row runs its last token and its drafts (num_new = 1 + len(drafts)) and samples at each.
         """
         b = self._sets[self._turn]
         self._turn = (self._turn + 1) % len(self._sets)
@@ -211,8 +213,10 @@ class StepBuilder:
         if num_new.count(1) == R:
             self._decode_tokens(b, seqs, starts, rows, feed)
         else:
-            self._mixed_tokens(b, seqs, starts, num_new, tables, feed)
+            self._mixed_tokens(b, seqs, starts, num_new, tables, feed, drafts)
         g = self._sampling(b, seqs, rows, masks)
+        if drafts is not None:
+            b.num_drafts[:R] = [len(d) for d in drafts]
         h = self._history(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
         return StepPlan(
@@ -268,11 +272,12 @@ class StepBuilder:
 
     def _mixed_tokens(
         self, b: _Buffers, seqs: list[Sequence], starts: list[int], num_new: list[int], tables: np.ndarray,
-        feed: list[int] | None,
+        feed: list[int] | None, drafts: list[list[int]] | None = None,
     ) -> None:
-        """Token and per-row arrays of a step with prefill chunks, row by row."""
+        """Token and per-row arrays of a step with prefill chunks (or drafts), row by row."""
         R, bs = len(seqs), self.block_size
         feed = feed or [FEED_HOST] * R
+        extra = [len(d) for d in drafts] if drafts is not None else [0] * R  # tokens past the committed ones
         t = 0
         for r, (seq, start, k) in enumerate(zip(seqs, starts, num_new)):
             if k == 1:  # a decode: scalars, no temporary arrays
@@ -283,10 +288,10 @@ class StepBuilder:
                 pos = np.arange(start, start + k, dtype=np.int32)
                 b.positions[t : t + k] = pos
                 b.slot_mapping[t : t + k] = tables[r, pos // bs].astype(np.int64) * bs + pos % bs
-                b.input_ids[t : t + k] = seq.tokens[start : start + k]
+                b.input_ids[t : t + k] = seq.tokens[start : start + k] + (drafts[r] if extra[r] else [])
             t += k
         b.seq_lens[:R] = ends = list(map(add, starts, num_new))
-        b.sample[:R] = [src != FEED_HOST or end == len(s.tokens) for s, end, src in zip(seqs, ends, feed)]
+        b.sample[:R] = [src != FEED_HOST or end - x == len(s.tokens) for s, end, src, x in zip(seqs, ends, feed, extra)]
         b.query_start[0] = 0
         np.cumsum(num_new, out=b.query_start[1 : R + 1])
         b.feed_from_row[:R] = feed

@@ -78,7 +78,9 @@ class _Helper:
         _write_frame(self.process.stdin, obj)
 
     def recv(self) -> object:
-        """The next answer; EOFError when the helper is gone."""
+        """The next answer; EOFError when the helper is gone. (An event loop's reader may have made the pipe
+        non-blocking; the rest of an answer that has started to arrive is read blocking.)"""
+        os.set_blocking(self.fileno(), True)
         return msgspec.msgpack.decode(_read_frame(self.process.stdout))
 
     def poll(self, timeout_s: float) -> bool:

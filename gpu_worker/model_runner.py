@@ -159,6 +159,54 @@ class ModelRunner:
         greedy = self.sampler.plain_greedy(plan)  # the same rows and parameters in every step
         return [self._step(p, greedy) for p in (plan, *later)]
 
+    def execute_verify(self, plan: StepPlan) -> list[StepResult]:
+        """A verify step (speculative decoding): a row with d drafts runs its last token and the d drafts and
+        picks at each of those d + 1 positions, noise keyed by each position, so pick j is what a plain decode
+        would pick there; the row keeps its picks up to the first that differs from the next draft. Returns one
+        result per pick index, as a burst does (tokens -1 where a row kept fewer)."""
+        self._check(plan)
+        start = time.perf_counter()
+        self.steps_executed += 1
+        self._last_sample = None  # the host commits the picks: nothing is fed from a verify step
+        with torch.inference_mode():
+            self.swap.apply(plan)
+            prepared = self._prepare(plan, self._staging.put("input_ids", plan.input_ids))
+            hidden = self._forward(prepared)
+            rows = np.flatnonzero(plan.sample)
+            counts = plan.num_drafts[rows].astype(np.int64) + 1  # picks of each sampling row
+            of_row = np.repeat(rows, counts)
+            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # j of each pick
+            token_at = np.repeat(plan.query_start[rows + 1] - counts, counts) + within  # its input token
+            logits = self.model.compute_logits(hidden[self._staging.put("verify_tokens", token_at)])
+            keys = plan.seq_lens[of_row] - np.repeat(counts, counts) + within + 1
+            out = self.sampler(logits, plan, torch.from_numpy(of_row), keys=keys)
+            picks = out.tokens.cpu().numpy()
+        # A pick stands while every earlier pick of its row equals the draft that followed it.
+        drafts = plan.input_ids[np.minimum(token_at + 1, plan.num_tokens - 1)]
+        wrong = ((picks != drafts) & (within < np.repeat(counts, counts) - 1)).astype(np.int64)
+        before = np.cumsum(wrong) - wrong  # wrong picks before each pick, over the whole step
+        first = np.repeat(np.cumsum(counts) - counts, counts)  # each pick's row's first pick
+        keep = before - before[first] == 0  # ... and within its own row
+        steps, r = int(counts.max(initial=1)), plan.num_rows
+        j, row = within[keep], of_row[keep]
+        tokens = np.full((steps, r), -1, dtype=np.int32)
+        tokens[j, row] = picks[keep]
+        results = [StepResult(tokens=tokens[k], timings=_timings(start)) for k in range(steps)]
+        if out.logprobs is not None:
+            lp = np.full((steps, r), np.nan, dtype=np.float32)
+            lp[j, row] = out.logprobs.float().cpu().numpy()[keep]
+            for k, result in enumerate(results):
+                result.logprobs = lp[k]
+        if out.top_ids is not None:
+            n = out.top_ids.shape[1]
+            ids = np.full((steps, r, n), -1, dtype=np.int32)
+            ids[j, row] = out.top_ids.cpu().numpy()[keep]
+            top = np.full((steps, r, n), np.nan, dtype=np.float32)
+            top[j, row] = out.top_logprobs.float().cpu().numpy()[keep]
+            for k, result in enumerate(results):
+                result.top_ids, result.top_logprobs = ids[k], top[k]
+        return results
+
     def forward_only(self, plan: StepPlan, *, sync: bool = True) -> torch.Tensor:
         """The same step without feeds or sampling: [S, V] logits of the sampling rows (the model's dtype).
 

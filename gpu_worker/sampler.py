@@ -107,9 +107,10 @@ class _Batch:
     top_p_on: np.ndarray  # bool [S]
     min_p_on: np.ndarray  # bool [S]
     max_logprobs: int  # -1 when no row wants logprobs
+    keys: np.ndarray  # int [S]: the position each pick's noise is keyed by (its KV length once its token is in)
 
 
-def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int) -> _Batch:
+def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int, keys: np.ndarray | None = None) -> _Batch:
     """Read the sampling rows' parameters from the plan and decide which stages the step needs."""
     mask = plan.mask_kind[rows]
     greedy = (plan.temperature[rows] < GREEDY_EPS) | ((mask & MASK_GREEDY) != 0)
@@ -128,6 +129,7 @@ def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int) -> _Batch:
         top_p_on=~greedy & (plan.top_p[rows] < 1.0),
         min_p_on=~greedy & (plan.min_p[rows] > 0.0),
         max_logprobs=int(num_logprobs.max()) if len(rows) else -1,
+        keys=plan.seq_lens[rows] if keys is None else keys,
     )
 
 
@@ -162,12 +164,15 @@ class Sampler:
         self._bit_shifts: torch.Tensor | None = None
 
     def __call__(
-        self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor, greedy: bool | None = None, out: torch.Tensor | None = None
+        self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor, greedy: bool | None = None, out: torch.Tensor | None = None,
+        keys: np.ndarray | None = None,
     ) -> SamplerOutput:
         """Sample one token for each of the S rows of logits (plan row rows[i] for logits[i]).
 
         greedy: plain_greedy's answer for these rows when the caller knows it already (a decode burst).
-        out: int64 [S] where a plain greedy pick may write its tokens (other picks return their own)."""
+        out: int64 [S] where a plain greedy pick may write its tokens (other picks return their own).
+        keys: the position each pick's noise is keyed by, where it is not its row's seq_len (a verify step picks
+        at several positions of one row)."""
         # Pass rows on the CPU: the plan's arrays are host numpy, and a device rows tensor costs a sync.
         rows_np = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
         rows_np = rows_np.astype(np.int64, copy=False)
@@ -175,7 +180,7 @@ class Sampler:
             greedy = _plain_greedy(plan, None if len(rows_np) == plan.num_rows else rows_np)
         if greedy:
             return SamplerOutput(argmax(logits, out), None, None, None)
-        batch = _gather(plan, rows_np, self.vocab_size)
+        batch = _gather(plan, rows_np, self.vocab_size, keys)
         work = self._scratch_rows(len(rows_np))
         work.copy_(logits)
         if batch.penalised.any():
@@ -318,7 +323,7 @@ class Sampler:
             self._apply_top_k_top_p(work, plan, batch)
         if batch.min_p_on.any():
             self._apply_min_p(work, plan, batch)
-        self._add_noise(work, plan.seeds[rows], plan.seq_lens[rows])
+        self._add_noise(work, plan.seeds[rows], batch.keys)
         sampled = argmax(work)
         if greedy_tokens is None:
             return sampled

@@ -106,7 +106,12 @@ class WorkerLoop:
         steps = ring.plan_steps(slot)
         try:
             plan = ring.read_plan(slot)
-            results = self.runner.execute_burst(plan, steps) if steps > 1 else [self.runner.execute(plan)]
+            if steps > 1:
+                results = self.runner.execute_burst(plan, steps)
+            elif plan.num_drafts.any():  # a verify step (speculative decoding): one result per pick
+                results = self.runner.execute_verify(plan)
+            else:
+                results = [self.runner.execute(plan)]
             ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
             traceback.print_exc(file=sys.stderr)

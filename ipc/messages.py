@@ -97,6 +97,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     generated_tokens: int = 0
     worker_busy_s: float = 0.0  # the worker's time executing steps, since it started
     worker_idle_s: float = 0.0  # the worker's time waiting for the engine core's next plan
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0  # ... and kept (the acceptance rate is their ratio)
 
 
 class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):

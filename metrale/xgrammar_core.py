@@ -17,6 +17,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import re
 import sys
 import threading
 from types import ModuleType
@@ -137,10 +138,11 @@ def _ebnf_literal(text: str) -> str:
 
 
 def _first_line(message: str) -> str:
-    """xgrammar's message without the C++ location prefix and traceback."""
+    """xgrammar's message without the C++ location prefix, its check's condition and the traceback."""
     lines = [line for line in message.strip().splitlines() if line.strip()]
     line = lines[-1] if lines else message
-    return line.split(": ", 1)[1] if line.startswith("[") and ": " in line else line
+    line = line.split(": ", 1)[1] if line.startswith("[") and ": " in line else line
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", line)
 
 
 def serialize(compiled) -> str:

@@ -68,11 +68,14 @@ def run_workload(
     contain_failures: bool = False,
     grammar_vocab=None,
     deferred: bool = False,
+    speculative: str | None = None,
+    num_speculative_tokens: int = 3,
+    repetitive: bool = False,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each."""
     dev = FakeDevice(
         num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len,
-        num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred,
+        num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred, repetitive=repetitive,
     )
     eng = EngineCore(
         dev,
@@ -84,6 +87,8 @@ def run_workload(
             recover_from_device_loss=recover,
             preemption_mode=preemption_mode,
             stream_interval=stream_interval,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         ),
         special_tokens=TOKS,
     )
