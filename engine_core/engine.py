@@ -351,6 +351,8 @@ class EngineCore:
         settles, and the next tick bursts)."""
         if inf.host_logits or self.io.device_lost or self._drafts_ready(self.scheduler.running):
             return False
+        if max(self._burst_limits) <= 1:
+            return True
         live = [s for s in self.scheduler.running if not s.finished]
         burst_ready = not self.scheduler.has_admissible() and all(s.num_tokens - s.num_computed <= 1 for s in live)
         return not (burst_ready and self._burst_length(live) > 1)

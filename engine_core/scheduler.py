@@ -196,16 +196,19 @@ class Scheduler:
             if self._grow_or_preempt(seq, seq.num_computed + k, step):
                 step.add(seq, k)
                 budget -= k
+        self._fill(step, budget)
+        return step
+
+    def _fill(self, step: ScheduledStep, budget: int) -> None:
+        """Admit swapped, then waiting sequences into what is left of the token budget (swapped ones first)."""
         while budget > 0 and self.swapped and len(self.running) < self.config.max_num_seqs:
             if not self._swap_in(self.swapped[0], budget, step):
                 break
             budget -= step.num_new[-1]
         while budget > 0 and self._waiting and not self.swapped and len(self.running) < self.config.max_num_seqs:
-            seq = self._waiting[0][2]
-            if not self._admit(seq, budget, step):
+            if not self._admit(self._waiting[0][2], budget, step):
                 break
             budget -= step.num_new[-1]
-        return step
 
     def schedule_ahead(self, inflight: list[Sequence], samples: list[bool], discard: list[bool], can_feed) -> ScheduledStep | None:
         """The step to launch while the step in flight (its rows, whether each samples, whether each was
@@ -232,18 +235,12 @@ class Scheduler:
                 k = min(seq.num_tokens - seq.num_computed, budget)
                 if k <= 0:
                     continue
-            if not self.pool.allocate(seq, seq.num_computed + k):
+            if seq.num_computed + k > len(seq.block_table) * self.pool.block_size and \
+                    not self.pool.allocate(seq, seq.num_computed + k):
                 return None
             step.add(seq, k, src)
             budget -= k
-        while budget > 0 and self.swapped and len(self.running) < self.config.max_num_seqs:
-            if not self._swap_in(self.swapped[0], budget, step):
-                break
-            budget -= step.num_new[-1]
-        while budget > 0 and self._waiting and not self.swapped and len(self.running) < self.config.max_num_seqs:
-            if not self._admit(self._waiting[0][2], budget, step):
-                break
-            budget -= step.num_new[-1]
+        self._fill(step, budget)
         return step if step.seqs else None
 
     def _swap_in(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:

@@ -40,6 +40,7 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
+    finished: bool = False  # set once, by finish() (read several times per row per tick: a field, not a property)
     finish_reason: str | None = None
     error: str | None = None
     error_code: ErrorCode | None = None  # with finish_reason "error"
@@ -84,10 +85,6 @@ class Sequence:
         return self.tokens[-1]
 
     @property
-    def finished(self) -> bool:
-        return self.status == SeqStatus.FINISHED
-
-    @property
     def is_decode(self) -> bool:
         """True when the next step for this sequence is a single-token decode."""
         return self.num_tokens - self.num_computed == 1
@@ -98,7 +95,8 @@ class Sequence:
 
     def finish(self, reason: str, error: str | None = None, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         """Mark the sequence stopped (with reason "error": why, and its code); later commits for it are skipped."""
-        if self.status != SeqStatus.FINISHED:
+        if not self.finished:
+            self.finished = True
             self.status = SeqStatus.FINISHED
             self.finish_reason = reason
             self.error = error

@@ -98,10 +98,26 @@ class _Buffers:
 
 @dataclass(slots=True)
 class _Entry:
-    """A sequence's row in the mirror, and the block table that row holds now."""
+    """A sequence's row in the mirror, the block table that row holds now, and (for a penalised row) its
+    token history as numpy, extended by the tokens committed since the last plan."""
 
     row: int
     table: list[int]
+    hist: np.ndarray | None = None
+    hist_len: int = 0
+
+    def history(self, seq: Sequence) -> np.ndarray:
+        """seq's tokens as int32, converting only those added since the last call (tokens only grow)."""
+        n = seq.num_tokens
+        if self.hist is None or len(self.hist) < n:
+            grown = np.empty(max(2 * n, 256), np.int32)
+            if self.hist is not None:
+                grown[: self.hist_len] = self.hist[: self.hist_len]
+            self.hist = grown
+        if n > self.hist_len:
+            self.hist[self.hist_len : n] = seq.tokens[self.hist_len : n]
+            self.hist_len = n
+        return self.hist[:n]
 
 
 class _Mirror:
@@ -122,6 +138,10 @@ class _Mirror:
         self.penalties = np.zeros(capacity, np.bool_)
         self._entries: dict[Sequence, _Entry] = {}
         self._free = list(range(capacity - 1, -1, -1))
+
+    def entry(self, seq: Sequence) -> _Entry:
+        """seq's entry (rows() has given it one this step)."""
+        return self._entries[seq]
 
     def rows(self, seqs: list[Sequence]) -> np.ndarray:
         """Each sequence's mirror row (intp[R]), its block table brought up to date."""
@@ -335,7 +355,7 @@ class StepBuilder:
         for r, (seq, p) in enumerate(zip(seqs, pen)):
             if p:
                 n = seq.num_tokens
-                b.hist_tokens[h : h + n] = seq.tokens
+                b.hist_tokens[h : h + n] = self._mirror.entry(seq).history(seq)  # a copy in C, no per-token Python
                 b.hist_prompt_len[r] = seq.num_prompt
                 h += n
             else:

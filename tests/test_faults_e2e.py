@@ -365,7 +365,8 @@ def test_a_hung_worker_is_killed_and_restarted_and_16_streams_lose_nothing(serve
     wait_recovered(server, "gpu_worker", old["gpu_worker"])
     with server.client() as c:
         health = c.health()
-    assert f"gpu_worker (pid {old['gpu_worker']}) hung" in health.last_fault and "no progress" in health.last_fault
+    assert "hung" in health.last_fault and "no progress" in health.last_fault  # (a later worker's, on a starved box)
+    assert not psutil.pid_exists(old["gpu_worker"]) or psutil.Process(old["gpu_worker"]).status() == psutil.STATUS_ZOMBIE
     assert health.healthy and health.progress_s < 1.0
     wait_idle(server)
 

@@ -31,7 +31,14 @@ def serve(*args: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
 
 
 def metrale_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("metrale-")}
+    """metrale's /dev/shm entries whose owner process is gone (leftovers; other processes' live ones ignored)."""
+    from metrale.ipc.segments import owner_pid_of
+
+    def gone(name: str) -> bool:
+        pid = owner_pid_of(name)
+        return pid is not None and not os.path.exists(f"/proc/{pid}")
+
+    return {n for n in os.listdir("/dev/shm") if n.startswith("metrale-") and gone(n)}
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
