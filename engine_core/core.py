@@ -66,6 +66,9 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     special_tokens: dict[str, int | None] = {}
     ready_timeout_s: float = 600.0
     served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
+    # The vocabulary of the logits the ring carries back for host sampling: the model's when it keeps recurrent
+    # state (RepickOnly repairs), else 0 (no logits region).
+    logits_vocab: int = 0
     status_address: str = ""  # the supervisor's status inbox (ipc/status_channel.py)
 
 
@@ -84,6 +87,7 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
         max_burst=max(1, min(args.serve.stream_interval, MAX_STREAM_BURST),
                       1 + e.num_speculative_tokens if e.speculative else 1),
         max_bitmask_words=max(1, -(-args.vocab_size // 32)),
+        max_logits_vocab=args.logits_vocab,
     )
 
 
@@ -264,9 +268,16 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides the shutdown order
-    device = WorkerDevice(ring_geometry(args), token=args.ring_token,
-                          hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
+    # A SIGTERM while the ring and its doorbell are being made would leave half of them behind: it waits.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
+        device = WorkerDevice(ring_geometry(args), token=args.ring_token,
+                              hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one that came meanwhile lands here
         try:
             proc = EngineCoreProcess(args, device)
         except DeviceError as e:  # the worker could not start (reported to the supervisor): not a crash

@@ -11,6 +11,7 @@ requests that report only at their finish, or up to stream_interval tokens of st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -32,6 +33,7 @@ from .kv_blocks import KvBlockPool
 from .pipeline import Pipeline, SpecialTokens, can_feed, init_row_state, row_mask
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SeqStatus
+from .state_slots import StateSlots
 from .step_builder import StepBuilder
 from .step_io import StepIo
 from .swap import SwapSpace
@@ -89,10 +91,11 @@ class EngineCore:
         special_tokens: SpecialTokens = SpecialTokens(),
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.options = options = options or EngineOptions()
+        options = options or EngineOptions()
         self.device = device
         info = device.model()
         self.info = info
+        self.options = options = _for_state_slots(options, info)
         if options.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap (got {options.preemption_mode!r})")
         if options.preemption_mode == "swap" and not info.num_swap_blocks:
@@ -109,6 +112,7 @@ class EngineCore:
             ),
             pool,
             swap,
+            StateSlots(info.num_state_slots),
         )
         builder = StepBuilder(
             max_tokens=max(options.max_num_batched_tokens, options.max_num_seqs),
@@ -117,6 +121,7 @@ class EngineCore:
             block_size=info.block_size,
             swap=swap,
             vocab_size=info.vocab_size,
+            state_slots=info.num_state_slots > 0,
         )
         self.grammars = GrammarBook(info.vocab_size)
         self.speculator = (Speculator(NgramProposer(), options.num_speculative_tokens, info.max_model_len)
@@ -432,7 +437,31 @@ class EngineCore:
             generated_tokens=self.generated_tokens,
             spec_draft_tokens=self.speculator.stats.drafted if self.speculator else 0,
             spec_accepted_tokens=self.speculator.stats.accepted if self.speculator else 0,
+            host_repicks=self.io.host_repicks,
         )
+
+
+def _for_state_slots(options: EngineOptions, info) -> EngineOptions:
+    """The options a model with recurrent state slots can serve under: no more sequences than slots, no prefix
+    caching (a cached KV prefix does not restore the recurrent state after it), preemption by recompute
+    (swap copies KV, not the state) and no speculative decoding (a verify step runs the drafts through the
+    state, which cannot drop the rejected ones again); unchanged for a model without them."""
+    slots = info.num_state_slots
+    if not slots:
+        return options
+    changes = {}
+    if options.max_num_seqs > slots:
+        changes["max_num_seqs"] = slots
+    if options.enable_prefix_caching:
+        changes["enable_prefix_caching"] = False
+    if options.preemption_mode != "recompute":
+        changes["preemption_mode"] = "recompute"
+    if options.speculative is not None:
+        changes["speculative"] = None
+    if changes:
+        log.info("%s keeps recurrent state in %d slots: serving with %s", info.name, slots,
+                 ", ".join(f"{k}={v}" for k, v in changes.items()))
+    return dataclasses.replace(options, **changes)
 
 
 def run_step(seqs: list[Sequence], num_new: list[int], io: StepIo) -> None:

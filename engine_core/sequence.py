@@ -45,6 +45,7 @@ class Sequence:
     error: str | None = None
     error_code: ErrorCode | None = None  # with finish_reason "error"
     slot_idx: int = -1  # stable row order within a batch (the seed's slot index)
+    state_slot: int = -1  # the device's recurrent state slot while running (state_slots.py; -1: none)
     # Committed since the last output was taken: what the next RequestOutputDelta carries.
     pending: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -21,6 +21,7 @@ from .sequence import Sequence
 from .swap import SwapSpace
 
 MAX_BAN_IDS = 64
+_NO_STATE = np.zeros(0, np.int32)  # the plans of a model without recurrent state carry no state slots
 _NUM_FLOATS = 6  # temperature, top_p, min_p, repetition, presence, frequency penalty (sampling_row[0])
 
 
@@ -59,6 +60,7 @@ class _Buffers:
     hist_prompt_len: np.ndarray
     grammar_bitmask: np.ndarray  # [max_rows, W]: the grammar rows' bitmasks, first rows first
     num_drafts: np.ndarray
+    state_slots: np.ndarray
 
     @classmethod
     def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> "_Buffers":
@@ -93,6 +95,7 @@ class _Buffers:
             hist_prompt_len=np.zeros(max_rows, i32),
             grammar_bitmask=np.zeros((max_rows, words), i32),
             num_drafts=np.zeros(max_rows, i32),
+            state_slots=np.zeros(max_rows, i32),
         )
 
 
@@ -191,10 +194,12 @@ class StepBuilder:
 
     def __init__(
         self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, swap: SwapSpace | None = None, depth: int = 3,
-        vocab_size: int = 0,
+        vocab_size: int = 0, state_slots: bool = False,
     ):
-        """vocab_size: the model's, for grammar rows' bitmasks (0: a builder that never meets one)."""
+        """vocab_size: the model's, for grammar rows' bitmasks (0: a builder that never meets one); state_slots:
+        the model keeps recurrent state, so every plan carries each row's state slot."""
         self.block_size = block_size
+        self.state_slots = state_slots
         self.swap = swap or SwapSpace(0)
         self.max_blocks = -(-max_model_len // block_size) + 1
         self.max_tokens = max_tokens
@@ -239,6 +244,10 @@ class StepBuilder:
             b.num_drafts[:R] = [len(d) for d in drafts]
         h = self._history(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
+        state_slots = _NO_STATE
+        if self.state_slots:  # state slot (recurrent models)
+            state_slots = b.state_slots[:R]
+            state_slots[:] = [s.state_slot for s in seqs]
         return StepPlan(
             input_ids=b.input_ids[:T],
             positions=b.positions[:T],
@@ -267,6 +276,7 @@ class StepBuilder:
             swap_in=swap_in,
             grammar_bitmask=b.grammar_bitmask[:g] if g else b.grammar_bitmask[:0, :0],
             num_drafts=b.num_drafts[:R],
+            state_slots=state_slots,
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray,

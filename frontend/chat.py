@@ -55,7 +55,7 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, model_dir: str | Path, tokenizer: Tokenizer) -> ChatTemplate | None:
-        """The model folder's template (tokenizer_config.json or chat_template.jinja), or None when it has none."""
+        """The model's template (tokenizer_config.json, chat_template.jinja or a GGUF's), or None when it has none."""
         if not tokenizer.chat_template:
             return None
         return cls.from_source(tokenizer.chat_template, special_token_variables(model_dir, tokenizer))
@@ -158,7 +158,8 @@ def _cut_after_final_message(text: str, chat: list[dict]) -> str:
 
 
 def special_token_variables(model_dir: str | Path, tokenizer: Tokenizer) -> dict[str, object]:
-    """bos_token, eos_token, unk_token, pad_token (and additional_special_tokens) as tokenizer_config.json names them."""
+    """bos_token, eos_token, unk_token, pad_token (and additional_special_tokens) as tokenizer_config.json names them
+    (else as the tokenizer's ids name them: a GGUF file has no tokenizer_config.json)."""
     cfg = _read_json(Path(model_dir) / "tokenizer_config.json")
     out: dict[str, object] = {}
     for name in _SPECIAL_NAMES:
@@ -170,6 +171,9 @@ def special_token_variables(model_dir: str | Path, tokenizer: Tokenizer) -> dict
         out["bos_token"] = backend.id_to_token(tokenizer.bos_token_id)
     if "eos_token" not in out and tokenizer.eos_token_ids:
         out["eos_token"] = backend.id_to_token(tokenizer.eos_token_ids[0])
+    for name, token_id in (("pad_token", tokenizer.pad_token_id), ("unk_token", tokenizer.unk_token_id)):
+        if name not in out and token_id is not None:  # a GGUF names them by id only
+            out[name] = backend.id_to_token(token_id)
     extra = cfg.get("additional_special_tokens")
     if isinstance(extra, list):
         out["additional_special_tokens"] = [t for t in map(_token_content, extra) if t is not None]

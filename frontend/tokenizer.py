@@ -1,4 +1,5 @@
-"""Tokenizer: a Hugging Face model folder's tokenizer.json + tokenizer_config.json, without transformers.
+"""Tokenizer: a Hugging Face model folder's tokenizer.json + tokenizer_config.json, or a GGUF file's tokenizer
+metadata (frontend/gguf_tokenizer.py), without transformers.
 
 Encoding gives the ids transformers' AutoTokenizer (5.x) gives for the same folder: the `tokenizers` pipeline of
 tokenizer.json, post-processor included; like transformers 5, `add_bos_token` / `add_eos_token` in
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HfTokenizer
+
+from metrale import gguf_metadata
 
 # Token strings a model may use to mark reasoning, tool calls and code; looked up by the engine's row masks.
 _NAMED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "```")
@@ -35,7 +38,11 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        """Load tokenizer.json and the configs beside it; raise FileNotFoundError when there is no tokenizer.json."""
+        """Load tokenizer.json and the configs beside it, or a GGUF's tokenizer when model_dir names one
+        (metrale.gguf_metadata.gguf_file); FileNotFoundError when there is no tokenizer.json."""
+        gguf = gguf_metadata.gguf_file(model_dir)
+        if gguf is not None:
+            return cls.from_gguf(gguf)
         root = Path(model_dir)
         backend = _HfTokenizer.from_file(str(root / "tokenizer.json"))
         tok_cfg = _read_json(root / "tokenizer_config.json")
@@ -58,6 +65,23 @@ class Tokenizer:
             special_token_ids=special,
             chat_template=_chat_template(root, tok_cfg),
             model_max_length=_max_length(tok_cfg),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer, special tokens and chat template stored in a GGUF file; GgufError when it has none."""
+        from metrale.frontend.gguf_tokenizer import tokenizer_from_gguf
+
+        built = tokenizer_from_gguf(gguf_metadata.open_gguf(path), str(path))
+        backend = built.backend
+        return cls(
+            backend=backend,
+            bos_token_id=built.bos_token_id,
+            eos_token_ids=built.eos_token_ids,
+            pad_token_id=built.pad_token_id,
+            unk_token_id=built.unk_token_id,
+            special_token_ids=frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special),
+            chat_template=built.chat_template,
         )
 
     @property

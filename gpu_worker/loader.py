@@ -1,16 +1,21 @@
-"""Build the model a checkpoint's facts name (models/registry.py) and fill it from its safetensors. Never touches a hub."""
+"""Build the model a checkpoint's facts name (models/registry.py) and fill it from its safetensors or its GGUF file
+(gguf_weights.py). Never touches a hub."""
 
 from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from metrale import gguf_metadata
+from metrale.gpu_worker.gguf_weights import gguf_layer_kinds, gguf_tensors
 from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
+from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
+from metrale.gpu_worker.layers.quantization import Int4LinearMethod, linear_methods, quantize_tied_head
 from metrale.gpu_worker.models.context import ModelContext
 from metrale.gpu_worker.models.registry import model_class
 from metrale.model_facts import ModelFacts
@@ -51,20 +56,53 @@ def load_model(
     native: bool = False,
     attention: TorchAttention = TORCH,
     show_progress: bool = True,
+    quantization: str | None = None,
 ):
     """The model for facts (its architecture's class from the registry), loaded and ready to run.
 
-    native: the native CPU kernels are loaded; attention: the device's attention backend. ModelError for an
-    architecture no model here implements (before anything is read); ValueError for a checkpoint that does
-    not fit the model.
+    native: the native CPU kernels are loaded; attention: the device's attention backend; quantization: the
+    linear layers' methods (layers/quantization.py: None follows the checkpoint, a GGUF's Q8_0 and 4-bit layers
+    staying quantized). ModelError for an architecture no model here implements (before anything is read);
+    ValueError for a checkpoint that does not fit the model.
     """
     cls = model_class(facts.architecture)
+    gguf = gguf_metadata.gguf_file(facts.path)
+    layer_of = _layer_of(cls)
+    kinds = gguf_layer_kinds(gguf, layer_of) if gguf is not None else None
+    methods = linear_methods(quantization, kinds.get if kinds is not None else None)
     ctx = ModelContext(
-        facts=facts, dtype=resolve_dtype(dtype, facts.config), device=torch.device(device), native=native, attention=attention
+        facts=facts, dtype=resolve_dtype(dtype, facts.config), device=torch.device(device), native=native,
+        attention=attention, quant=methods,
     )
     model = cls(ctx)
-    model.load_weights(_tensors(weight_files(facts.path), show_progress))
+    if gguf is not None:
+        codes = {n for n, m in model.named_modules() if getattr(getattr(m, "quant_method", None), "codes", False)}
+        model.load_weights(gguf_tensors(gguf, facts.config, lambda name: layer_of(name) in codes))
+    else:
+        model.load_weights(_tensors(weight_files(facts.path), show_progress))
+    if model.lm_head.shares_weight:
+        # A tied head is dense by construction; quantize its own copy of the table as the checkpoint's
+        # embedding is stored (a GGUF's Q8_0 token_embd) or as --quantization asks.
+        embed_kinds = {"lm_head": (kinds or {}).get("model.embed_tokens")}
+        head = linear_methods(quantization, embed_kinds.get)("lm_head")
+        if not isinstance(head, DenseLinearMethod):
+            if isinstance(head, Int4LinearMethod):
+                head.codes = False  # the table was loaded as floats
+            quantize_tied_head(model.lm_head, model.model.embed_tokens.weight, head)
     return model
+
+
+def _layer_of(cls) -> Callable[[str], str]:
+    """A checkpoint tensor name -> the prefix of the layer it loads into (q/k/v_proj -> qkv_proj, ...)."""
+
+    def layer_of(name: str) -> str:
+        for param_suffix, ckpt_suffix, _ in cls.stacked_params:
+            if ckpt_suffix in name:
+                name = name.replace(ckpt_suffix, param_suffix)
+                break
+        return name.rsplit(".", 1)[0]
+
+    return layer_of
 
 
 def _tensors(files: list[pathlib.Path], show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,10 +21,11 @@ from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention_backends import select_backend
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
+from metrale.gpu_worker.layers.recurrent_state import RecurrentState, StateStep, build_state_step
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.sampler import Sampler, SamplerOutput
-from metrale.model_facts import resolve_model
+from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
 from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
@@ -53,6 +54,7 @@ class _Prepared:
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     token_seq_lens: torch.Tensor | None  # each token's row seq_len, when the rotary needs it this step
+    state: StateStep | None  # the rows' state slots (a model with recurrent layers)
 
 
 class _Staging:
@@ -83,6 +85,7 @@ class ModelRunner:
         model_dir: str | pathlib.Path,
         *,
         dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
         device: str | torch.device | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
@@ -103,7 +106,18 @@ class ModelRunner:
         self.model = load_model(
             self.facts, dtype=dtype, device=self.device, native=self._native,
             attention=select_backend(self.device, native=self._native), show_progress=show_progress,
+            quantization=quantization,
         )
+        # A model with recurrent layers keeps their state in one slot per running sequence (max_num_seqs of them,
+        # allocated before the KV cache takes what memory is left); the engine core assigns the slots. A step
+        # launched ahead then cannot be undone: RepickOnly.
+        recurrent = self.facts.state_kind == STATE_RECURRENT
+        if recurrent != (self.model.state_shape is not None):
+            raise ModelError(f"{self.facts.path}: its facts say state kind {self.facts.state_kind!r}, "
+                             f"but its {self.facts.architecture} model {'keeps no' if recurrent else 'keeps'} recurrent state")
+        self.state = None
+        if recurrent:
+            self.state = RecurrentState(self.model.state_shape, max(max_num_seqs, 1), dtype=self.model.dtype, device=self.device)
         kv = self.model.kv_shape
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -123,8 +137,9 @@ class ModelRunner:
             num_kv_blocks=num_blocks,
             block_size=block_size,
             dtype=_DTYPE_NAMES[self.model.dtype],
-            fed_ahead_policy=FedAheadPolicy.REWIND,
+            fed_ahead_policy=FedAheadPolicy.REPICK_ONLY if recurrent else FedAheadPolicy.REWIND,
             num_swap_blocks=self.swap.num_blocks,
+            num_state_slots=self.state.num_slots if self.state is not None else 0,
         )
         self.sampler = Sampler(self.facts.vocab_size, self.device)
         self._staging = _Staging(self.device)
@@ -281,6 +296,14 @@ class ModelRunner:
             raise ValueError("invalid plan: a block id outside the KV cache")
         if -(-int(plan.seq_lens.max()) // self.block_size) > plan.block_tables.shape[1]:
             raise ValueError("invalid plan: block_tables narrower than the longest row's seq_len needs")
+        if self.state is not None:
+            slots = plan.state_slots
+            if len(slots) != r or _outside(slots, self.state.num_slots):
+                raise ValueError(f"invalid plan: a recurrent model needs a state slot in [0, {self.state.num_slots}) per row")
+            if len(np.unique(slots)) != r:
+                raise ValueError("invalid plan: two rows share a state slot")
+            if plan.num_drafts.any():  # the engine core never speculates for such a model (engine._for_state_slots)
+                raise ValueError("invalid plan: draft tokens for a recurrent model (its state cannot drop rejected ones)")
 
     def _prepare(self, plan: StepPlan, input_ids: torch.Tensor) -> _Prepared:
         """Copy the plan's (checked) positions and slots to the device and build the attention metadata."""
@@ -302,7 +325,10 @@ class ModelRunner:
         threshold = self.model.rope_seq_len_threshold
         if threshold is not None and int(plan.seq_lens.max()) > threshold:
             token_seq_lens = self._staging.put("token_seq_lens", np.repeat(plan.seq_lens, np.diff(plan.query_start)))
-        return _Prepared(input_ids, positions, meta, token_seq_lens)
+        state = None
+        if self.state is not None:  # resets the slots of rows that start at position 0
+            state = build_state_step(self.state, plan.query_start, plan.positions, plan.state_slots, put=self._staging.put)
+        return _Prepared(input_ids, positions, meta, token_seq_lens, state)
 
     def _inputs(self, plan: StepPlan, prev: np.ndarray | None) -> torch.Tensor:
         """The step's input ids on the device: the plan's, except that a fed row takes the previous step's
@@ -334,7 +360,9 @@ class ModelRunner:
 
     def _forward(self, p: _Prepared) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens."""
-        return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens)
+        if p.state is None:
+            return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens)
+        return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens, state=p.state)
 
     def _logits_of(self, plan: StepPlan, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """[S, V] logits (the model's dtype) at the last token of each sampling row."""
@@ -389,7 +417,8 @@ class ModelRunner:
         if num_kv_blocks is not None:
             return int(num_kv_blocks)
         kv = self.model.kv_shape
-        per_block = PagedKVCache.bytes_per_block(kv.num_layers, self.block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype)
+        # max(1): a model of recurrent layers only keeps no KV, but the engine still plans with blocks.
+        per_block = max(1, PagedKVCache.bytes_per_block(kv.num_layers, self.block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype))
         if kv_cache_memory is not None:
             return max(1, int(kv_cache_memory) // per_block)
         cap = self.max_num_seqs * math.ceil(self.facts.max_model_len / self.block_size) + 1

@@ -6,9 +6,11 @@ says WorkerReady(info), and then loops: wait for plan seq k in slot k % N (spin 
 the doorbell), run it, write the result (or the error), publish, ring. It exits on Shutdown, when the
 engine core's end of the doorbell closes, or when its parent process dies.
 
-A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` and `read_logits()` (and
-`execute_burst(plan, steps)` for tickets of several steps). The plan's arrays are views into the shared
-slot: a runner copies what it keeps past execute().
+A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` (and `execute_burst(plan, steps)`
+for tickets of several steps); one that counts its steps (`steps_executed`) and keeps their logits
+(`read_logits(step)`) also answers logits tickets: the engine asks for a settled ticket's logits (a RepickOnly
+repair), and the worker writes that step's logits into the ring's logits region. The plan's arrays are views
+into the shared slot: a runner copies what it keeps past execute().
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from typing import Any
 import msgspec
 
 from metrale.ipc.doorbell import Attached, Bell, Shutdown, WorkerFailed, WorkerReady, bell_path
+from metrale.ipc.ticket_layout import LOGITS_TICKET
 from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
 
 log = logging.getLogger("metrale.gpu_worker")
 
 DEFAULT_FACTORY = "metrale.gpu_worker.model_runner:ModelRunner"
 DEFAULT_SPIN_US = 100.0  # then block on the doorbell; the spin yields the core every turn (TicketRing._spin)
+TICKETS_REMEMBERED = 8  # tickets whose runner step the worker remembers, for logits tickets (the runner keeps fewer)
 WAIT_SLICE_S = 0.02  # how often a blocked worker checks that its parent lives
 
 
@@ -59,6 +63,7 @@ class WorkerLoop:
     busy_ns: int = 0
     steps: int = 0
     started_ns: int = 0
+    runner_steps: dict[int, int] = field(default_factory=dict)  # ticket seq -> the runner's index of its last step
 
     def serve(self, first_seq: int) -> None:
         """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop."""
@@ -76,7 +81,7 @@ class WorkerLoop:
             t1 = time.monotonic_ns()
             self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
-            self.steps += self.run_step(slot)
+            self.steps += self.run_step(slot, seq)
             t0 = time.monotonic_ns()  # publishing the result counts as the next wait
             self.busy_ns += t0 - t1
             # The step is counted before its result is visible: whoever has the result sees the count.
@@ -98,13 +103,16 @@ class WorkerLoop:
             self.bell.wait(WAIT_SLICE_S)
         return True
 
-    def run_step(self, slot: int) -> int:
-        """Execute the slot's plan (one step, or a decode burst's) and write its results, or its error
-        (serve publishes it); the worker keeps serving. Returns the steps the plan asked for."""
+    def run_step(self, slot: int, seq: int) -> int:
+        """Execute ticket seq's plan in slot (one step, or a decode burst's) and write its results, or answer a
+        logits ticket, or write the error (serve publishes it); the worker keeps serving. Returns the steps run."""
         ring = self.ring
         t0 = time.perf_counter_ns()
         steps = ring.plan_steps(slot)
         try:
+            if steps == LOGITS_TICKET:
+                ring.write_logits(slot, self.logits_of(ring.logits_of(slot)), exec_ns=time.perf_counter_ns() - t0)
+                return 0
             plan = ring.read_plan(slot)
             if steps > 1:
                 results = self.runner.execute_burst(plan, steps)
@@ -113,10 +121,25 @@ class WorkerLoop:
             else:
                 results = [self.runner.execute(plan)]
             ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
+            self._ran(seq)
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
             traceback.print_exc(file=sys.stderr)
             ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
         return steps
+
+    def _ran(self, seq: int) -> None:
+        """Remember which runner step ticket seq ended with (its logits are that step's)."""
+        executed = getattr(self.runner, "steps_executed", None)
+        if executed is not None:
+            self.runner_steps[seq] = executed - 1
+            self.runner_steps.pop(seq - TICKETS_REMEMBERED, None)
+
+    def logits_of(self, seq: int):
+        """float32 [R, V] logits of ticket seq's (last) step; KeyError if it failed or is no longer kept."""
+        step = self.runner_steps.get(seq)
+        if step is None:
+            raise KeyError(f"step {seq} has no logits here (it failed, was never run, or is too old)")
+        return self.runner.read_logits(step)
 
     def should_exit(self) -> bool:
         """Whether the engine said Shutdown, its end of the doorbell closed, or our parent died."""

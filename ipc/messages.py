@@ -99,6 +99,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     worker_idle_s: float = 0.0  # the worker's time waiting for the engine core's next plan
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0  # ... and kept (the acceptance rate is their ratio)
+    # RepickOnly repairs: tokens the host picked again from a step's logits (a recurrent model's step
+    # launched ahead whose mask went stale).
+    host_repicks: int = 0
 
 
 class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):

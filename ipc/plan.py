@@ -62,6 +62,9 @@ class ModelInfo:
     dtype: str
     fed_ahead_policy: FedAheadPolicy = FedAheadPolicy.REWIND
     num_swap_blocks: int = 0  # host blocks for swapping KV out (0: swap preemption unavailable)
+    # Per-sequence recurrent state slots (a model with recurrent layers; 0: none). Each running sequence
+    # holds one (StepPlan.state_slots); such a model is REPICK_ONLY and serves without prefix caching.
+    num_state_slots: int = 0
 
 
 @dataclass(slots=True)
@@ -103,6 +106,9 @@ class StepPlan:
     # Speculative decoding: a row with d > 0 drafts runs its last token and the d draft tokens (its last d + 1
     # tokens), samples at each of them, and keeps the picks up to the first that differs from the next draft.
     num_drafts: np.ndarray | None = None  # int32[R]; None: no drafts (all zeros)
+    # int32[R]: each row's recurrent state slot (a row whose tokens start at position 0 finds it reset);
+    # empty for a model without recurrent state, so its plans carry nothing more.
+    state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     def __post_init__(self) -> None:
         if self.num_drafts is None:
@@ -166,7 +172,8 @@ class Device(Protocol):
         ...
 
     def read_logits(self, ticket: Ticket) -> np.ndarray:
-        """float32[R, V] logits of the most recently settled step (host sampling under RepickOnly)."""
+        """float32[R, V] raw logits of a settled step, zero rows where it did not sample (host sampling
+        under RepickOnly); DeviceError when they are no longer kept."""
         ...
 
     def model(self) -> ModelInfo:

@@ -10,7 +10,7 @@ import sys
 import click
 import msgspec
 
-from metrale.config import EngineArgs, ServeConfig
+from metrale.config import QUANTIZATIONS, EngineArgs, ServeConfig
 from metrale.ipc.sampling import SamplingParams
 
 
@@ -20,11 +20,14 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model", default=None, help="Hugging Face model folder (default: the built-in tiny demo model).")
+@click.option("--model", default=None, help="Hugging Face model folder or GGUF file (default: the built-in tiny demo model).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7410, show_default=True, help="ZMQ client port (0: any free port).")
 @click.option("--http-port", default=None, type=int, help="also serve the OpenAI-compatible HTTP API on this port.")
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--quantization", default=None, type=click.Choice(QUANTIZATIONS),
+              help="int8 / int4: quantize every linear layer at load (weight-only); none: all dense "
+                   "(default: as the checkpoint is; a GGUF's Q8_0 and 4-bit layers stay quantized).")
 @click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")
 @click.option("--max-num-seqs", default=64, show_default=True)
 @click.option("--max-num-batched-tokens", default=2048, show_default=True)
@@ -64,6 +67,7 @@ def serve(**o) -> None:
         model=o["model"],
         max_model_len=o["max_model_len"],
         dtype=o["dtype"],
+        quantization=o["quantization"],
         device=o["device"],
         block_size=o["block_size"],
         num_kv_blocks=o["num_kv_blocks"],
@@ -193,6 +197,7 @@ def status(host: str, port: int, as_json: bool) -> None:
         click.echo(
             f"engine: {stats.running} running, {stats.waiting} waiting, KV blocks {stats.kv_blocks_used} used / "
             f"{stats.kv_blocks_cached} cached / {stats.kv_blocks_total} total, {stats.generated_tokens} tokens generated"
+            + (f", {stats.host_repicks} host repicks" if stats.host_repicks else "")
         )
 
 

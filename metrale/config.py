@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import msgspec
 
+# --quantization: None follows the checkpoint (a GGUF's Q8_0 / 4-bit layers stay quantized, a Hugging Face one is
+# dense); "none" makes every linear layer dense; int8 / int4 quantize every one at load; "-dequantized": the same
+# quantized weights multiplied dense (the reference the quantized kernels are checked against).
+QUANTIZATIONS = ("none", "int8", "int4", "int8-dequantized", "int4-dequantized")
+
 
 class EngineArgs(msgspec.Struct, kw_only=True):
     """What model to load and how the engine core schedules it. Same names in LLM(...) and `metrale serve`."""
 
-    model: str | None = None  # a Hugging Face folder; None = the built-in tiny demo model
+    model: str | None = None  # a Hugging Face folder or a GGUF file; None = the built-in tiny demo model
     max_model_len: int | None = None  # cap on prompt + output; None: what the model's config allows
     dtype: str = "auto"  # auto | float32 | bfloat16
+    quantization: str | None = None  # see QUANTIZATIONS
     device: str | None = None  # cuda when present, else cpu
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -45,6 +51,8 @@ class EngineArgs(msgspec.Struct, kw_only=True):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "decode_burst"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (got {self.quantization!r})")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap (got {self.preemption_mode!r})")
         if self.swap_space_gb < 0:
@@ -62,6 +70,7 @@ class EngineArgs(msgspec.Struct, kw_only=True):
         return {
             "model_dir": model_dir,
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "device": self.device,
             "num_kv_blocks": self.num_kv_blocks,
             "kv_cache_memory": self.kv_cache_memory,

@@ -1,6 +1,7 @@
 """The model facts every process plans with, resolved once from the model's own files.
 
-`resolve_model(path)` reads config.json (and generation_config.json) of a Hugging Face folder and derives what
+`resolve_model(path)` reads config.json (and generation_config.json) of a Hugging Face folder, or the metadata of a
+GGUF file (`metrale.gguf_metadata` maps it to the same config dict), and derives what
 the supervisor, the frontend, the engine core and the worker all need to agree on: the architecture, the
 vocabulary, the longest sequence (rope scaling included), the end-of-sequence ids, the per-layer sliding
 windows and the kind of per-sequence state. Nobody else reads config.json for these: they ask this module
@@ -14,6 +15,8 @@ import json
 from pathlib import Path
 
 import msgspec
+
+from metrale import gguf_metadata
 
 # What a launched-ahead step leaves behind: paged KV only ("attention": an over-run position is simply never
 # read, the seed's Rewind), or recurrent state that a step overwrites ("recurrent": the seed's RepickOnly).
@@ -32,7 +35,7 @@ class ModelError(ValueError):
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What every process knows about the model being served."""
 
-    path: str  # the model folder (or file) as given, resolved
+    path: str  # the model folder (or GGUF file) as given, resolved
     name: str  # for logs and the HTTP API's model id
     architecture: str
     model_type: str
@@ -43,7 +46,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     rope_type: str
     layer_windows: tuple[int | None, ...]  # per layer: sliding window in tokens, or None
     state_kind: str = STATE_ATTENTION
-    config: dict = {}  # the checkpoint's config.json, for the worker that builds the model
+    config: dict = {}  # the checkpoint's config.json (a GGUF's mapped to it), for the worker that builds the model
 
 
 def resolve_model(path: str | Path, max_model_len: int | None = None) -> ModelFacts:
@@ -69,8 +72,19 @@ def _resolve(path: str) -> ModelFacts:
     root = Path(path)
     if not root.exists():
         raise ModelError(f"--model {path}: no such file or directory")
+    try:
+        gguf = gguf_metadata.gguf_file(root)
+        if gguf is not None:
+            reader = gguf_metadata.open_gguf(gguf)
+            config = gguf_metadata.hf_config(reader, path=str(gguf))
+            generation = {"eos_token_id": gguf_metadata.eos_token_ids(reader)}
+            return facts_from_config(config, generation, path=path, name=root.name)
+    except gguf_metadata.GgufError as e:
+        raise ModelError(f"--model {path}: {e}") from None
     if not root.is_dir():
-        raise ModelError(f"--model {path}: not a model folder (expected a Hugging Face folder with config.json)")
+        raise ModelError(
+            f"--model {path}: not a model folder (expected a Hugging Face folder with config.json, or a .gguf file)"
+        )
     config = _read_json(root / "config.json", required=True)
     generation = _read_json(root / "generation_config.json", required=False)
     return facts_from_config(config, generation, path=path, name=root.name)
@@ -195,6 +209,8 @@ def _has_recurrent_layers(cfg: dict) -> bool:
     """True for models with per-sequence recurrent state (Mamba, hybrid attention/SSM)."""
     if cfg.get("model_type") in ("mamba", "mamba2"):
         return True
+    if cfg.get("model_type") == "bamba":  # Mamba 2 layers except those in attn_layer_indices
+        return len(set(cfg.get("attn_layer_indices") or ())) < int(cfg.get("num_hidden_layers") or 0)
     layer_types = cfg.get("layers_block_type") or cfg.get("layer_types") or []
     return any(t in ("mamba", "mamba2", "linear_attention") for t in layer_types)
 
@@ -214,7 +230,7 @@ def _eos_ids(generation: dict, cfg: dict) -> tuple[int, ...]:
 def _read_json(path: Path, *, required: bool) -> dict:
     if not path.is_file():
         if required:
-            raise ModelError(f"--model {path.parent}: no config.json (expected a Hugging Face model folder)")
+            raise ModelError(f"--model {path.parent}: no config.json (expected a Hugging Face model folder or a .gguf file)")
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))

@@ -212,6 +212,7 @@ class Supervisor:
 
     def _engine_argv(self, token: str) -> list[str]:
         from metrale.engine_core.core import EngineCoreArgs
+        from metrale.model_facts import STATE_RECURRENT
 
         args = EngineCoreArgs(
             serve=self.config,
@@ -223,6 +224,7 @@ class Supervisor:
             special_tokens=self.special_tokens,
             served_path=str(self.served_path),
             status_address=self._ipc("status"),
+            logits_vocab=self.facts.vocab_size if self.facts.state_kind == STATE_RECURRENT else 0,
         )
         return [sys.executable, "-m", "metrale.engine_core.core", "--args", msgspec.json.encode(args).decode()]
 

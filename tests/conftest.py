@@ -94,6 +94,7 @@ class Row:
     seed: int = 0
     num_logprobs: int = -1
     hist: list[int] = field(default_factory=list)
+    state_slot: int = -1  # its recurrent state slot (a recurrent model's rows need one; -1: none)
 
 
 def make_plan(rows: list[Row], *, block_size: int = 16) -> StepPlan:
@@ -135,6 +136,7 @@ def make_plan(rows: list[Row], *, block_size: int = 16) -> StepPlan:
         hist_tokens=np.concatenate(hist) if hist else np.zeros(0, dtype=np.int32),
         hist_start=np.concatenate([[0], np.cumsum([len(h) for h in hist])]).astype(np.int32),
         hist_prompt_len=np.array([len(h) for h in hist], dtype=np.int32),
+        state_slots=np.array([r.state_slot for r in rows] if rows[0].state_slot >= 0 else [], dtype=np.int32),
     )
 
 
@@ -150,3 +152,27 @@ def blocks_for(seq_index: int, max_len: int, block_size: int = 16, num_seqs: int
 def plans():
     """Helpers for hand-built steps: plans.Row, plans.make_plan(rows, block_size=), plans.blocks_for(i, max_len)."""
     return SimpleNamespace(Row=Row, make_plan=make_plan, blocks_for=blocks_for)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_model_dir, tmp_path_factory):
+    """make_gguf(arch="llama", outtype="f32", **kw) -> Path of a .gguf written from tiny_model_dir(arch, **kw);
+    outtype may also be a K-quant (q4_k, q5_k, q6_k: random blocks, see tests/gguf_models.py)."""
+    from gguf_models import K_QUANTS, random_k_quant_encoder
+
+    from metrale.gpu_worker.gguf_export import write_gguf
+
+    built: dict[tuple, pathlib.Path] = {}
+
+    def make_gguf(arch: str = "llama", outtype: str = "f32", **kw) -> pathlib.Path:
+        key = (arch, outtype, repr(sorted(kw.items())))
+        if key not in built:
+            src = tiny_model_dir(arch, **kw)
+            out = tmp_path_factory.mktemp(f"gguf-{arch}-{outtype}") / f"tiny-{arch}.{outtype}.gguf"
+            if outtype in K_QUANTS:
+                built[key] = write_gguf(src, out, "f32", encode=random_k_quant_encoder(outtype))
+            else:
+                built[key] = write_gguf(src, out, outtype)
+        return built[key]
+
+    return make_gguf

@@ -71,11 +71,17 @@ def run_workload(
     speculative: str | None = None,
     num_speculative_tokens: int = 3,
     repetitive: bool = False,
+    num_state_slots: int = 0,
 ) -> Run:
-    """Run reqs to completion and return the token stream and finish reason of each."""
+    """Run reqs to completion and return the token stream and finish reason of each.
+
+    num_state_slots > 0: the FakeDevice is a recurrent model (RepickOnly, with that many state slots)."""
+    if num_state_slots:
+        policy = FedAheadPolicy.REPICK_ONLY
     dev = FakeDevice(
         num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len,
         num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred, repetitive=repetitive,
+        num_state_slots=num_state_slots,
     )
     eng = EngineCore(
         dev,
@@ -134,6 +140,7 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
                 if d.error:
                     run.errors[d.request_id] = d.error
                     run.error_codes[d.request_id] = d.error_code
+        eng.scheduler.state_slots.check_invariant(eng.scheduler.running)
         if eng.device_lost:
             run.recoveries += 1
             dev.revive()  # the supervisor's new worker: empty KV
@@ -145,6 +152,7 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
     assert eng.pool.num_used == 0, "blocks still referenced after every request finished"
     assert dev.in_flight == 0, "a launched step was never awaited"
     assert eng.scheduler.swap.num_free == eng.scheduler.swap.num_blocks, "host swap blocks leaked"
+    assert eng.scheduler.state_slots.num_free == eng.scheduler.state_slots.num_slots, "state slots leaked"
 
 
 @contextlib.contextmanager

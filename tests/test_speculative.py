@@ -146,3 +146,17 @@ def test_rows_without_drafts_keep_their_masks_in_a_verify_step():
     assert spec.streams == plain.streams and spec.engine.speculator.stats.accepted > 0
     assert len(spec.streams["3"]) == 6 and spec.finish["4"] == "stop"
     assert text_of(spec.streams["4"])[-2:] in ("ab", "cd")
+
+
+def test_a_recurrent_model_never_speculates():
+    """A model with recurrent state slots cannot drop rejected drafts from its state, so its engine runs as if
+    --speculative were not given: no verify step, no draft, and the streams of plain decoding (FakeDevice's
+    slots must hold exactly each row's context, so a draft run through them would fail the next step)."""
+    reqs = _repeating() + _repeating(2, seeded=True)
+    plain = run_workload(reqs, pipeline=True, repetitive=True, num_state_slots=8)
+    spec = run_workload(reqs, pipeline=True, repetitive=True, num_state_slots=8, speculative="ngram",
+                        num_speculative_tokens=4)
+    assert spec.engine.speculator is None and spec.engine.options.speculative is None
+    assert spec.engine.stats().spec_draft_tokens == 0
+    assert spec.device._launched == plain.device._launched  # no verify step saved a launch
+    assert spec.streams == plain.streams and spec.finish == plain.finish

@@ -111,15 +111,18 @@ def test_rewind_stale_grammar_mask_redoes_the_row(monkeypatch):
     assert forced.streams == reference.streams
 
 
-def test_repick_only_stale_grammar_mask_is_sampled_on_the_host(monkeypatch):
-    """RepickOnly: the stale bitmask's forward stands and the host picks under the grammar's current mask."""
+@pytest.mark.parametrize("num_state_slots", [0, 8])
+def test_repick_only_stale_grammar_mask_is_sampled_on_the_host(monkeypatch, num_state_slots):
+    """RepickOnly: the stale bitmask's forward stands and the host picks under the grammar's current mask; with
+    state slots (a recurrent model, whose slots must hold exactly each row's context) too."""
     reqs = _stale_workload()
-    reference = run_workload(reqs, pipeline=False, grammar_vocab=FAKE_GRAMMAR_VOCAB, policy=FedAheadPolicy.REPICK_ONLY)
+    kw = dict(grammar_vocab=FAKE_GRAMMAR_VOCAB, policy=FedAheadPolicy.REPICK_ONLY, num_state_slots=num_state_slots)
+    reference = run_workload(reqs, pipeline=False, **kw)
     feed_every_row(monkeypatch)
-    forced = run_workload(reqs, pipeline=True, grammar_vocab=FAKE_GRAMMAR_VOCAB, policy=FedAheadPolicy.REPICK_ONLY,
-                          count_effects=True)
+    forced = run_workload(reqs, pipeline=True, count_effects=True, **kw)
     assert forced.effects["ReadLogits"] > 0, "no stale bitmask was met: the test did not test"
     assert forced.streams == reference.streams
+    assert forced.engine.io.host_repicks > 0
 
 
 def test_grammar_rows_wait_for_their_commit_while_plain_rows_run_ahead(monkeypatch):

@@ -1,0 +1,188 @@
+"""Write a Hugging Face Llama-family folder as a GGUF file (llama.cpp's layout), with the `gguf` package's writer.
+
+For tests and benchmarks: the same random model as a GGUF in each tensor type, read back by metrale, by
+transformers and by llama.cpp. It does what llama.cpp's convert_hf_to_gguf.py does for these families: llama.cpp's
+names and metadata keys, Llama's q/k rows permuted for llama.cpp's rotary, norms kept in float32, the tokenizer as
+a byte-level BPE vocabulary (tokens, merges, token types) with its special ids and chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from safetensors.torch import load_file
+
+from metrale.gpu_worker.gguf_weights import _BLOCK, _TOP
+
+# What a tensor is stored as: the file types this writer makes (K-quants have no quantizer in the gguf package).
+OUT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "bf16": 32}
+_GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_CONTROL, _USER_DEFINED, _NORMAL, _UNUSED = 3, 4, 1, 5
+
+# encode(gguf_name, float32 array) -> (data, ggml type) to store a tensor another way, or None for the default.
+Encoder = Callable[[str, np.ndarray], "tuple[np.ndarray, object] | None"]
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f32", *, encode: Encoder | None = None) -> Path:
+    """Write model_dir (config.json, *.safetensors, tokenizer.json) as the GGUF file out; returns its path."""
+    import gguf
+
+    if outtype not in OUT_TYPES:
+        raise ValueError(f"outtype {outtype!r}: expected one of {', '.join(OUT_TYPES)}")
+    root, out = Path(model_dir), Path(out)
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    arch = _GGUF_ARCH[config["architectures"][0]]
+    writer = gguf.GGUFWriter(str(out), arch)
+    _write_hparams(writer, config, name=root.name, file_type=_FILE_TYPES[outtype])
+    _write_tokenizer(writer, root, config["vocab_size"])
+    tensors = {}
+    for f in sorted(root.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))  # torch's loader: numpy has no bfloat16
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    for hf, values in tensors.items():
+        name = gguf_name(hf)
+        values = values.float().numpy()
+        if arch == "llama" and ".attn_q." in name:
+            values = permute_rows(values, heads)
+        elif arch == "llama" and ".attn_k." in name:
+            values = permute_rows(values, kv_heads)
+        custom = encode(name, values) if encode is not None else None
+        data, qtype = custom if custom is not None else _encode(values, outtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def requantize_gguf(src: str | Path, out: str | Path, outtype: str) -> Path:
+    """Write the GGUF file src again with its matrices stored as outtype (its metadata copied as it is)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from metrale.gguf_metadata import open_gguf
+
+    reader = open_gguf(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the writer writes these itself
+        if key == "general.file_type":
+            writer.add_file_type(_FILE_TYPES[outtype])
+            continue
+        vtype = f.types[0]
+        writer.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        data, qtype = _encode(values, outtype)
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of a transformers tensor name (the inverse of gguf_weights.hf_name)."""
+    stem, kind = hf_name.rsplit(".", 1)
+    for short, long in _TOP.items():
+        if stem == long:
+            return f"{short}.{kind}"
+    parts = stem.split(".", 3)  # model, layers, N, rest
+    for short, long in _BLOCK.items():
+        if parts[:2] == ["model", "layers"] and parts[3] == long:
+            return f"blk.{parts[2]}.{short}.{kind}"
+    raise ValueError(f"{hf_name}: no GGUF name for it")
+
+
+def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: within each head, rows (i, i + head_dim/2) become (2i, 2i+1)."""
+    per_head = rows.shape[0] // heads
+    return np.ascontiguousarray(rows.reshape(heads, 2, per_head // 2, *rows.shape[1:]).swapaxes(1, 2)).reshape(rows.shape)
+
+
+def _encode(values: np.ndarray, outtype: str):
+    """(data, ggml type) for a tensor: vectors stay float32 (as llama.cpp keeps norms), matrices take outtype."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if values.ndim < 2 or outtype == "f32":
+        return values, T.F32
+    if outtype == "f16":
+        return values.astype(np.float16), T.F16
+    qtype = T[outtype.upper()]
+    return gguf.quants.quantize(values, qtype), qtype
+
+
+def _write_hparams(writer, config: dict, *, name: str, file_type: int) -> None:
+    """The `general.*` and `{arch}.*` keys llama.cpp reads for these families."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    writer.add_name(name)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(2)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+
+
+def _write_tokenizer(writer, root: Path, vocab_size: int) -> None:
+    """tokenizer.json's byte-level BPE as tokenizer.ggml.* keys, with the special ids and the chat template."""
+    tok = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
+    tok_cfg = _read_json(root / "tokenizer_config.json")
+    gen_cfg = _read_json(root / "generation_config.json")
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    added = {a["content"]: a for a in tok.get("added_tokens", [])}
+    for content, a in added.items():
+        vocab[content] = a["id"]
+    # A vocabulary padded past the tokenizer (the bench presets' 32,000 rows) gets placeholder tokens, as
+    # llama.cpp's converter writes them: the file's token list must cover every embedding row.
+    size = max(max(vocab.values()) + 1, vocab_size)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    for t, i in vocab.items():
+        tokens[i] = t
+    types = [(_CONTROL if added[t]["special"] else _USER_DEFINED) if t in added else _NORMAL for t in tokens]
+    types = [_UNUSED if t.startswith("[PAD") and t not in vocab else k for t, k in zip(tokens, types)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token", writer.add_bos_token_id), ("pad_token", writer.add_pad_token_id)):
+        content = tok_cfg.get(key)
+        if isinstance(content, str) and content in vocab:
+            add(vocab[content])
+    eos = gen_cfg.get("eos_token_id")
+    eos = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+    if not eos and isinstance(tok_cfg.get("eos_token"), str) and tok_cfg["eos_token"] in vocab:
+        eos = [vocab[tok_cfg["eos_token"]]]
+    if eos:
+        writer.add_eos_token_id(int(eos[0]))
+    if len(eos) > 1:
+        writer.add_eot_token_id(int(eos[1]))  # e.g. <|im_end|>: llama.cpp's end of turn
+    writer.add_add_bos_token(bool(tok_cfg.get("add_bos_token", False)))
+    writer.add_add_eos_token(bool(tok_cfg.get("add_eos_token", False)))
+    if isinstance(tok_cfg.get("chat_template"), str):
+        writer.add_chat_template(tok_cfg["chat_template"])
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file, or {} when absent."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

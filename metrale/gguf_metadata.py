@@ -1,0 +1,222 @@
+"""A GGUF file's metadata as the facts of a Hugging Face folder: a config.json dict and the tokenizer's parts.
+
+A GGUF (llama.cpp's format) carries everything a model folder does in one file: hyperparameters under
+`{arch}.*` keys, the tokenizer under `tokenizer.ggml.*`, the chat template, and the tensors. The file is read
+with the `gguf` package (llama.cpp's own reader); the keys are mapped to config.json's names as transformers'
+GGUF integration maps them, so `metrale.model_facts` derives the same facts from either. No torch here (the
+reader needs only numpy): the frontend and the engine core import this through model_facts.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+SUFFIX = ".gguf"
+
+# GGUF `general.architecture` -> (config.json model_type, architectures[0]).
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# `{arch}.<key>` -> config.json key (transformers' GGUF_CONFIG_MAPPING for these families).
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+# llama.cpp's `general.file_type` values whose tensors are all float32; any other file is served in bfloat16
+# by default (the fast dtype on a CPU; a dequantized 4- or 8-bit weight is exact in bfloat16 only up to its
+# scale's rounding, far below the quantization's own error).
+_ALL_F32 = 0
+
+
+class GgufError(ValueError):
+    """The GGUF file cannot be read or served; the message says what (and which tensor, where one is at fault)."""
+
+
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file a --model path names: the file itself, or the one *.gguf of a folder without config.json.
+
+    None for anything else (a Hugging Face folder); GgufError for a folder holding several GGUF files.
+    """
+    root = Path(path)
+    if root.is_file():
+        return root if root.suffix.lower() == SUFFIX else None
+    if not root.is_dir() or (root / "config.json").exists():
+        return None
+    found = sorted(p for p in root.iterdir() if p.suffix.lower() == SUFFIX and p.is_file())
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise GgufError(f"{root} holds {len(found)} GGUF files ({names}); name one with --model")
+    return found[0] if found else None
+
+
+def open_gguf(path: str | Path):
+    """The file's reader (one per process and file: its tensors stay memory-mapped); GgufError if unreadable."""
+    return _open(str(Path(path).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str):
+    """open_gguf for a resolved path."""
+    try:
+        return _reader_class()(path)
+    except GgufError:
+        raise
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
+        raise GgufError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+@functools.cache
+def _reader_class():
+    """gguf's GGUFReader, checking each tensor's type and extent first (so a bad one is named), and slicing a
+    plain ndarray view of its memory map (numpy's memmap subclass costs a Python call per slice, and a
+    vocabulary is a hundred thousand slices)."""
+    from gguf import GGUFReader
+
+    class CheckedReader(GGUFReader):
+        _plain: np.ndarray | None = None
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if self._plain is None:
+                self._plain = self.data.view(np.ndarray)
+            count, dt = int(count), np.dtype(dtype)
+            arr = self._plain[offset : offset + dt.itemsize * count].view(dtype=dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _build_tensors(self, start_offs, fields):
+            _check_tensor_infos(self, start_offs, fields)
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
+def _check_tensor_infos(reader, start_offs: int, fields: list) -> None:
+    """Raise GgufError naming the first tensor whose type is unknown or whose bytes lie past the file's end."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = len(reader.data)
+    for field in fields:
+        _len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
+        name = bytes(name_data).decode("utf-8", errors="replace")
+        try:
+            qtype = GGMLQuantizationType(int(raw_dtype[0]))
+        except ValueError:
+            raise GgufError(f"tensor {name}: unknown ggml type {int(raw_dtype[0])} (corrupt file?)") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n = int(np.prod(dims.astype(np.int64)))
+        if n % block:
+            raise GgufError(f"tensor {name}: {n} elements is not a whole number of {qtype.name} blocks")
+        end = start_offs + int(offset[0]) + n // block * type_size
+        if end > size:
+            raise GgufError(
+                f"tensor {name}: its data ends at byte {end} but the file has {size} bytes (truncated file)"
+            )
+
+
+def field(reader, key: str, default=None):
+    """A metadata value as Python (str, int, float, bool or a list of them), or default when absent."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_config(reader, *, path: str) -> dict:
+    """The config.json dict this GGUF describes (transformers' key mapping); GgufError for an unknown family."""
+    arch = field(reader, "general.architecture")
+    name = str(field(reader, "general.name", "") or "")
+    family = arch
+    if arch == "llama" and "mistral" in name.lower():
+        family = "mistral"  # llama.cpp writes Mistral as llama; transformers tells them apart by name
+    if family not in _ARCHITECTURES:
+        raise GgufError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})")
+    model_type, architecture = _ARCHITECTURES[family]
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise GgufError(f"{path}: tensor rope_freqs.weight (llama3 rope frequency factors) is not supported")
+    config: dict = {"architectures": [architecture], "model_type": model_type, "hidden_act": "silu"}
+    for key, hf_key in _CONFIG_KEYS.items():
+        value = field(reader, f"{arch}.{key}")
+        if value is not None:
+            config[hf_key] = value
+    if "head_dim" not in config and family in ("llama", "mistral"):
+        dim = field(reader, f"{arch}.rope.dimension_count")  # llama.cpp's rotary width = head_dim for these
+        if dim is not None:
+            config["head_dim"] = dim
+    for needed in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
+        if needed not in config:
+            raise GgufError(f"{path}: metadata lacks {arch}.{_gguf_key(needed)}")
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if "vocab_size" not in config:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise GgufError(f"{path}: metadata states no vocab_size and no tokenizer.ggml.tokens")
+        config["vocab_size"] = len(tokens.data)
+    rope_scaling = _rope_scaling(reader, arch)
+    if rope_scaling:
+        config["rope_scaling"] = rope_scaling
+    config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names and family != "qwen2"
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        value = field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            config["pad_token_id" if key == "padding_token_id" else key] = value
+    file_type = field(reader, "general.file_type")
+    config["torch_dtype"] = "float32" if file_type == _ALL_F32 or _all_f32(reader) else "bfloat16"
+    config["gguf"] = {"file_type": _file_type_name(file_type), "architecture": arch}
+    return config
+
+
+def eos_token_ids(reader) -> list[int]:
+    """The ids that end a generation: eos, and the end-of-turn / end-of-message ids the file names."""
+    ids = [field(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    return list(dict.fromkeys(int(i) for i in ids if isinstance(i, int)))
+
+
+def _rope_scaling(reader, arch: str) -> dict:
+    """config.json's rope_scaling from `{arch}.rope.scaling.*` ({} when the rope is not scaled)."""
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    factor = field(reader, f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return {}
+    out: dict = {"rope_type": str(kind), "factor": float(factor)}
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original:
+        out["original_max_position_embeddings"] = int(original)
+    return out
+
+
+def _all_f32(reader) -> bool:
+    """True when every matrix in the file is float32 (files that state no file_type)."""
+    from gguf import GGMLQuantizationType
+
+    return all(t.tensor_type == GGMLQuantizationType.F32 for t in reader.tensors if len(t.shape) > 1)
+
+
+def _file_type_name(value) -> str:
+    """llama.cpp's name of a general.file_type value (MOSTLY_Q4_1, ...), or "unknown"."""
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(int(value)).name
+    except (TypeError, ValueError):
+        return "unknown"
+
+
+def _gguf_key(hf_key: str) -> str:
+    """The GGUF key (after the architecture) that maps to a config.json key, for messages."""
+    return next(k for k, v in _CONFIG_KEYS.items() if v == hf_key)
