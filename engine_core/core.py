@@ -32,6 +32,7 @@ from metrale.ipc.messages import (
     EngineOutput,
     EngineOutputs,
     EngineReady,
+    GrammarVocab,
     RequestOutputDelta,
     StatsRequest,
     StatsResponse,
@@ -64,9 +65,13 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     output_address: str
     ring_token: str
     max_model_len: int
+    vocab_size: int = 0  # the model's (sizes the ring's grammar bitmasks)
     special_tokens: dict[str, int | None] = {}
     ready_timeout_s: float = 600.0
     served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
+    # The vocabulary of the logits the ring carries back for host sampling: the model's when it keeps recurrent
+    # state (RepickOnly repairs), else 0 (no logits region).
+    logits_vocab: int = 0
     status_address: str = ""  # the supervisor's status inbox (ipc/status_channel.py)
     replica: int = 0  # this engine core's data-parallel replica (for its logs)
     ring_ranks: int = 1  # the worker ranks that serve its ring together (a tensor-parallel group on this host)
@@ -75,11 +80,14 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
 def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
     """Ticket slots sized for the largest step this engine can build."""
     # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
-    return geometry_for(args.serve.engine, args.max_model_len, max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)))
+    return geometry_for(args.serve.engine, args.max_model_len, max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
+                        args.vocab_size, args.logits_vocab)
 
 
-def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int) -> RingGeometry:
-    """Ticket slots for an engine's largest step and bursts of up to max_burst steps (serve, and LLM's worker group)."""
+def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int, vocab_size: int, logits_vocab: int = 0) -> RingGeometry:
+    """Ticket slots for an engine's largest step and bursts of up to max_burst steps (serve, and LLM's worker group):
+    grammar rows' bitmasks for vocab_size, a verify step's picks, and logits of logits_vocab (0: none) for host
+    sampling."""
     return RingGeometry(
         num_slots=4,
         max_tokens=max(e.max_num_batched_tokens, e.max_num_seqs),
@@ -87,7 +95,10 @@ def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int) -> RingGeome
         max_blocks_per_row=-(-max_model_len // e.block_size) + 1,
         max_ban_ids=MAX_BAN_IDS,
         max_hist_tokens=max(65536, e.max_num_seqs * max_model_len),
-        max_burst=max_burst,
+        # A verify step's picks come back as the steps of a burst.
+        max_burst=max(max_burst, 1 + e.num_speculative_tokens if e.speculative else 1),
+        max_bitmask_words=max(1, -(-vocab_size // 32)),
+        max_logits_vocab=logits_vocab,
     )
 
 
@@ -173,12 +184,14 @@ class EngineCoreProcess:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
-                                        cache_salt=msg.cache_salt)
+                                        cache_salt=msg.cache_salt, grammar=msg.grammar)
             except Refused as e:
                 self._refuse(msg.request_id, e.code, e.message)
             except Exception as e:  # noqa: BLE001 - a bug admitting one request fails that request only
                 log.exception("engine core: admitting request %s failed", msg.request_id)
                 self._refuse(msg.request_id, ErrorCode.INTERNAL, f"the engine core could not admit it: {e}")
+        elif isinstance(msg, GrammarVocab):
+            self.engine.set_grammar_vocab(msg)
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
@@ -277,9 +290,16 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides the shutdown order
-    device = WorkerDevice(ring_geometry(args), token=args.ring_token, num_ranks=args.ring_ranks,
-                          hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
+    # A SIGTERM while the ring and its doorbell are being made would leave half of them behind: it waits.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
+        device = WorkerDevice(ring_geometry(args), token=args.ring_token, num_ranks=args.ring_ranks,
+                              hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one that came meanwhile lands here
         try:
             proc = EngineCoreProcess(args, device)
         except DeviceError as e:  # the worker could not start (reported to the supervisor): not a crash

@@ -21,7 +21,7 @@ from metrale.ipc.errors import ErrorCode
 from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy
 
 from .commit import commit_tokens
-from .host_sampler import host_sample
+from .host_sampler import repick
 from .pipeline import Inflight, Pipeline, Settled, row_mask
 from .scheduler import ScheduledStep
 from .sequence import Sequence
@@ -94,8 +94,7 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
         except DeviceError as e:
             fail_rows(inf.seqs, io, e)
             return Settled.FAILED
-        masks = [row_mask(s, io.toks, io.eos_ids) for s in inf.seqs]
-        tokens = host_sample(logits, inf.seqs, masks)
+        tokens = repick(logits, inf, result, io)  # RepickOnly repair: the pick under each row's mask as it is now
     commit_tokens(io, inf.seqs, tokens, result, inf.discard)
     if nxt is not None:
         poisoned = validate_next(nxt, device_tokens, io)

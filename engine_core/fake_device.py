@@ -3,7 +3,11 @@
 Its "KV cache" stores the token written at each slot, and every sampling row reads its whole context
 back through its block table, so a wrong slot mapping, block table or prefix-cache hit changes the
 output (and reading a never-written slot fails the step loudly). The next-token logits are a hash of
-the row's last three tokens and its length; picks follow host_sampler's rules.
+the row's last three tokens and its length; picks follow host_sampler's rules (the device sampler's).
+
+With num_state_slots it is also a recurrent model (RepickOnly): each state slot holds the tokens its rows
+have run since a row started it at position 0, every step advances it (over-runs included, as a real
+recurrent state is), and a row whose slot does not hold exactly its context fails the step loudly.
 """
 
 from __future__ import annotations
@@ -16,7 +20,21 @@ from metrale.ipc.plan import (
     FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket, moved_on,
 )
 
-from .host_sampler import sample_row, uniform_noise
+from .host_sampler import SamplingRow, sample_row
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def uniform_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """float64[vocab] in (0, 1): a splitmix64 hash of (seed, position, token id) (the toy model's logits)."""
+    with np.errstate(over="ignore"):
+        x = np.uint64(seed) * _GOLDEN + np.uint64(position) * _M2 + np.arange(vocab, dtype=np.uint64) * _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        x = x ^ (x >> np.uint64(31))
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
 
 
 @dataclass(slots=True)
@@ -73,8 +91,13 @@ class FakeDevice:
         num_swap_blocks: int = 0,
         max_burst: int = 1,
         deferred: bool = False,
+        repetitive: bool = False,
+        num_state_slots: int = 0,
     ):
-        """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst)."""
+        """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst);
+        repetitive: the logits depend on the last token only (a model whose greedy output soon cycles, so
+        prompt lookup's drafts are often right); num_state_slots > 0: a recurrent model (see the module
+        docstring)."""
         self.info = ModelInfo(
             name="fake",
             vocab_size=vocab_size,
@@ -85,7 +108,9 @@ class FakeDevice:
             dtype="int",
             fed_ahead_policy=policy,
             num_swap_blocks=num_swap_blocks,
+            num_state_slots=num_state_slots,
         )
+        self.state: list[list[int]] = [[] for _ in range(num_state_slots)]
         self.clock = clock or FakeClock()
         self.step_cost = step_cost
         self.faults = faults or FakeFaults()
@@ -98,6 +123,7 @@ class FakeDevice:
         self._logits: dict[int, np.ndarray] = {}
         self._launched = 0
         self.deferred = deferred
+        self.repetitive = repetitive
         self._queued: list[tuple[int, StepPlan, int]] = []  # launched, not yet run (deferred)
         self._failed = False  # a step failed and the host has not awaited it yet
 
@@ -171,6 +197,7 @@ class FakeDevice:
         self._failed = False
         self.kv.fill(-1)
         self.prev_tokens = np.zeros(0, dtype=np.int64)
+        self.state = [[] for _ in self.state]
 
     @property
     def in_flight(self) -> int:
@@ -179,8 +206,10 @@ class FakeDevice:
 
     # ---- the toy model --------------------------------------------------------------
 
-    def _execute(self, n: int, plan: StepPlan) -> StepResult:
-        """Write the step's tokens into the fake KV, then pick a token for every sampling row."""
+    def _execute(self, n: int, plan: StepPlan) -> StepResult | list[StepResult]:
+        """Write the step's tokens into the fake KV, then pick a token for every sampling row (a verify step: at
+        each of a drafted row's positions up to its first pick that differs from the next draft, one result
+        per pick, as a burst's)."""
         if n in self.faults.fail_steps:
             raise DeviceError(f"injected failure of step {n}")
         if self._failed:
@@ -193,41 +222,63 @@ class FakeDevice:
             input_ids[plan.query_start[r]] = self.prev_tokens[plan.feed_from_row[r]]
         self.kv[plan.slot_mapping] = input_ids
         R = plan.num_rows
-        tokens = np.full(R, -1, dtype=np.int64)
+        if self.state:
+            self._advance_state(plan, input_ids)
         logits_all = np.zeros((R, self.info.vocab_size), dtype=np.float32)
         q_lens = np.diff(plan.query_start).tolist()
+        drafts = plan.num_drafts.tolist()
+        picks = np.full((max(drafts, default=0) + 1, R), -1, dtype=np.int64)
         for r in range(R):
             seq_len = int(plan.seq_lens[r])
             positions = plan.positions[plan.query_start[r] : plan.query_start[r + 1]]
             assert (positions == np.arange(seq_len - q_lens[r], seq_len)).all(), "positions do not end at seq_len"
             if not plan.sample[r]:
                 continue
-            context = self._read_context(plan.block_tables[r], seq_len)
-            logits = self._logits_for(context)
-            logits_all[r] = logits
-            tokens[r] = sample_row(
-                logits,
-                temperature=float(plan.temperature[r]),
-                top_k=int(plan.top_k[r]),
-                seed=int(plan.seeds[r]),
-                position=seq_len,
-                mask_kind=int(plan.mask_kind[r]),
-                force_token=int(plan.force_token[r]),
-                ban=plan.ban_ids[r].tolist(),
-            )
+            if self.state:
+                # The slot ran every token the row wrote, drafts included (a recurrent state cannot drop a
+                # rejected draft again, which is why the engine never speculates for such a model).
+                slot = self.state[plan.state_slots[r]]
+                assert slot == self._read_context(plan.block_tables[r], seq_len).tolist(), (
+                    f"row {r}'s state slot does not hold its context"
+                )
+            row = SamplingRow.of_plan(plan, r)
+            d = drafts[r]
+            for j in range(d + 1):  # j > 0: the j-th draft's position; stop at the first pick it contradicts
+                length = seq_len - d + j
+                logits = self._logits_for(self._read_context(plan.block_tables[r], length))
+                logits_all[r] = logits
+                row.position = length
+                picks[j, r] = sample_row(logits, row)
+                if j < d and picks[j, r] != input_ids[plan.query_start[r] + 1 + j]:
+                    break
+        tokens = picks[0]
         self.prev_tokens = tokens.copy()
         self._logits[n] = logits_all
         self._logits.pop(n - 4, None)
         self.records.append(StepRecord(q_lens, plan.sample.tolist(), fed))
         lp = np.zeros(R, dtype=np.float32) if (plan.num_logprobs >= 0).any() else None
-        return StepResult(tokens=tokens.astype(np.int32), logprobs=lp)
+        results = [StepResult(tokens=row.astype(np.int32), logprobs=lp) for row in picks]
+        return results if any(drafts) else results[0]
+
+    def _advance_state(self, plan: StepPlan, input_ids: np.ndarray) -> None:
+        """Run each row's tokens through its state slot: reset at position 0, else continue exactly where the
+        slot stands (anything else is a state the engine lost track of)."""
+        assert len(plan.state_slots) == plan.num_rows, "a recurrent model's plan lacks its state slots"
+        assert len(set(plan.state_slots.tolist())) == plan.num_rows, "two rows share a state slot"
+        for r, slot in enumerate(plan.state_slots.tolist()):
+            start, end = int(plan.query_start[r]), int(plan.query_start[r + 1])
+            first = int(plan.positions[start])
+            if first == 0:
+                self.state[slot] = []
+            assert len(self.state[slot]) == first, f"row {r} continues at {first}, its slot holds {len(self.state[slot])} tokens"
+            self.state[slot].extend(input_ids[start:end].tolist())
 
     def _swap(self, plan: StepPlan) -> None:
-        """Copy blocks out to host, then in; a swapped-out device block reads as never written."""
+        """Copy blocks out to host, then in. A swapped-out device block keeps its content, as a real device's
+        does: another sequence may still share it (a prefix block), and one that reuses it writes it first."""
         bs = self.info.block_size
         for d, h in plan.swap_out.tolist():
             self.host_kv[h * bs : (h + 1) * bs] = self.kv[d * bs : (d + 1) * bs]
-            self.kv[d * bs : (d + 1) * bs] = -1
         for h, d in plan.swap_in.tolist():
             self.kv[d * bs : (d + 1) * bs] = self.host_kv[h * bs : (h + 1) * bs]
             self.host_kv[h * bs : (h + 1) * bs] = -1
@@ -243,5 +294,6 @@ class FakeDevice:
 
     def _logits_for(self, context: np.ndarray) -> np.ndarray:
         """Peaked pseudo-random logits that depend on the last three tokens and the length."""
-        key = hash((tuple(context[-3:].tolist()), len(context))) & (2**63 - 1)
+        recent = context[-1:] if self.repetitive else context[-3:]
+        key = hash((tuple(recent.tolist()), 0 if self.repetitive else len(context))) & (2**63 - 1)
         return (uniform_noise(key, 0, self.info.vocab_size) * 8.0).astype(np.float32)

@@ -1,60 +1,218 @@
-"""Sampling on the host, for the rare step whose logits come back (a RepickOnly row whose mask went stale).
+"""Sampling on the host: the device sampler's rules (gpu_worker/sampler.py), stage for stage, in numpy.
 
-It follows the device sampler's rules for greedy, temperature, top-k and the row masks, with noise that is
-a function of (seed, position, token id) only. FakeDevice samples with it too, so host and "device" agree.
+The host samples a step's logits when a RepickOnly model's step was launched ahead and a row's mask went stale
+(decode_lane.py): the forward stands, the pick is redone under the mask as it is now. So the host must pick what
+the device would have: penalties (repetition over prompt and output, then frequency times the count and presence
+over the output), a grammar row's bitmask (its matcher's allowed tokens), bans, forced tokens, greedy rows (by
+temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
+(seed, position) — the same float32 values at each step, the same splitmix64 noise bits, the same tie rules (a
+cutoff keeps every token at or above it; an argmax takes the first index). The transcendental steps (exp in top-p,
+the noise's two logs) are computed in float64 and rounded once, which is what the device's float32 functions give
+but for a last-ulp difference now and then; a pick can then differ only where two candidates tie to within an
+ulp. FakeDevice samples with it too.
+
+The engine core imports no torch: this is numpy, row by row (a repair is rare and its rows are few).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY
+from metrale.ipc.messages import TokenLogprob
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, StepResult, unpack_bitmask
 
-from .pipeline import RowMask
+from .grammar import allowed_tokens
+from .pipeline import Inflight, RowMask, row_mask
 from .sequence import Sequence
+from .step_io import StepIo
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+GREEDY_EPS = 1e-5  # the device sampler's: temperatures below it pick greedily
+NOISE_BITS = 23  # the device sampler's uniform draws (k + 0.5) / 2**23
+
+# splitmix64 (the device sampler's constants and key derivation).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def uniform_noise(seed: int, position: int, vocab: int) -> np.ndarray:
-    """float64[vocab] in (0, 1): splitmix64 of (seed, position, token id); batch-invariant by construction."""
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 values (wrapping)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """float32 [vocab]: the device's Gumbel noise of the row keyed by (seed, position)."""
     with np.errstate(over="ignore"):
-        x = np.uint64(seed) * _GOLDEN + np.uint64(position) * _M2 + np.arange(vocab, dtype=np.uint64) * _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        x = x ^ (x >> np.uint64(31))
-    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+        s = np.array([seed], dtype=np.int64).view(np.uint64)
+        p = np.array([position], dtype=np.int64).view(np.uint64)
+        key = _mix64(_mix64(s + _GOLDEN) + (p + np.uint64(1)) * _GOLDEN)
+        z = _mix64(key + np.arange(1, vocab + 1, dtype=np.uint64) * _GOLDEN)
+    k = (z >> np.uint64(64 - NOISE_BITS)).astype(np.float32)
+    u = (k + np.float32(0.5)) * np.float32(2.0**-NOISE_BITS)  # exact in float32, strictly inside (0, 1)
+    inner = (-np.log(u.astype(np.float64))).astype(np.float32)
+    return (-np.log(inner.astype(np.float64))).astype(np.float32)
 
 
-def sample_row(
-    logits: np.ndarray, *, temperature: float, top_k: int, seed: int, position: int,
-    mask_kind: int, force_token: int, ban: "np.ndarray | list[int]",
-) -> int:
-    """One row's pick: force, ban, then greedy or temperature/top-k with (seed, position) noise."""
-    if mask_kind & MASK_FORCE:
-        return int(force_token)
-    x = logits.astype(np.float64, copy=True)
-    if mask_kind & MASK_BAN:
-        x[[b for b in ban if b >= 0]] = -np.inf
-    if temperature == 0.0 or mask_kind & MASK_GREEDY:
-        return int(np.argmax(x))
-    x /= temperature
-    if 0 < top_k < len(x):
-        kth = np.partition(x, -top_k)[-top_k]
-        x[x < kth] = -np.inf
-    gumbel = -np.log(-np.log(uniform_noise(seed, position, len(x))))
-    return int(np.argmax(x + gumbel))
+@dataclass(slots=True)
+class SamplingRow:
+    """One row's sampling parameters, as a plan carries them (float32 values, the mask, the history)."""
 
+    temperature: np.float32
+    top_k: int
+    top_p: np.float32
+    min_p: np.float32
+    repetition_penalty: np.float32
+    presence_penalty: np.float32
+    frequency_penalty: np.float32
+    seed: int
+    position: int  # the row's KV length once the step's tokens are written (the plan's seq_len)
+    mask_kind: int
+    force_token: int
+    ban: tuple[int, ...]
+    history: np.ndarray  # int32: prompt + output tokens (empty when the row has no penalties)
+    prompt_len: int  # the first prompt_len history tokens are the prompt
 
-def host_sample(logits: np.ndarray, seqs: list[Sequence], masks: list[RowMask]) -> np.ndarray:
-    """Pick a token per row from host logits [R, V]; each row's new token sits at position num_computed."""
-    picks = [
-        sample_row(
-            logits[r], temperature=s.params.temperature, top_k=s.params.top_k, seed=s.seed,
-            position=s.num_computed, mask_kind=m.kind, force_token=m.force_token, ban=list(m.ban),
+    allowed: np.ndarray | None = None  # bool [>= V]: a MASK_GRAMMAR row's grammar bitmask, unpacked
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @classmethod
+    def of_plan(cls, plan: StepPlan, r: int) -> SamplingRow:
+        """Row r of a plan."""
+        h0, h1 = int(plan.hist_start[r]), int(plan.hist_start[r + 1])
+        kind = int(plan.mask_kind[r])
+        allowed = None
+        if kind & MASK_GRAMMAR:
+            g = int(np.count_nonzero(plan.mask_kind[:r] & MASK_GRAMMAR))  # its row of grammar_bitmask
+            allowed = unpack_bitmask(plan.grammar_bitmask[g], 32 * plan.grammar_bitmask.shape[1])
+        return cls(
+            plan.temperature[r], int(plan.top_k[r]), plan.top_p[r], plan.min_p[r], plan.repetition_penalty[r],
+            plan.presence_penalty[r], plan.frequency_penalty[r], int(plan.seeds[r]), int(plan.seq_lens[r]),
+            kind, int(plan.force_token[r]), tuple(int(b) for b in plan.ban_ids[r] if b >= 0),
+            plan.hist_tokens[h0:h1], int(plan.hist_prompt_len[r]), allowed,
         )
-        for r, (s, m) in enumerate(zip(seqs, masks))
-    ]
-    return np.array(picks, dtype=np.int64)
+
+    @classmethod
+    def of_sequence(cls, seq: Sequence, mask: RowMask, position: int, vocab_size: int) -> SamplingRow:
+        """A sequence's row under mask, picking its token at position (its values as the step builder lays them;
+        a grammar row's allowed tokens are its matcher's as it is now)."""
+        p = seq.params
+        f32 = np.float32
+        history = np.array(seq.tokens, dtype=np.int32) if p.has_penalties else np.zeros(0, np.int32)
+        allowed = allowed_tokens(seq, vocab_size) if mask.kind & MASK_GRAMMAR else None
+        return cls(
+            f32(p.temperature), p.top_k if p.top_k > 0 else 0, f32(p.top_p), f32(p.min_p), f32(p.repetition_penalty),
+            f32(p.presence_penalty), f32(p.frequency_penalty), int(seq.seed), position, mask.kind, mask.force_token,
+            mask.ban, history, seq.num_prompt, allowed,
+        )
+
+
+def sample_row(logits: np.ndarray, row: SamplingRow) -> int:
+    """The token the device sampler picks from float32 [V] logits for this row."""
+    x = logits.astype(np.float32)  # a copy: the device's work buffer
+    vocab = len(x)
+    if row.penalised and len(row.history):
+        _penalise(x, row)
+    if row.mask_kind & MASK_GRAMMAR:
+        x[~row.allowed[:vocab]] = -np.inf
+    if row.mask_kind & MASK_BAN:
+        ban = [b for b in row.ban if 0 <= b < vocab]
+        x[ban] = -np.inf
+    greedy = row.temperature < np.float32(GREEDY_EPS) or bool(row.mask_kind & MASK_GREEDY)
+    if greedy:
+        pick = int(np.argmax(x))
+    else:
+        x /= row.temperature
+        top_k_on = 0 < row.top_k < vocab
+        top_p_on = row.top_p < np.float32(1.0)
+        if top_k_on or top_p_on:
+            _top_k_top_p(x, row.top_k if top_k_on else vocab, top_k_on, row.top_p if top_p_on else None)
+        if row.min_p > np.float32(0.0):
+            with np.errstate(divide="ignore"):
+                log_min_p = np.log(np.array([row.min_p], dtype=np.float32))[0]
+            x[(x - x.max()) < log_min_p] = -np.inf
+        pick = int(np.argmax(x + gumbel_noise(row.seed, row.position, vocab)))
+    return int(row.force_token) if row.mask_kind & MASK_FORCE else pick
+
+
+def _penalise(x: np.ndarray, row: SamplingRow) -> None:
+    """vLLM's penalties in place: repetition over every token seen, then frequency x count and presence over
+    the output's tokens (float32, in the device's order)."""
+    vocab = len(x)
+    hist = row.history.astype(np.int64)
+    is_output = np.arange(len(hist)) >= row.prompt_len
+    valid = (hist >= 0) & (hist < vocab)
+    seen = np.unique(hist[valid])
+    rep = row.repetition_penalty
+    v = x[seen]
+    x[seen] = np.where(v > 0, v / rep, v * rep)
+    out_ids, counts = np.unique(hist[valid & is_output], return_counts=True)
+    if len(out_ids):
+        v = x[out_ids]
+        v -= (row.frequency_penalty * counts.astype(np.float32)).astype(np.float32)
+        v -= row.presence_penalty
+        x[out_ids] = v
+
+
+def _top_k_top_p(x: np.ndarray, top_k: int, top_k_on: bool, top_p: np.float32 | None) -> None:
+    """Mask every token below the row's cutoff: the k-th largest value, raised to the nucleus's smallest (the
+    tokens whose strictly larger neighbours hold less than top_p of the mass top-k left)."""
+    largest = -np.sort(-x)  # descending, float32
+    cutoff = largest[min(top_k, len(x)) - 1] if top_k_on else np.float32(-np.inf)
+    if top_p is not None:
+        weight = np.exp((largest - largest[0]).astype(np.float64)).astype(np.float32)
+        weight[largest < cutoff] = 0.0
+        cumulative = np.cumsum(weight.astype(np.float64)).astype(np.float32)  # each sum rounded, as torch's CPU cumsum
+        before = np.concatenate([[np.float32(0.0)], cumulative[:-1]])
+        inside = int(np.count_nonzero(before < top_p * cumulative[-1]))
+        cutoff = largest[inside - 1]
+    x[x < cutoff] = -np.inf
+
+
+def logprob_of(logits: np.ndarray, token: int, n: int, vocab: int) -> TokenLogprob:
+    """The pick's log-probability under the raw distribution, and the top-n (float64, rounded to float32)."""
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    logp = (z - np.log(np.exp(z).sum())).astype(np.float32)
+    if not n:
+        return TokenLogprob(token, float(logp[token]))
+    top = np.argsort(-logp, kind="stable")[: min(n, vocab)]
+    return TokenLogprob(token, float(logp[token]), top.tolist(), logp[top].astype(float).tolist())
+
+
+def host_sample(logits: np.ndarray, seqs: list[Sequence], masks: list[RowMask], positions: list[int],
+                samples: list[bool]) -> np.ndarray:
+    """Picks (int64 [R], -1 where a row does not sample) from a step's host logits [R, V]: row r's under
+    masks[r], at positions[r] (its KV length after the step)."""
+    picks = np.full(len(seqs), -1, dtype=np.int64)
+    for r, (seq, mask, position, smp) in enumerate(zip(seqs, masks, positions, samples)):
+        if smp:
+            picks[r] = sample_row(logits[r], SamplingRow.of_sequence(seq, mask, position, logits.shape[1]))
+    return picks
+
+
+def repick(logits: np.ndarray, inf: Inflight, result: StepResult, io: StepIo) -> np.ndarray:
+    """A RepickOnly repair of a settled step: every sampling row picked again on the host from the step's
+    logits [R, V], under its mask as it is now (the committed tokens before it may have changed it), and its
+    logprobs (when asked) rewritten for the new pick in result. Counted in io.host_repicks."""
+    masks = [row_mask(s, io.toks, io.eos_ids) for s in inf.seqs]
+    positions = [w + k for w, k in zip(inf.written, inf.num_new)]
+    tokens = host_sample(logits, inf.seqs, masks, positions, inf.samples)
+    for r, seq in enumerate(inf.seqs):
+        if tokens[r] < 0 or inf.discard[r]:
+            continue
+        io.host_repicks += 1
+        n = seq.params.logprobs
+        if n is not None and result.logprobs is not None:
+            lp = logprob_of(logits[r], int(tokens[r]), n, logits.shape[1])
+            result.logprobs[r] = lp.logprob
+            if n and result.top_ids is not None:
+                result.top_ids[r, :n] = lp.top_ids
+                result.top_logprobs[r, :n] = lp.top_logprobs
+    return tokens

@@ -10,6 +10,7 @@ from metrale.ipc.plan import FEED_HOST
 
 from .kv_blocks import KvBlockPool
 from .sequence import Sequence, SeqStatus
+from .state_slots import StateSlots
 from .swap import SwapSpace
 
 
@@ -59,6 +60,7 @@ class Scheduler:
     config: SchedulerConfig
     pool: KvBlockPool
     swap: SwapSpace = field(default_factory=lambda: SwapSpace(0))
+    state_slots: StateSlots = field(default_factory=StateSlots)  # recurrent models: one per running sequence
     running: list[Sequence] = field(default_factory=list)
     swapped: list[Sequence] = field(default_factory=list)  # by (priority, arrival)
     _waiting: list[tuple[int, int, Sequence]] = field(default_factory=list)  # heap by (priority, arrival)
@@ -131,12 +133,14 @@ class Scheduler:
             self.running = [s for s in self.running if id(s) not in gone]
             for seq in done:
                 self.pool.free(seq)
+                self.state_slots.give_back(seq)  # state slot: no step in flight holds seq any more
         return done
 
     def preempt(self, seq: Sequence) -> None:
         """Take seq off the device: swap its KV to host blocks (swap mode, while they last) or free it
         and queue it again with all its tokens to recompute."""
         self.running.remove(seq)
+        self.state_slots.give_back(seq)  # state slot: recomputed from position 0 wherever it runs next
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and seq.num_computed > 0 and self._swap_out(seq):
@@ -170,6 +174,7 @@ class Scheduler:
         for seq in list(self.running):
             self.running.remove(seq)
             self.pool.free(seq)
+            self.state_slots.give_back(seq)
             seq.num_computed = 0
             self.add(seq)
         for seq in self.swapped:
@@ -293,5 +298,6 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         seq.slot_idx = self._next_slot
         self._next_slot += 1
+        self.state_slots.take(seq)  # state slot: its first step starts at position 0 and resets it
         self.running.append(seq)
         step.add(seq, k)

@@ -59,6 +59,7 @@ class StepIo:
     last_error: str | None = None  # the last device error, for health reports
     recover: bool = False  # a lost device requeues its rows (True) or fails them (False, the seed's way)
     device_lost: str | None = None  # set when the device died under recover; the engine requeues
+    host_repicks: int = 0  # rows whose token the host picked again (RepickOnly repairs: host_sampler.repick)
 
     def apply(self, effect: Effect) -> bool | np.ndarray:
         """Carry out one effect. ReserveKv answers False when the pool is dry."""

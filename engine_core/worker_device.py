@@ -267,8 +267,26 @@ class WorkerDevice:
             self._inflight[slot] = 0
 
     def read_logits(self, ticket: Ticket) -> np.ndarray:
-        """Not yet carried over the ring (only recurrent models need host logits)."""
-        raise NotImplementedError("WorkerDevice does not return logits to the host yet")
+        """float32 [R, V] raw logits of a settled ticket's step (zero rows did not sample), through the ring's
+        logits region: a logits ticket, run in order after what is in flight. DeviceError when the worker no
+        longer keeps them, or the ring carries no logits (a model that never needs host sampling)."""
+        if self._closed:
+            raise DeviceError("the device is closed")
+        if not self._ring.geometry.max_logits_vocab:
+            raise DeviceError("this device's ticket ring carries no logits (its model never needs host sampling)")
+        seq = self._next_seq
+        slot = seq % self._ring.num_slots
+        if self._inflight[slot]:
+            raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
+        self._ring.write_logits_request(slot, ticket.seq)
+        self._ring.publish_plan(slot, seq)
+        if self._bell is not None:
+            self._bell.ring()
+        self._inflight[slot] = seq
+        self._launched_ns[slot] = time.monotonic_ns()
+        self._work[slot] = 1
+        self._next_seq = seq + 1
+        return self._collect(Ticket(slot, seq), self._ring.read_logits)
 
     def model(self) -> ModelInfo:
         """The worker's ModelInfo (from its ready message)."""

@@ -9,8 +9,9 @@ else to its ROUTER peer through the server's send.
 
 Under data parallel a request is submitted to the replica the router picks (replicas.py, router.py). When a
 replica's engine core dies or loses its worker, its requests move at once to another replica (`move_off`): each is
-submitted there with the tokens already streamed, exactly as after an engine-core restart, so nothing is lost and
-nobody waits for the dead replica to come back.
+submitted there with the tokens already streamed and its compiled grammar (that replica is sent the grammar
+vocabulary first if it has not had it), exactly as after an engine-core restart, so nothing is lost and nobody
+waits for the dead replica to come back.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from dataclasses import dataclass, field
 import msgspec
 
 from metrale.ipc.errors import ErrorCode
-from metrale.ipc.messages import AddRequest, Delta, Error, Generate, RequestOutputDelta
+from metrale.ipc.messages import AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta
 from metrale.ipc.sampling import SamplingParams
 
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .engine_link import EngineLink
 from .frame_checks import Rejected, check_generate
+from .grammar_compiler import DEFAULT_TIMEOUT_S, GrammarCompiler, GrammarRefused, grammar_vocab
 from .replicas import ReplicaSet
 from .metrics import Metrics
 from .tokenizer import Tokenizer
@@ -68,6 +70,7 @@ class RequestState:
     # max_tokens must fit beside the prompt (the HTTP API, as vLLM and OpenAI: a 400 with the numbers);
     # else the engine core stops the request at max_model_len (finish_reason "length").
     strict_length: bool = False
+    grammar: GrammarBlob | None = None  # params.structured_outputs compiled (grammar_compiler.py)
 
 
 @dataclass(slots=True)
@@ -84,7 +87,8 @@ class LiveRequests:
     """The live requests by client and by engine id; every step of a request's life goes through here."""
 
     def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, metrics: Metrics, clock: Callable[[], float],
-                 send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1) -> None:
+                 send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1,
+                 grammar_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.replicas = replicas
         self.metrics = metrics
@@ -99,6 +103,9 @@ class LiveRequests:
         self.refusing: tuple[ErrorCode, str] | None = None  # (code, why) while new requests are refused
         self.idle = asyncio.Event()  # set while no request is live
         self.idle.set()
+        self.grammar_timeout_s = grammar_timeout_s
+        self._grammars: GrammarCompiler | None = None  # made at the first structured request
+        self._vocab_sent: set[int] = set()  # the replicas whose engine core up now has our GrammarVocab
 
     @property
     def num_live(self) -> int:
@@ -130,8 +137,37 @@ class LiveRequests:
         self.idle.clear()
         return req
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler, made on first use for the vocabulary size the engine core has."""
+        if self._grammars is None or self._grammars.vocab.vocab_size != self.vocab_size:
+            if self._grammars is not None:
+                self._grammars.close()
+            vocab = grammar_vocab(self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids)
+            self._grammars = GrammarCompiler(vocab, self.grammar_timeout_s)
+            self._vocab_sent.clear()
+        return self._grammars
+
+    def close(self) -> None:
+        """Stop the grammar compiler's helper process, if one runs."""
+        if self._grammars is not None:
+            self._grammars.close()
+
     def tokenize_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool = True) -> None:
-        """Admit a registered request: its token ids, or its prompt tokenized (off the loop when long)."""
+        """Admit a registered request: its grammar compiled (off the loop, unless cached), its token ids, or its
+        prompt tokenized (off the loop when long)."""
+        so = msg.sampling.structured_outputs
+        if so is not None and req.grammar is None:
+            try:
+                req.grammar = self.grammars.cached(so)
+            except GrammarRefused as exc:
+                self.send_final(req, Error(id=req.client_id, code=ErrorCode.BAD_REQUEST.value, message=str(exc)))
+                return
+            if req.grammar is None:
+                task = asyncio.create_task(self._compile_then_admit(req, msg, add_special_tokens))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+                return
         if msg.token_ids is not None:
             self._admit(req, msg.token_ids)
         elif len(msg.prompt) <= _SYNC_ENCODE_CHARS:
@@ -140,6 +176,17 @@ class LiveRequests:
             task = asyncio.create_task(self._encode_then_admit(req, msg.prompt, add_special_tokens))
             self.background.add(task)
             task.add_done_callback(self.background.discard)
+
+    async def _compile_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool) -> None:
+        """Compile a request's grammar in the compiler's helper (within its time limit), then go on admitting."""
+        try:
+            req.grammar = await self.grammars.compile(msg.sampling.structured_outputs)
+        except GrammarRefused as exc:
+            if self._is_live(req):
+                self.send_final(req, Error(id=req.client_id, code=ErrorCode.BAD_REQUEST.value, message=str(exc)))
+            return
+        if self._is_live(req):
+            self.tokenize_then_admit(req, msg, add_special_tokens)
 
     async def _encode_then_admit(self, req: RequestState, prompt: str, add_special_tokens: bool = True) -> None:
         """Tokenize a long prompt on the tokenizer's threads, then admit the request."""
@@ -203,12 +250,16 @@ class LiveRequests:
         req.engine_id, req.replica = link.new_request_id(), k
         router.live[k] += 1
         self._by_engine_id[req.engine_id] = req
+        if req.grammar is not None and k not in self._vocab_sent:  # the engine core matches against our vocabulary
+            link.send(self.grammars.vocab)
+            self._vocab_sent.add(k)
         add = AddRequest(
             request_id=req.engine_id,
             prompt_token_ids=req.prompt_ids,
             params=req.params,
             output_token_ids=list(req.detok.output_ids),
             cache_salt=req.cache_salt,
+            grammar=req.grammar,
         )
         link.send(add)
 
@@ -220,6 +271,7 @@ class LiveRequests:
         request that kills the engine, and resubmitting it again would kill the next one."""
         lost = [req for req in self._each() if req.engine_id and req.replica == k]
         self.replicas.links[k].abort([req.engine_id for req in lost])
+        self._vocab_sent.discard(k)  # a fresh engine core (or one this frontend has not told yet)
         for req in lost:
             self._resubmit(req)
         self.resubmit_waiting()

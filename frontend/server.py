@@ -104,6 +104,8 @@ class FrontendConfig:
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
     shutdown_timeout_s: float = 0.0  # on SIGTERM, live requests get this long to finish before they are ended
     stall_s: float = 30.0  # /health is unhealthy when requests are live and the engine was silent this long
+    grammar_timeout_s: float = 10.0  # structured_outputs grammars that take longer to compile are refused
+    tool_call_parser: str = "hermes"  # the chat route's tool-call format (frontend/tool_parsers.py)
 
 
 class BindError(OSError):
@@ -133,7 +135,8 @@ class FrontendServer:
         self.facts = resolve_model(config.model_dir, config.max_model_len)
         max_model_len = self.facts.max_model_len
         self.requests = LiveRequests(self.tokenizer, self.replicas, self.metrics, clock, self._send,
-                                     self.tokenizer.vocab_size, max_model_len, config.stream_interval)
+                                     self.tokenizer.vocab_size, max_model_len, config.stream_interval,
+                                     config.grammar_timeout_s)
         self._started = clock()
         self._local_keys = itertools.count()
         self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
@@ -270,6 +273,7 @@ class FrontendServer:
                 sock.close(linger=_CLOSE_LINGER_MS if self._draining else 0)
         self._router_sync = None
         self.replicas.close()
+        self.requests.close()  # the grammar compiler's helper process
 
     # ---- clients → server ------------------------------------------------------------
 

@@ -23,11 +23,12 @@ from metrale.gpu_worker.layers.attention_backends import select_backend
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
+from metrale.gpu_worker.layers.recurrent_state import RecurrentState, StateStep, build_state_step
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.sampler import Sampler, SamplerOutput
-from metrale.model_facts import resolve_model
-from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
+from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
+from metrale.ipc.plan import MASK_GRAMMAR, FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
 GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
@@ -55,6 +56,7 @@ class _Prepared:
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     token_seq_lens: torch.Tensor | None  # each token's row seq_len, when the rotary needs it this step
+    state: StateStep | None  # the rows' state slots (a model with recurrent layers)
 
 
 class _Staging:
@@ -113,6 +115,16 @@ class ModelRunner:
             attention=select_backend(self.device, native=self._native), show_progress=show_progress,
             quantization=quantization, group=group,
         )
+        # A model with recurrent layers keeps their state in one slot per running sequence (max_num_seqs of them,
+        # allocated before the KV cache takes what memory is left); the engine core assigns the slots. A step
+        # launched ahead then cannot be undone: RepickOnly.
+        recurrent = self.facts.state_kind == STATE_RECURRENT
+        if recurrent != (self.model.state_shape is not None):
+            raise ModelError(f"{self.facts.path}: its facts say state kind {self.facts.state_kind!r}, "
+                             f"but its {self.facts.architecture} model {'keeps no' if recurrent else 'keeps'} recurrent state")
+        self.state = None
+        if recurrent:
+            self.state = RecurrentState(self.model.state_shape, max(max_num_seqs, 1), dtype=self.model.dtype, device=self.device)
         kv = self.model.kv_shape
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -132,8 +144,9 @@ class ModelRunner:
             num_kv_blocks=num_blocks,
             block_size=block_size,
             dtype=_DTYPE_NAMES[self.model.dtype],
-            fed_ahead_policy=FedAheadPolicy.REWIND,
+            fed_ahead_policy=FedAheadPolicy.REPICK_ONLY if recurrent else FedAheadPolicy.REWIND,
             num_swap_blocks=self.swap.num_blocks,
+            num_state_slots=self.state.num_slots if self.state is not None else 0,
         )
         self.sampler = Sampler(self.facts.vocab_size, self.device)
         self._staging = _Staging(self.device)
@@ -167,6 +180,54 @@ class ModelRunner:
             self._check(later[-1])
         greedy = self.sampler.plain_greedy(plan)  # the same rows and parameters in every step
         return [self._step(p, greedy) for p in (plan, *later)]
+
+    def execute_verify(self, plan: StepPlan) -> list[StepResult]:
+        """A verify step (speculative decoding): a row with d drafts runs its last token and the d drafts and
+        picks at each of those d + 1 positions, noise keyed by each position, so pick j is what a plain decode
+        would pick there; the row keeps its picks up to the first that differs from the next draft. Returns one
+        result per pick index, as a burst does (tokens -1 where a row kept fewer)."""
+        self._check(plan)
+        start = time.perf_counter()
+        self.steps_executed += 1
+        self._last_sample = None  # the host commits the picks: nothing is fed from a verify step
+        with torch.inference_mode():
+            self.swap.apply(plan)
+            prepared = self._prepare(plan, self._staging.put("input_ids", plan.input_ids))
+            hidden = self._forward(prepared)
+            rows = np.flatnonzero(plan.sample)
+            counts = plan.num_drafts[rows].astype(np.int64) + 1  # picks of each sampling row
+            of_row = np.repeat(rows, counts)
+            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # j of each pick
+            token_at = np.repeat(plan.query_start[rows + 1] - counts, counts) + within  # its input token
+            logits = self.model.compute_logits(hidden[self._staging.put("verify_tokens", token_at)])
+            keys = plan.seq_lens[of_row] - np.repeat(counts, counts) + within + 1
+            out = self.sampler(logits, plan, torch.from_numpy(of_row), keys=keys)
+            picks = out.tokens.cpu().numpy()
+        # A pick stands while every earlier pick of its row equals the draft that followed it.
+        drafts = plan.input_ids[np.minimum(token_at + 1, plan.num_tokens - 1)]
+        wrong = ((picks != drafts) & (within < np.repeat(counts, counts) - 1)).astype(np.int64)
+        before = np.cumsum(wrong) - wrong  # wrong picks before each pick, over the whole step
+        first = np.repeat(np.cumsum(counts) - counts, counts)  # each pick's row's first pick
+        keep = before - before[first] == 0  # ... and within its own row
+        steps, r = int(counts.max(initial=1)), plan.num_rows
+        j, row = within[keep], of_row[keep]
+        tokens = np.full((steps, r), -1, dtype=np.int32)
+        tokens[j, row] = picks[keep]
+        results = [StepResult(tokens=tokens[k], timings=_timings(start)) for k in range(steps)]
+        if out.logprobs is not None:
+            lp = np.full((steps, r), np.nan, dtype=np.float32)
+            lp[j, row] = out.logprobs.float().cpu().numpy()[keep]
+            for k, result in enumerate(results):
+                result.logprobs = lp[k]
+        if out.top_ids is not None:
+            n = out.top_ids.shape[1]
+            ids = np.full((steps, r, n), -1, dtype=np.int32)
+            ids[j, row] = out.top_ids.cpu().numpy()[keep]
+            top = np.full((steps, r, n), np.nan, dtype=np.float32)
+            top[j, row] = out.top_logprobs.float().cpu().numpy()[keep]
+            for k, result in enumerate(results):
+                result.top_ids, result.top_logprobs = ids[k], top[k]
+        return results
 
     def forward_only(self, plan: StepPlan, *, sync: bool = True) -> torch.Tensor:
         """The same step without feeds or sampling: [S, V] logits of the sampling rows (the model's dtype).
@@ -242,6 +303,19 @@ class ModelRunner:
             raise PlanError("invalid plan: a block id outside the KV cache")
         if -(-int(plan.seq_lens.max()) // self.block_size) > plan.block_tables.shape[1]:
             raise PlanError("invalid plan: block_tables narrower than the longest row's seq_len needs")
+        grammar_rows = int(np.count_nonzero(plan.mask_kind & MASK_GRAMMAR))
+        if grammar_rows and (plan.grammar_bitmask.shape[0] != grammar_rows
+                             or 32 * plan.grammar_bitmask.shape[1] < self.info.vocab_size):
+            raise PlanError(f"invalid plan: {grammar_rows} grammar rows need as many bitmasks of the vocabulary, "
+                            f"got {plan.grammar_bitmask.shape}")
+        if self.state is not None:
+            slots = plan.state_slots
+            if len(slots) != r or _outside(slots, self.state.num_slots):
+                raise PlanError(f"invalid plan: a recurrent model needs a state slot in [0, {self.state.num_slots}) per row")
+            if len(np.unique(slots)) != r:
+                raise PlanError("invalid plan: two rows share a state slot")
+            if plan.num_drafts.any():  # the engine core never speculates for such a model (engine._for_state_slots)
+                raise PlanError("invalid plan: draft tokens for a recurrent model (its state cannot drop rejected ones)")
 
     def _prepare(self, plan: StepPlan, input_ids: torch.Tensor) -> _Prepared:
         """Copy the plan's (checked) positions and slots to the device and build the attention metadata."""
@@ -263,7 +337,10 @@ class ModelRunner:
         threshold = self.model.rope_seq_len_threshold
         if threshold is not None and int(plan.seq_lens.max()) > threshold:
             token_seq_lens = self._staging.put("token_seq_lens", np.repeat(plan.seq_lens, np.diff(plan.query_start)))
-        return _Prepared(input_ids, positions, meta, token_seq_lens)
+        state = None
+        if self.state is not None:  # resets the slots of rows that start at position 0
+            state = build_state_step(self.state, plan.query_start, plan.positions, plan.state_slots, put=self._staging.put)
+        return _Prepared(input_ids, positions, meta, token_seq_lens, state)
 
     def _inputs(self, plan: StepPlan, prev: np.ndarray | None) -> torch.Tensor:
         """The step's input ids on the device: the plan's, except that a fed row takes the previous step's
@@ -295,7 +372,9 @@ class ModelRunner:
 
     def _forward(self, p: _Prepared) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens."""
-        return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens)
+        if p.state is None:
+            return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens)
+        return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens, state=p.state)
 
     def _logits_of(self, plan: StepPlan, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """[S, V] logits (the model's dtype) at the last token of each sampling row."""
@@ -350,7 +429,8 @@ class ModelRunner:
         if num_kv_blocks is not None:
             return int(num_kv_blocks)
         kv = self.model.kv_shape
-        per_block = PagedKVCache.bytes_per_block(kv.num_layers, self.block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype)
+        # max(1): a model of recurrent layers only keeps no KV, but the engine still plans with blocks.
+        per_block = max(1, PagedKVCache.bytes_per_block(kv.num_layers, self.block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype))
         if kv_cache_memory is not None:
             return max(1, int(kv_cache_memory) // per_block)
         cap = self.max_num_seqs * math.ceil(self.facts.max_model_len / self.block_size) + 1

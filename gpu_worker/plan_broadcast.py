@@ -3,7 +3,8 @@
 The ticket ring is shared memory on the engine core's host; a rank on another host has only TCP to it. So
 rank 0 sends it every plan through torch.distributed (a gloo group of rank 0 and the off-host ranks): first a
 fixed header (what follows, a burst's steps, the plan's counts), then the plan's arrays packed end to end in
-PLAN_FIELDS order (ipc/ticket_layout.py, the ring's own field list). While rank 0 waits for plans it sends an
+PLAN_FIELDS order (ipc/ticket_layout.py, the ring's own field list: grammar bitmasks, drafts and state slots
+too, so an off-host rank samples under the same masks as rank 0). While rank 0 waits for plans it sends an
 idle header every KEEPALIVE_S, so a receiver's wait never runs into torch.distributed's timeout; a stop header
 ends the receivers when rank 0 exits cleanly (and a rank 0 that dies takes them down through gloo's error).
 """
@@ -21,8 +22,9 @@ from metrale.ipc.worker_group import KEEPALIVE_S  # noqa: F401 - how often rank 
 from .errors import GroupLost
 
 PLAN, IDLE, STOP = 1, 2, 3
-_HEADER = 16  # int64s: kind, steps, T, R, B, K, H, SO, SI, payload bytes
+_HEADER = 16  # int64s: kind, steps, the plan's ten counts (ticket_layout.plan_counts), payload bytes
 _ALIGN = 8
+PLAN_COUNTS = ("T", "R", "B", "K", "H", "SO", "SI", "G", "W", "S")  # what counts_of gives, in order
 
 
 def _layout(counts: tuple[int, ...]) -> tuple[list[tuple[int, int]], int]:
@@ -34,6 +36,32 @@ def _layout(counts: tuple[int, ...]) -> tuple[list[tuple[int, int]], int]:
         out.append((at, n))
         at += -(-n * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
     return out, at
+
+
+def counts_of(plan: StepPlan) -> tuple[int, ...]:
+    """The plan's ten counts (T, R, B, K, H, SO, SI, G, W, S), as the ring's control block holds them."""
+    g, w = plan.grammar_bitmask.shape
+    return (plan.num_tokens, plan.num_rows, plan.block_tables.shape[1], plan.ban_ids.shape[1], len(plan.hist_tokens),
+            len(plan.swap_out), len(plan.swap_in), g, w, len(plan.state_slots))
+
+
+def pack(plan: StepPlan, counts: tuple[int, ...], raw: np.ndarray) -> None:
+    """Write the plan's arrays end to end into raw (uint8, at least _layout(counts)'s size)."""
+    layout, _ = _layout(counts)
+    for (name, dtype, _), (at, n) in zip(PLAN_FIELDS, layout):
+        raw[at : at + n * np.dtype(dtype).itemsize].view(dtype)[:] = getattr(plan, name).reshape(-1)
+
+
+def unpack(counts: tuple[int, ...], raw: np.ndarray) -> StepPlan:
+    """The plan pack wrote into raw, as views of it."""
+    layout, _ = _layout(counts)
+    t, r, b, k, h, so, si, g, w, s = counts
+    shapes = {"block_tables": (r, b), "ban_ids": (r, k), "swap_out": (so, 2), "swap_in": (si, 2), "grammar_bitmask": (g, w)}
+    arrays = []
+    for (name, dtype, _), (at, n) in zip(PLAN_FIELDS, layout):
+        a = raw[at : at + n * np.dtype(dtype).itemsize].view(dtype)
+        arrays.append(a.reshape(shapes[name]) if name in shapes else a)
+    return StepPlan(*arrays)
 
 
 class _Channel:
@@ -63,14 +91,11 @@ class PlanSender(_Channel):
 
     def send(self, plan: StepPlan, steps: int) -> None:
         """Send one plan (of `steps` decode steps) to every off-host rank."""
-        counts = (plan.num_tokens, plan.num_rows, plan.block_tables.shape[1], plan.ban_ids.shape[1],
-                  len(plan.hist_tokens), len(plan.swap_out), len(plan.swap_in))
-        layout, nbytes = _layout(counts)
+        counts = counts_of(plan)
+        _, nbytes = _layout(counts)
         self._grow(nbytes)
-        raw = self.payload.numpy()
-        for (name, dtype, _), (at, n) in zip(PLAN_FIELDS, layout):
-            raw[at : at + n * np.dtype(dtype).itemsize].view(dtype)[:] = getattr(plan, name).reshape(-1)
-        self.header[:10] = torch.tensor([PLAN, steps, *counts, nbytes])
+        pack(plan, counts, self.payload.numpy())
+        self.header[: 3 + len(counts)] = torch.tensor([PLAN, steps, *counts, nbytes])
         self._broadcast(self.header)
         self._broadcast(self.payload[:nbytes])
 
@@ -100,16 +125,9 @@ class PlanReceiver(_Channel):
                 return None
             if kind == PLAN:
                 break
-        steps, *counts = (int(v) for v in self.header[1:9])
-        nbytes = int(self.header[9])
+        n = len(PLAN_COUNTS)
+        steps, *counts = (int(v) for v in self.header[1 : 2 + n])
+        nbytes = int(self.header[2 + n])
         self._grow(nbytes)
         self._broadcast(self.payload[:nbytes])
-        layout, _ = _layout(tuple(counts))
-        raw = self.payload.numpy()
-        t, r, b, k, h, so, si = counts
-        shapes = {"block_tables": (r, b), "ban_ids": (r, k), "swap_out": (so, 2), "swap_in": (si, 2)}
-        arrays = []
-        for (name, dtype, _), (at, n) in zip(PLAN_FIELDS, layout):
-            a = raw[at : at + n * np.dtype(dtype).itemsize].view(dtype)
-            arrays.append(a.reshape(shapes[name]) if name in shapes else a)
-        return StepPlan(*arrays), steps
+        return unpack(tuple(counts), self.payload.numpy()), steps

@@ -6,18 +6,23 @@ says WorkerReady(info), and then loops: wait for plan seq k in slot k % N (spin 
 the doorbell), run it, write the result (or the error), publish, ring. It exits on Shutdown, when the
 engine core's end of the doorbell closes, or when its parent process dies.
 
-A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` and `read_logits()` (and
-`execute_burst(plan, steps)` for tickets of several steps). The plan's arrays are views into the shared
-slot: a runner copies what it keeps past execute().
+A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` (and `execute_burst(plan, steps)`
+for tickets of several steps, `execute_verify(plan)` for a verify step's drafts); one that counts its steps
+(`steps_executed`) and keeps their logits (`read_logits(step)`) also answers logits tickets: the engine asks for
+a settled ticket's logits (a RepickOnly repair), and the worker writes that step's logits into the ring's logits
+region. The plan's arrays are views into the shared slot: a runner copies what it keeps past execute().
 
 Tensor parallel (`--group SPEC`, ipc/worker_group.py): each of N ranks is such a process. It joins the group
 (gpu_worker/tp_group.py) before building its runner, which then holds this rank's shards. The ranks on the
 engine core's host each connect their own doorbell and read every plan from the ring; rank 0 alone writes
-results, publishes them and rings the engine. Ranks on other hosts get each plan from rank 0 over the process
-group (gpu_worker/plan_broadcast.py). A step that fails its checks (PlanError) fails alike on every rank and is
-that step's error; any other failure under tensor parallelism, or a collective that fails (GroupLost: a peer is
-gone), ends the rank with EXIT_GROUP_LOST, since its peers may be waiting in a collective it will never reach:
-the supervisor then restarts the whole group and the engine core requeues what it ran.
+results, publishes them and rings the engine. Every rank samples every row itself, from the same gathered logits
+with the plan's parameters, noise and grammar bitmasks, so the ranks pick alike and each feeds its own next
+step. Ranks on other hosts get each plan from rank 0 over the process group (gpu_worker/plan_broadcast.py). A
+logits ticket runs no collective: rank 0 answers it alone and the other ranks pass it by. A step that fails its
+checks (PlanError) fails alike on every rank and is that step's error; any other failure under tensor
+parallelism, or a collective that fails (GroupLost: a peer is gone), ends the rank with EXIT_GROUP_LOST, since
+its peers may be waiting in a collective it will never reach: the supervisor then restarts the whole group and
+the engine core requeues what it ran.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import msgspec
 
 from metrale.ipc import worker_group
 from metrale.ipc.doorbell import Attached, Bell, Shutdown, WorkerFailed, WorkerReady, bell_path
+from metrale.ipc.ticket_layout import LOGITS_TICKET
 from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
 from metrale.ipc.worker_group import KEEPALIVE_S, GroupSpec
 
@@ -45,6 +51,7 @@ log = logging.getLogger("metrale.gpu_worker")
 
 DEFAULT_FACTORY = "metrale.gpu_worker.model_runner:ModelRunner"
 DEFAULT_SPIN_US = 100.0  # then block on the doorbell; the spin yields the core every turn (TicketRing._spin)
+TICKETS_REMEMBERED = 8  # tickets whose runner step the worker remembers, for logits tickets (the runner keeps fewer)
 WAIT_SLICE_S = 0.02  # how often a blocked worker checks that its parent lives
 EXIT_GROUP_LOST = 3  # a tensor-parallel rank whose group broke (a peer died, a collective failed)
 
@@ -77,6 +84,7 @@ class WorkerLoop:
     busy_ns: int = 0
     steps: int = 0
     started_ns: int = 0
+    runner_steps: dict[int, int] = field(default_factory=dict)  # ticket seq -> the runner's index of its last step
 
     def serve(self, first_seq: int) -> None:
         """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop; GroupLost when
@@ -98,9 +106,9 @@ class WorkerLoop:
             t1 = time.monotonic_ns()
             self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
-            if self.sender is not None:
+            if self.sender is not None and ring.plan_steps(slot) != LOGITS_TICKET:
                 self.sender.send(ring.read_plan(slot), ring.plan_steps(slot))
-            self.steps += self.run_step(slot)
+            self.steps += self.run_step(slot, seq)
             t0 = time.monotonic_ns()  # publishing the result counts as the next wait
             self.busy_ns += t0 - t1
             # The step is counted before its result is visible: whoever has the result sees the count.
@@ -118,11 +126,11 @@ class WorkerLoop:
             slot = seq % n
             if not self.wait_for_plan(slot, seq, t0):
                 return
-            self.run_step(slot)
+            ran = self.run_step(slot, seq)
             # The engine reuses a slot only after rank 0 published its result, which needs this rank's share of
             # the step's collectives, and it keeps fewer tickets in flight than slots: a reused slot means
-            # this rank read a plan that changed under it.
-            if ring.plan_seq(slot) != seq:
+            # this rank read a plan that changed under it (a logits ticket, which rank 0 answers alone, aside).
+            if ran and ring.plan_seq(slot) != seq:
                 raise GroupLost(f"rank {self.rank}: ticket {seq}'s slot was reused while it ran")
             t0 = time.monotonic_ns()
             seq += 1
@@ -144,19 +152,25 @@ class WorkerLoop:
                 keepalive_at = time.monotonic() + KEEPALIVE_S
         return True
 
-    def run_step(self, slot: int) -> int:
-        """Execute the slot's plan (one step, or a decode burst's) and, on rank 0, write its results or its
-        error (serve publishes it); the worker keeps serving. Returns the steps the plan asked for.
+    def run_step(self, slot: int, seq: int) -> int:
+        """Execute ticket seq's plan in slot (one step, a decode burst's, or a verify step) and, on rank 0, write
+        its results or its error (serve publishes it), or answer a logits ticket; the worker keeps serving.
+        Returns the steps run.
 
         GroupLost under tensor parallelism for a failure past the plan's checks (see the module docstring)."""
         ring = self.ring
         t0 = time.perf_counter_ns()
         steps = ring.plan_steps(slot)
+        if steps == LOGITS_TICKET:
+            if self.rank == 0:
+                self._answer_logits(slot, t0)
+            return 0
         try:
             plan = ring.read_plan(slot)
-            results = self.runner.execute_burst(plan, steps) if steps > 1 else [self.runner.execute(plan)]
+            results = execute(self.runner, plan, steps)
             if self.rank == 0:
                 ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
+            self._ran(seq)
         except GroupLost:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
@@ -167,6 +181,29 @@ class WorkerLoop:
                 ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
         return steps
 
+    def _answer_logits(self, slot: int, t0: int) -> None:
+        """Write the logits a logits ticket asks for, or its error (the step failed, or is no longer kept)."""
+        ring = self.ring
+        try:
+            ring.write_logits(slot, self.logits_of(ring.logits_of(slot)), exec_ns=time.perf_counter_ns() - t0)
+        except Exception as exc:  # noqa: BLE001 - that ticket's error; no collective ran, the group goes on
+            traceback.print_exc(file=sys.stderr)
+            ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+
+    def _ran(self, seq: int) -> None:
+        """Remember which runner step ticket seq ended with (its logits are that step's)."""
+        executed = getattr(self.runner, "steps_executed", None)
+        if executed is not None:
+            self.runner_steps[seq] = executed - 1
+            self.runner_steps.pop(seq - TICKETS_REMEMBERED, None)
+
+    def logits_of(self, seq: int):
+        """float32 [R, V] logits of ticket seq's (last) step; KeyError if it failed or is no longer kept."""
+        step = self.runner_steps.get(seq)
+        if step is None:
+            raise KeyError(f"step {seq} has no logits here (it failed, was never run, or is too old)")
+        return self.runner.read_logits(step)
+
     def should_exit(self) -> bool:
         """Whether the engine said Shutdown, its end of the doorbell closed, or our parent died."""
         if self.bell.peer_gone or os.getppid() != self.parent_pid:
@@ -175,6 +212,16 @@ class WorkerLoop:
             if isinstance(self.bell.inbox.popleft(), Shutdown):
                 return True
         return False
+
+
+def execute(runner, plan, steps: int) -> list:
+    """Run one ticket's plan on the runner: a decode burst's steps, a verify step's picks, or one step; the
+    StepResults to write."""
+    if steps > 1:
+        return runner.execute_burst(plan, steps)
+    if plan.num_drafts.any():  # a verify step (speculative decoding): one result per pick
+        return runner.execute_verify(plan)
+    return [runner.execute(plan)]
 
 
 def load_factory(spec: str):
@@ -298,7 +345,7 @@ def _run_off_host(config: WorkerConfig) -> int:
                 return 0
             plan, steps = item
             try:
-                runner.execute_burst(plan, steps) if steps > 1 else runner.execute(plan)
+                execute(runner, plan, steps)
             except PlanError:
                 continue  # rank 0 refused it too
             except GroupLost:

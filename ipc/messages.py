@@ -99,6 +99,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     worker_idle_s: float = 0.0  # the worker's time waiting for the engine core's next plan
     prefix_cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache (hit rate = hits / queried)
     prefix_cache_queried_tokens: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0  # ... and kept (the acceptance rate is their ratio)
+    # RepickOnly repairs: tokens the host picked again from a step's logits (a recurrent model's step
+    # launched ahead whose mask went stale).
+    host_repicks: int = 0
     # Data parallel: the frontend's sums over every replica hold each replica's own counters here, in order.
     replicas: list[EngineStats] = []
 
@@ -151,6 +156,26 @@ ServerMessage = Delta | Error | Stats | Health | ModelInfoReply
 # ---- frontend ↔ engine core ----------------------------------------------------------
 
 
+class GrammarBlob(msgspec.Struct, kw_only=True):
+    """A request's grammar as the frontend compiled it (params.structured_outputs): xgrammar's serialized
+    CompiledGrammar, and the digest of what it was compiled from (the engine core keeps one copy per key)."""
+
+    key: str
+    data: str
+
+
+class GrammarVocab(msgspec.Struct, tag="grammar_vocab", kw_only=True):
+    """The vocabulary as xgrammar sees it: the frontend sends it before the first AddRequest with a grammar to
+    each engine core it talks to (the engine core has no tokenizer); its grammars are compiled against it."""
+
+    digest: str  # of the fields below: a repeat with the same digest changes nothing
+    encoded_vocab: list[str]  # token strings by id, as the tokenizer's vocabulary spells them
+    vocab_type: int  # xgrammar's VocabType: 0 raw, 1 byte fallback, 2 byte level
+    add_prefix_space: bool
+    vocab_size: int  # the model's (its logits' width)
+    stop_token_ids: list[int]
+
+
 class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     """A tokenized request for the engine core."""
 
@@ -160,6 +185,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     # Tokens already streamed to the client (resubmission after an engine-core restart).
     output_token_ids: list[int] = []
     cache_salt: str | None = None
+    grammar: GrammarBlob | None = None  # with params.structured_outputs
 
 
 class AbortRequest(msgspec.Struct, tag="abort_req", kw_only=True):
@@ -170,7 +196,7 @@ class StatsRequest(msgspec.Struct, tag="stats_req", kw_only=True):
     id: str
 
 
-EngineInput = AddRequest | AbortRequest | StatsRequest
+EngineInput = AddRequest | AbortRequest | StatsRequest | GrammarVocab
 
 
 class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):

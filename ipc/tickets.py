@@ -41,8 +41,10 @@ from .ticket_layout import (
     C_B,
     C_ERR_LEN,
     C_EXEC_NS,
+    C_G,
     C_H,
     C_K,
+    C_LOGITS_OF,
     C_PLAN_SEQ,
     C_R,
     C_RES_FLAGS,
@@ -50,11 +52,13 @@ from .ticket_layout import (
     C_RES_R,
     C_RES_STEPS,
     C_RESULT_SEQ,
+    C_S,
     C_SI,
     C_SO,
     C_STATUS,
     C_STEPS,
     C_T,
+    C_W,
     H_GEOMETRY,
     H_MAGIC,
     H_OWNER_PID,
@@ -64,6 +68,7 @@ from .ticket_layout import (
     HAS_LOGPROBS,
     HAS_TOP,
     HEADER_BYTES,
+    LOGITS_TICKET,
     MAGIC,
     N_GEOMETRY,
     PLAN_FIELDS,
@@ -154,6 +159,8 @@ class TicketRing:
         slot_at = [HEADER_BYTES + s * slot_bytes for s in range(self.num_slots)]
         self._plan_regions = [regions(base, at, offsets, self.geometry, PLAN_FIELDS) for at in slot_at]
         self._result_regions = [regions(base, at, offsets, self.geometry, RESULT_FIELDS) for at in slot_at]
+        logits_at = HEADER_BYTES + self.num_slots * slot_bytes
+        self._logits = base[logits_at : logits_at + self.geometry.logits_bytes].view(np.float32)
         self._plan_cache: list[tuple[tuple | None, list[np.ndarray] | None]] = [(None, None)] * self.num_slots
         # The header and control blocks as int64s read and written one at a time: the hot spin reads
         # a seq through this memoryview, several times cheaper than numpy scalar indexing.
@@ -169,7 +176,8 @@ class TicketRing:
         offsets = region_offsets(geometry)
         slot_bytes = offsets["_end"]
         name = segment_name(os.getpid(), token)
-        shm = SharedMemory(name=name, create=True, size=HEADER_BYTES + geometry.num_slots * slot_bytes)
+        size = HEADER_BYTES + geometry.num_slots * slot_bytes + geometry.logits_bytes
+        shm = SharedMemory(name=name, create=True, size=size)
         try:
             os.fchmod(shm._fd, 0o600)  # the default already, but umask-independent and explicit
             q = np.frombuffer(shm.buf, dtype=np.int64, count=HEADER_BYTES // 8)
@@ -194,7 +202,7 @@ class TicketRing:
     def close(self) -> None:
         """Unmap the ring; the owner also unlinks the segment. Idempotent."""
         self._plan_regions = self._result_regions = self._plan_cache = []
-        self._q = None
+        self._q = self._logits = None
         self._finalizer()
 
     def __enter__(self) -> TicketRing:
@@ -216,15 +224,30 @@ class TicketRing:
         for name, view in zip(PLAN_NAMES, self._plan_views(slot, counts)):
             view[...] = getattr(plan, name)
         c = self._ctrl[slot]
-        self._q[c + C_T : c + C_STEPS + 1] = (*counts, steps)
+        self._q[c + C_T : c + C_STEPS + 1] = (*counts[:9], steps)
+        self._q[c + C_S] = counts[9]
 
     def publish_plan(self, slot: int, seq: int) -> None:
         """Make the plan written in a slot visible as ticket seq (after write_plan)."""
         self._seqs[self._ctrl[slot] + C_PLAN_SEQ] = seq
 
     def plan_steps(self, slot: int) -> int:
-        """How many steps the slot's plan asks for (1, or a decode burst's)."""
+        """How many steps the slot's plan asks for (1, or a decode burst's; LOGITS_TICKET: none, see
+        write_logits_request)."""
         return self._seqs[self._ctrl[slot] + C_STEPS]
+
+    def write_logits_request(self, slot: int, of_seq: int) -> None:
+        """Make the slot a logits ticket: it asks for the logits of the step of ticket of_seq (publish it
+        like a plan); ValueError when the ring has no logits region."""
+        if not self.geometry.max_logits_vocab:
+            raise ValueError("this ticket ring carries no logits (its max_logits_vocab is 0)")
+        c = self._ctrl[slot]
+        self._seqs[c + C_LOGITS_OF] = of_seq
+        self._seqs[c + C_STEPS] = LOGITS_TICKET
+
+    def logits_of(self, slot: int) -> int:
+        """The seq whose logits a logits ticket asks for."""
+        return self._seqs[self._ctrl[slot] + C_LOGITS_OF]
 
     def plan_seq(self, slot: int) -> int:
         """The seq of the latest plan published in a slot (0: none yet)."""
@@ -234,7 +257,8 @@ class TicketRing:
         """The slot's plan as zero-copy views, valid until the engine reuses the slot (do not keep them)."""
         c = self._ctrl[slot]
         q = self._seqs
-        counts = (q[c + C_T], q[c + C_R], q[c + C_B], q[c + C_K], q[c + C_H], q[c + C_SO], q[c + C_SI])
+        counts = (q[c + C_T], q[c + C_R], q[c + C_B], q[c + C_K], q[c + C_H], q[c + C_SO], q[c + C_SI], q[c + C_G],
+                  q[c + C_W], q[c + C_S])
         return StepPlan(*self._plan_views(slot, counts))
 
     def _plan_views(self, slot: int, counts: tuple[int, ...]) -> list[np.ndarray]:
@@ -242,13 +266,14 @@ class TicketRing:
         cached_counts, cached = self._plan_cache[slot]
         if cached_counts == counts:
             return cached
-        t, r, b, k, h, so, si = counts
-        lengths = region_lengths(t, r, b, k, h, so, si)
+        lengths = region_lengths(*counts)
+        r, b, k, so, si, g, w = counts[1], counts[2], counts[3], counts[5], counts[6], counts[7], counts[8]
         views = [region[: lengths[kind]] for (_, _, kind), region in zip(PLAN_FIELDS, self._plan_regions[slot])]
         views[5] = views[5].reshape(r, b)  # block_tables
         views[18] = views[18].reshape(r, k)  # ban_ids
         views[23] = views[23].reshape(so, 2)  # swap_out
         views[24] = views[24].reshape(si, 2)  # swap_in
+        views[25] = views[25].reshape(g, w)  # grammar_bitmask
         self._plan_cache[slot] = (counts, views)
         return views
 
@@ -285,6 +310,24 @@ class TicketRing:
         error[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         c = self._ctrl[slot]
         self._q[c + C_STATUS : c + C_RES_STEPS + 1] = (STATUS_ERROR, 0, 0, 0, len(raw), exec_ns, 0)
+
+    def write_logits(self, slot: int, logits: np.ndarray, exec_ns: int = 0) -> None:
+        """Answer a logits ticket: copy float32 [R, V] logits into the logits region; ValueError (nothing
+        written) if they do not fit."""
+        r, v = logits.shape
+        if r > self.geometry.max_rows or v > self.geometry.max_logits_vocab:
+            raise ValueError(
+                f"logits of {r} rows x {v} ids, the ticket ring holds {self.geometry.max_rows} x {self.geometry.max_logits_vocab}"
+            )
+        np.copyto(self._logits[: r * v].reshape(r, v), logits, casting="same_kind")
+        c = self._ctrl[slot]
+        self._q[c + C_STATUS : c + C_RES_STEPS + 1] = (STATUS_OK, r, v, 0, 0, exec_ns, 0)
+
+    def read_logits(self, slot: int) -> np.ndarray:
+        """A copy of the logits a logits ticket in slot was answered with (float32 [R, V])."""
+        c = self._ctrl[slot]
+        r, v = self._seqs[c + C_RES_R], self._seqs[c + C_RES_N]
+        return self._logits[: r * v].reshape(r, v).copy()
 
     def publish_result(self, slot: int, seq: int) -> None:
         """Make the result (or error) written in a slot visible as the answer to ticket seq."""

@@ -64,6 +64,13 @@ def main() -> None:
               help="node 0's address, where the nodes meet (a torch.distributed TCP store).")
 @click.option("--master-port", default=29500, show_default=True,
               help="the store's port on node 0; replicas on other nodes also use the ports just above it.")
+@click.option("--grammar-timeout", default=10.0, type=click.FloatRange(min=0.01), show_default=True,
+              help="seconds a structured_outputs grammar may take to compile; longer (or invalid) is a 400 for that request.")
+@click.option("--tool-call-parser", default="hermes", type=click.Choice(["hermes", "llama3_json"]), show_default=True,
+              help="how chat outputs are parsed into tool_calls: Hermes/Qwen <tool_call> JSON, or Llama 3 JSON.")
+@click.option("--speculative", default=None, type=click.Choice(["ngram"]),
+              help="speculative decoding: ngram drafts tokens by prompt lookup, verified in one step.")
+@click.option("--num-speculative-tokens", default=3, type=click.IntRange(1, 16), show_default=True)
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
     from metrale.supervisor import StartupError, Supervisor
@@ -91,6 +98,8 @@ def serve(**o) -> None:
         tensor_parallel_size=o["tensor_parallel_size"],
         data_parallel_size=o["data_parallel_size"],
         all_reduce=o["all_reduce"],
+        speculative=o["speculative"],
+        num_speculative_tokens=o["num_speculative_tokens"],
     )
     try:
         engine.validate()
@@ -100,7 +109,8 @@ def serve(**o) -> None:
         engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"],
         stream_interval=o["stream_interval"], shutdown_timeout_s=o["shutdown_timeout"],
         worker_hang_timeout_s=o["worker_hang_timeout"], nnodes=o["nnodes"], node_rank=o["node_rank"],
-        master_addr=o["master_addr"], master_port=o["master_port"],
+        master_addr=o["master_addr"], master_port=o["master_port"], grammar_timeout_s=o["grammar_timeout"],
+        tool_call_parser=o["tool_call_parser"],
     )
     try:
         sup = Supervisor(config)
@@ -217,6 +227,7 @@ def status(host: str, port: int, as_json: bool) -> None:
                 f"{label}: {s.running} running, {s.waiting} waiting, KV blocks {s.kv_blocks_used} used / "
                 f"{s.kv_blocks_cached} cached / {s.kv_blocks_total} total, {s.generated_tokens} tokens generated, "
                 f"prefix-cache hit rate {s.prefix_cache_hit_rate:.2f}"
+                + (f", {s.host_repicks} host repicks" if s.host_repicks else "")
             )
 
 

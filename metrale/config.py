@@ -45,6 +45,10 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1
     # How tensor-parallel ranks on one CPU host sum: auto (the shared-memory all-reduce), shm or gloo.
     all_reduce: str = "auto"
+    # Speculative decoding: "ngram" (prompt lookup) drafts up to num_speculative_tokens tokens per decode, all
+    # verified in one step (engine_core/speculative.py); None: off.
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
 
     def validate(self) -> None:
         """Raise ValueError naming the first knob that cannot work."""
@@ -66,6 +70,10 @@ class EngineArgs(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.all_reduce not in ("auto", "shm", "gloo"):
             raise ValueError(f"all_reduce must be auto, shm or gloo (got {self.all_reduce!r})")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be ngram or None (got {self.speculative!r})")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16] (got {self.num_speculative_tokens})")
 
 
     def runner_kwargs(self, model_dir: str) -> dict:
@@ -98,6 +106,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
     shutdown_timeout_s: float = 0.0  # on SIGTERM / Ctrl-C, live requests get this long to finish
     worker_hang_timeout_s: float = 10.0  # the least time a step may take before its worker counts as hung
+    grammar_timeout_s: float = 10.0  # a structured_outputs grammar that takes longer to compile is a 400
+    tool_call_parser: str = "hermes"  # how chat outputs become tool_calls: hermes (Qwen's <tool_call>) or llama3_json
     # Several hosts: node 0 runs the frontend; the nodes meet at node 0's master address (a torch.distributed
     # TCP store there). See metrale/node_layout.py for what each node runs.
     nnodes: int = 1

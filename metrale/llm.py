@@ -83,6 +83,7 @@ class LLM:
                 options.decode_burst = 1  # the lane overlaps the host's tick with the device's step already
         self.engine = EngineCore(self.device, options, special_tokens=special_tokens_of(self.tokenizer))
         self._ids = itertools.count()
+        self._grammars = None  # the grammar compiler (frontend/grammar_compiler.py), made at the first constraint
 
     def generate(
         self,
@@ -97,14 +98,16 @@ class LLM:
         plist = _params_list(params, len(token_lists))
         for p in plist:
             p.validate(self.engine.info.vocab_size)
+        grammars = [self._grammar(p) for p in plist]
         rids = [f"offline-{next(self._ids)}" for _ in token_lists]
         outputs = {rid: RequestOutput(rid, ids) for rid, ids in zip(rids, token_lists)}
         detoks = {rid: IncrementalDetokenizer(self.tokenizer, ids, p) for rid, ids, p in zip(rids, token_lists, plist)}
         added = []
         try:
-            for rid, ids, p in zip(rids, token_lists, plist):
+            for rid, ids, p, g in zip(rids, token_lists, plist, grammars):
                 # Only a request with stop strings needs its tokens as they come (to detokenize them).
-                self.engine.add_request(rid, ids, msgspec.structs.replace(p), stream=detoks[rid].has_stop_strings)
+                self.engine.add_request(rid, ids, msgspec.structs.replace(p), stream=detoks[rid].has_stop_strings,
+                                        grammar=g)
                 added.append(rid)
         except Exception:
             for rid in added:
@@ -133,6 +136,22 @@ class LLM:
         self._run_until_idle()
         return [outputs[rid] for rid in rids]
 
+    def _grammar(self, params: SamplingParams):
+        """The compiled grammar of params.structured_outputs (None without one); ValueError when it does not
+        compile in time."""
+        if params.structured_outputs is None:
+            return None
+        from metrale.frontend.grammar_compiler import GrammarCompiler, GrammarRefused, grammar_vocab
+
+        if self._grammars is None:
+            info = self.engine.info
+            self._grammars = GrammarCompiler(grammar_vocab(self.tokenizer, info.vocab_size, info.eos_token_ids))
+            self.engine.set_grammar_vocab(self._grammars.vocab)
+        try:
+            return self._grammars.compile_blocking(params.structured_outputs)
+        except GrammarRefused as exc:
+            raise ValueError(f"structured_outputs: {exc}") from None
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (between benchmark runs, or after changing what prompts mean); False
         while a generate() is running in another thread."""
@@ -145,6 +164,8 @@ class LLM:
         """Settle what is in flight and stop the device thread."""
         self.engine.drain()
         self.device.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -192,14 +213,16 @@ def _spawn_group(args: EngineArgs, model_dir: str):
 
     from metrale.engine_core.core import geometry_for
     from metrale.engine_core.worker_device import WorkerDevice
-    from metrale.model_facts import resolve_model
+    from metrale.model_facts import STATE_RECURRENT, resolve_model
 
     n = args.tensor_parallel_size
     env = {}
     if args.device in (None, "cpu"):
         env["OMP_NUM_THREADS"] = str(args.worker_threads or max(1, (os.cpu_count() or 1) // n))
-    max_len = resolve_model(model_dir, args.max_model_len).max_model_len
-    return WorkerDevice.spawn(geometry_for(args, max_len, args.decode_burst), runner_kwargs=args.runner_kwargs(model_dir),
+    facts = resolve_model(model_dir, args.max_model_len)
+    logits_vocab = facts.vocab_size if facts.state_kind == STATE_RECURRENT else 0
+    geometry = geometry_for(args, facts.max_model_len, args.decode_burst, facts.vocab_size, logits_vocab)
+    return WorkerDevice.spawn(geometry, runner_kwargs=args.runner_kwargs(model_dir),
                               env=env, tensor_parallel_size=n, all_reduce=args.all_reduce)
 
 

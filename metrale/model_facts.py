@@ -209,6 +209,8 @@ def _has_recurrent_layers(cfg: dict) -> bool:
     """True for models with per-sequence recurrent state (Mamba, hybrid attention/SSM)."""
     if cfg.get("model_type") in ("mamba", "mamba2"):
         return True
+    if cfg.get("model_type") == "bamba":  # Mamba 2 layers except those in attn_layer_indices
+        return len(set(cfg.get("attn_layer_indices") or ())) < int(cfg.get("num_hidden_layers") or 0)
     layer_types = cfg.get("layers_block_type") or cfg.get("layer_types") or []
     return any(t in ("mamba", "mamba2", "linear_attention") for t in layer_types)
 

@@ -210,11 +210,14 @@ class Supervisor:
             "stream_interval": self.config.stream_interval,
             "status_address": self._ipc("status"),
             "shutdown_timeout_s": self.config.shutdown_timeout_s,
+            "grammar_timeout_s": self.config.grammar_timeout_s,
+            "tool_call_parser": self.config.tool_call_parser,
         }
         return [sys.executable, "-m", "metrale.frontend_process", json.dumps(fe), str(self.health_path)]
 
     def _engine_argv(self, rep: Replica, token: str) -> list[str]:
         from metrale.engine_core.core import EngineCoreArgs
+        from metrale.model_facts import STATE_RECURRENT
 
         args = EngineCoreArgs(
             serve=self.config,
@@ -222,11 +225,13 @@ class Supervisor:
             output_address=rep.output_address,
             ring_token=token,
             max_model_len=self.max_model_len,
+            vocab_size=self.facts.vocab_size,
             special_tokens=self.special_tokens,
             served_path=str(rep.served_path),
             status_address=self._ipc("status"),
             replica=rep.index,
             ring_ranks=self.layout.ring_ranks,
+            logits_vocab=self.facts.vocab_size if self.facts.state_kind == STATE_RECURRENT else 0,
         )
         return [sys.executable, "-m", "metrale.engine_core.core", "--args", msgspec.json.encode(args).decode()]
 

@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="VLLM_CPU_OMP_THREADS_BIND, comma-separated: one vLLM per setting, and per repetition the best of "
                          "them is 'vllm' ('auto' leaves one core to vLLM's scheduler, '0-1' gives the model both)")
     ap.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (enforce_eager=False; slower to start)")
+    ap.add_argument("--limits", action="store_true",
+                    help="also measure the box's limits for the model (bench_limits.py) and report each engine's decode step "
+                         "as a fraction of the bandwidth bound and of the matmul bound at its batch")
     ap.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -423,6 +426,21 @@ def run_mixed(order: list[str], engines: dict, args, vocab_end: int, bc) -> dict
     return out
 
 
+def add_bounds(results: dict, limits: dict, fraction) -> None:
+    """Each engine's decode step at each batch (batch ÷ decode tok/s; vLLM, which reports no decode window, by
+    its whole-run throughput: a longer step, so a lower fraction) against the bandwidth and matmul bounds."""
+    for key, r in results.items():
+        batch = key[1:]
+        for name, f in r.items():
+            if name == "ratios":
+                continue
+            rate = f.get("decode_tok_s") or f.get("throughput_tok_s")
+            step = 1e3 * int(batch) / rate if rate else None
+            f["decode_step_ms"] = round(step, 3) if step else None
+            f["fraction_of_bandwidth_bound"] = fraction(limits["bandwidth_bound_ms"], step)
+            f["fraction_of_matmul_bound"] = fraction(limits["matmul_bound_ms"].get(batch), step)
+
+
 def targets(results: dict) -> dict:
     """Issue 7's targets at batch 32: value, target, met (None when not measured)."""
     b32 = results.get("b32")
@@ -443,8 +461,10 @@ def print_table(session: dict, bc) -> None:
             if name == "ratios":
                 continue
             rows.append([key, name, f["throughput_tok_s"], f.get("decode_tok_s"), f.get("ttft_ms_p50"), f.get("itl_ms_p50"),
-                         f.get("worker_idle_decode"), f.get("decode_step_ms_median")])
-    bc.note(bc.table(rows, ["batch", "engine", "tok/s", "decode tok/s", "TTFT p50 ms", "ITL p50 ms", "worker idle", "floor step ms"]))
+                         f.get("worker_idle_decode"), f.get("decode_step_ms_median"), f.get("fraction_of_bandwidth_bound"),
+                         f.get("fraction_of_matmul_bound")])
+    bc.note(bc.table(rows, ["batch", "engine", "tok/s", "decode tok/s", "TTFT p50 ms", "ITL p50 ms", "worker idle", "floor step ms",
+                            "of bw bound", "of matmul bound"]))
     ratio_rows = [[key, name, value] for key, r in session["results"].items() for name, value in r["ratios"].items()]
     bc.note(bc.table(ratio_rows, ["batch", "ratio (throughput, paired)", "value"]))
     if session["mixed"]:
@@ -465,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="metrale-bench-") as tmp:
         model_dir = args.model or bc.build_model(os.path.join(tmp, args.preset), args.preset)
         session = run_session(args, model_dir, bc, meter)
+        limits = None
+        if args.limits:
+            import bench_limits
+
+            batches = [int(b) for b in args.batch.split(",")]
+            limits = bench_limits.measure(model_dir, args.dtype, batches=batches, context=args.prompt_len + args.max_tokens // 2)
+            add_bounds(session["results"], limits, bench_limits.fraction)
     print_table(session, bc)
     bc.emit({
         "bench": "compare",
@@ -482,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         "mixed": session["mixed"],
         "vllm": session["vllm"],
         "targets_b32": targets(session["results"]),
+        "limits": limits,
         "machine": meter.report(),
     })
     return 0

@@ -94,6 +94,7 @@ class Row:
     seed: int = 0
     num_logprobs: int = -1
     hist: list[int] = field(default_factory=list)
+    state_slot: int = -1  # its recurrent state slot (a recurrent model's rows need one; -1: none)
 
 
 def make_plan(rows: list[Row], *, block_size: int = 16) -> StepPlan:
@@ -135,6 +136,7 @@ def make_plan(rows: list[Row], *, block_size: int = 16) -> StepPlan:
         hist_tokens=np.concatenate(hist) if hist else np.zeros(0, dtype=np.int32),
         hist_start=np.concatenate([[0], np.cumsum([len(h) for h in hist])]).astype(np.int32),
         hist_prompt_len=np.array([len(h) for h in hist], dtype=np.int32),
+        state_slots=np.array([r.state_slot for r in rows] if rows[0].state_slot >= 0 else [], dtype=np.int32),
     )
 
 

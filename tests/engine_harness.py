@@ -27,6 +27,7 @@ class Req:
     params: SamplingParams
     arrive_tick: int = 0
     abort_after: int | None = None
+    grammar: object = None  # a GrammarBlob, with params.structured_outputs (tests/fake_grammars.py)
 
 
 @dataclass
@@ -65,12 +66,22 @@ def run_workload(
     stream_interval: int = 1,
     max_burst: int = 1,
     contain_failures: bool = False,
+    grammar_vocab=None,
     deferred: bool = False,
+    speculative: str | None = None,
+    num_speculative_tokens: int = 3,
+    repetitive: bool = False,
+    num_state_slots: int = 0,
 ) -> Run:
-    """Run reqs to completion and return the token stream and finish reason of each."""
+    """Run reqs to completion and return the token stream and finish reason of each.
+
+    num_state_slots > 0: the FakeDevice is a recurrent model (RepickOnly, with that many state slots)."""
+    if num_state_slots:
+        policy = FedAheadPolicy.REPICK_ONLY
     dev = FakeDevice(
         num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len,
-        num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred,
+        num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred, repetitive=repetitive,
+        num_state_slots=num_state_slots,
     )
     eng = EngineCore(
         dev,
@@ -82,9 +93,13 @@ def run_workload(
             recover_from_device_loss=recover,
             preemption_mode=preemption_mode,
             stream_interval=stream_interval,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         ),
         special_tokens=TOKS,
     )
+    if grammar_vocab is not None:
+        eng.set_grammar_vocab(grammar_vocab)
     run = Run(engine=eng, device=dev)
     with _counting(run.effects) if count_effects else contextlib.nullcontext():
         _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures)
@@ -100,7 +115,7 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
         while pending and pending[0][1].arrive_tick <= tick:
             i, r = pending.pop(0)
             run.streams[str(i)] = []
-            eng.add_request(str(i), r.prompt, r.params)
+            eng.add_request(str(i), r.prompt, r.params, grammar=r.grammar)
         for i, r in enumerate(reqs):
             rid = str(i)
             if r.abort_after is not None and rid in run.streams and rid not in aborted and rid not in run.finish:
@@ -125,6 +140,7 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
                 if d.error:
                     run.errors[d.request_id] = d.error
                     run.error_codes[d.request_id] = d.error_code
+        eng.scheduler.state_slots.check_invariant(eng.scheduler.running)
         if eng.device_lost:
             run.recoveries += 1
             dev.revive()  # the supervisor's new worker: empty KV
@@ -136,6 +152,7 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
     assert eng.pool.num_used == 0, "blocks still referenced after every request finished"
     assert dev.in_flight == 0, "a launched step was never awaited"
     assert eng.scheduler.swap.num_free == eng.scheduler.swap.num_blocks, "host swap blocks leaked"
+    assert eng.scheduler.state_slots.num_free == eng.scheduler.state_slots.num_slots, "state slots leaked"
 
 
 @contextlib.contextmanager

@@ -43,6 +43,14 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
     ),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # Mamba 2 layers around one attention layer; 8-token scan chunks, so prompts cross chunk boundaries.
+    "bamba": (
+        "BambaConfig",
+        dict(
+            num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+            mamba_chunk_size=8,
+        ),
+    ),
 }
 
 _SHARED = dict(
@@ -76,12 +84,17 @@ def make_hf_model(out_dir: str | pathlib.Path, kind: str, *, seed: int = 0, toke
 @torch.no_grad()
 def _redraw(model, seed: int, *, gemma_norms: bool) -> None:
     """Re-draw every parameter: norms near 1 (Gemma's stored w near 0: its scale is 1 + w), biases small,
-    matrices with std 1/sqrt(fan_in) (q, k and the router twice that), the LM head for logits of std 8."""
+    matrices with std 1/sqrt(fan_in) (q, k and the router twice that), the LM head for logits of std 8; a Mamba
+    layer's decays spread from fast to slow and its time steps near softplus(-1)."""
     gen = torch.Generator().manual_seed(seed)
     tied = model.config.tie_word_embeddings
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
-        if p.dim() == 1:
+        if name.endswith("A_log"):  # decays exp(-dt * A) from fast to slow: some heads remember far back
+            p.copy_(torch.linspace(math.log(0.05), 0.0, p.shape[0]))
+        elif name.endswith("dt_bias"):  # time steps near softplus(-1)
+            p.copy_(-1.0 + 0.1 * noise)
+        elif p.dim() == 1:
             base = (0.0 if gemma_norms else 1.0) if "norm" in name else 0.0
             p.copy_(base + 0.1 * noise)
         elif "embed_tokens" in name:

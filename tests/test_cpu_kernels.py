@@ -37,7 +37,7 @@ def _reference_decode(q, k_blocks, v_cache, tables, seq_lens, first_key, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,block_size",
-    [(8, 4, 64, 16), (4, 4, 64, 16), (16, 4, 128, 16), (8, 1, 64, 16), (6, 2, 80, 16), (4, 2, 32, 8), (2, 1, 24, 4)],
+    [(8, 4, 64, 16), (9, 3, 64, 16), (4, 4, 64, 16), (16, 4, 128, 16), (8, 1, 64, 16), (6, 2, 80, 16), (4, 2, 32, 8), (2, 1, 24, 4)],
 )
 def test_paged_decode_matches_reference(dtype, heads, kv_heads, dim, block_size):
     """Scattered blocks, unequal lengths, rows starting past key 0 (sliding windows), any group size."""
@@ -54,6 +54,23 @@ def test_paged_decode_matches_reference(dtype, heads, kv_heads, dim, block_size)
     got = cpu_kernels.paged_decode(q, k_blocks, v_cache, tables, seq_lens, first_key, scale)
     want = _reference_decode(q, k_blocks, v_cache, tables, seq_lens, first_key, scale)
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_gives_a_row_alone_its_bits_in_a_batch(dtype):
+    """A lone row is split by KV head across threads; a batch's rows are not: the same bits either way."""
+    g = torch.Generator().manual_seed(5)
+    k_blocks = torch.randn(64, 3, 64, 16, generator=g).to(dtype)
+    v_cache = torch.randn(64, 16, 3, 64, generator=g).to(dtype)
+    q = torch.randn(8, 9, 64, generator=g).to(dtype)
+    tables = torch.randperm(64, generator=g)[:48].reshape(8, 6).contiguous()
+    seq_lens = torch.tensor([90, 17, 33, 5, 70, 96, 1, 60], dtype=torch.int64)
+    first_key = torch.tensor([0, 0, 20, 0, 3, 40, 0, 0], dtype=torch.int64)
+    batch = cpu_kernels.paged_decode(q, k_blocks, v_cache, tables, seq_lens, first_key, 0.125)
+    for r in range(8):
+        alone = cpu_kernels.paged_decode(q[r : r + 1], k_blocks, v_cache, tables[r : r + 1], seq_lens[r : r + 1], first_key[r : r + 1], 0.125)
+        assert torch.equal(alone[0], batch[r]), f"row {r}"
 
 
 @native
@@ -180,3 +197,19 @@ def test_kernels_are_built_to_run_on_torchs_threads():
         pytest.skip("torch without OpenMP: at::parallel_for is torch's own code")
     lib = cpu_kernels._build()
     assert b"GOMP_parallel" in lib.read_bytes()
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize(("out", "inp"), [(64, 64), (43, 70), (130, 576)])
+def test_linear_is_f_linear_to_one_bf16_rounding(rows, out, inp):
+    """The few-row GEMV (ragged rows and a ragged last line included) and, past two rows, F.linear itself."""
+    g = torch.Generator().manual_seed(rows * 100 + out)
+    w = torch.randn(out, inp, generator=g).to(torch.bfloat16)
+    b = torch.randn(out, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, inp, generator=g).to(torch.bfloat16)
+    for bias in (None, b):
+        got, want = cpu_kernels.linear(x, w, bias).float(), F.linear(x, w, bias).float()
+        assert ((got - want).abs() <= 2**-7 * want.abs() + 1e-3).all()
+        if rows > 2:
+            assert torch.equal(got, want)

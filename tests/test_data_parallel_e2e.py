@@ -164,3 +164,43 @@ def test_a_replica_whose_worker_dies_hands_its_requests_over(server, expected):
     after = replica_stats(server)[1]
     assert after.prefix_cache_queried_tokens == at_kill[0].prefix_cache_queried_tokens, \
         "replica 1 never ran its requests again: they had moved to replica 0"
+
+
+DIGITS = r"[0-9]{24,40}"
+
+
+def structured_params(i: int) -> SamplingParams:
+    """A regex grammar, greedy and seeded; the grammar ends each request (a stop) well within max_tokens."""
+    from metrale.ipc.sampling import StructuredOutputs
+
+    so = StructuredOutputs(regex=DIGITS)
+    if i % 2:
+        return SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=so)
+    return SamplingParams(max_tokens=64, temperature=0.9, seed=8000 + i, structured_outputs=so)
+
+
+def test_structured_requests_move_with_their_grammar(server, model_dir):
+    """SIGKILL replica 0's engine core under 16 grammar streams: they move to replica 1 with their grammar and
+    tokens so far and end as the offline engine ends them, in the grammar; once replica 0 is back (a fresh engine
+    core, which must be sent the grammar vocabulary again) 16 more grammar streams are unchanged too."""
+    indices = range(16)
+    with LLM(str(model_dir), show_progress=False) as llm:
+        want = [r.token_ids for r in llm.generate([PROMPTS[i] for i in indices], [structured_params(i) for i in indices])]
+    old = processes(server)
+    kill = lambda: os.kill(old[("engine_core", 0)][0], signal.SIGKILL)  # noqa: E731
+    got = asyncio.run(_run_with_fault(server.port, lambda seen: sum(seen) >= 60, kill, indices, structured_params))
+    assert [g[2] for g in got] == [None] * 16, "no client sees an error"
+    assert [g[0] for g in got] == want
+    assert all(g[1] == "stop" for g in got)
+    deadline = time.monotonic() + 90
+    while True:  # replica 0 comes back on its own
+        with server.client(timeout=10) as c:
+            ready = c.health().replicas_ready
+        if processes(server)[("engine_core", 0)][0] != old[("engine_core", 0)][0] and ready == [True, True]:
+            break
+        assert time.monotonic() < deadline, "replica 0 was not restarted"
+        time.sleep(0.05)  # polling the supervisor's health; no event to wait on across processes
+    again = asyncio.run(_run_with_fault(server.port, lambda seen: True, lambda: None, indices, structured_params))
+    assert [g[2] for g in again] == [None] * 16 and [g[0] for g in again] == want
+    assert replica_stats(server)[0].generated_tokens > 0, "the fresh replica 0 ran grammar requests"
+    wait_idle(server)

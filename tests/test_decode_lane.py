@@ -250,3 +250,30 @@ def test_only_rows_whose_masks_and_state_never_matter_are_plain(params, plain):
     seq = Sequence("r", params, 0, [5, 6], 2, 0)
     init_row_state(seq, SpecialTokens(think_start=THINK_START, think_end=THINK_START + 1))
     assert seq.plain is plain
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=workloads, small_pool=st.integers(14, 40), seqs=st.sampled_from([2, 4, 8]), slots=st.integers(1, 8))
+def test_a_recurrent_model_streams_what_the_synchronous_loop_streams(reqs, small_pool, seqs, slots):
+    """A recurrent FakeDevice (RepickOnly, state slots that must hold exactly each row's context): arrivals,
+    stops, aborts, think budgets and min_tokens (stale masks repaired on the host), a dry pool preempting by
+    recompute, fewer slots than max_num_seqs; the synchronous loop's streams, no block or slot leaked."""
+    reference = run_workload(reqs, pipeline=False, max_num_seqs=seqs)
+    for kw in ({}, {"num_kv_blocks": small_pool, "preemption_mode": "swap", "num_swap_blocks": small_pool}):
+        piped = run_workload(reqs, pipeline=True, max_num_seqs=seqs, num_state_slots=slots, **kw)
+        assert piped.streams == reference.streams
+        assert piped.finish == reference.finish
+
+
+def test_recurrent_repairs_are_counted_and_the_model_serves_without_prefix_caching():
+    """Thinking rows whose budget runs out while the lane runs ahead: their stale masks are repaired on the host
+    (counted in the stats), the streams are the synchronous loop's, and prefix caching and swap are off."""
+    think = [Req([5, 6, THINK_START], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, max_thinking_tokens=2))]
+    sampled = [Req([8 + i, 9, THINK_START], SamplingParams(max_tokens=12, temperature=0.9, seed=i, max_thinking_tokens=i))
+               for i in range(3)]
+    reference = run_workload(think + sampled, pipeline=False)
+    run = run_workload(think + sampled, pipeline=True, num_state_slots=4, preemption_mode="swap", num_swap_blocks=8)
+    assert run.streams == reference.streams
+    stats = run.engine.stats()
+    assert stats.host_repicks > 0 and stats.host_repicks == run.engine.io.host_repicks
+    assert not run.engine.pool.enable_prefix_caching and run.engine.options.preemption_mode == "recompute"

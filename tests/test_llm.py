@@ -41,7 +41,7 @@ def test_greedy_tokens_equal_transformers_generate(tiny_model_dir, arch):
         assert out.token_ids == gen[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma3", "mixtral", "bamba"])
 def test_new_architectures_generate_through_llm_as_transformers_does(hf_model_dir, kind):
     """The whole offline engine (scheduler, lane, bursts) on checkpoints transformers saved: greedy tokens equal
     its generate."""
@@ -164,3 +164,48 @@ def test_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="MambaForCausalLM"):
         LLM(str(dst), show_progress=False)
+
+
+def test_a_recurrent_model_repairs_stale_masks_on_the_host_and_streams_as_the_synchronous_loop(hf_model_dir):
+    """Bamba (Mamba state in state slots, RepickOnly) through the pipelined lane: prompts that open <think> with a
+    budget of a few tokens, min_tokens, greedy and seeded rows. The step launched after a forced </think> was
+    picked under a mask now stale; the host picks it again from the worker's logits, so the tokens equal the
+    synchronous loop's, and the repairs are counted."""
+    from metrale.gpu_worker.tiny_model import SPECIAL_TOKENS, THINK
+
+    path = str(hf_model_dir("bamba"))
+    think = SPECIAL_TOKENS.index(THINK)
+    prompts = [p + [think] for p in _prompts(6, seed=9, vocab=2000)]
+    params = [
+        SamplingParams(max_tokens=14, min_tokens=6, max_thinking_tokens=1 + i % 3,
+                       temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=100 + i, logprobs=2 if i == 1 else None)
+        for i in range(len(prompts))
+    ]
+    outs = {}
+    for pipeline in (False, True):
+        with LLM(path, show_progress=False, pipeline=pipeline, max_num_seqs=8) as engine:
+            outs[pipeline] = engine.generate(prompts, params)
+            stats = engine.stats()
+        assert (stats.host_repicks > 0) == pipeline
+    for sync, piped in zip(outs[False], outs[True]):
+        assert piped.token_ids == sync.token_ids
+        assert piped.finish_reason == sync.finish_reason
+    lp_sync, lp_piped = outs[False][1].logprobs, outs[True][1].logprobs
+    assert [t.token_id for t in lp_piped] == [t.token_id for t in lp_sync]
+    assert [t.logprob for t in lp_piped] == pytest.approx([t.logprob for t in lp_sync], abs=1e-4)
+
+
+def test_a_recurrent_model_preempted_by_recompute_streams_as_with_room(hf_model_dir):
+    """Bamba in a KV pool too small for its batch: preempted sequences give their state slot back and recompute
+    from position 0 in the next one (swap asked for, recompute used); tokens equal a run with room to spare."""
+    path = str(hf_model_dir("bamba"))
+    prompts = [[30 + 11 * i + j for j in range(10)] for i in range(4)]  # 30 tokens each: 4 blocks of 8, 9 in the pool
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0 if i % 2 else 0.7, seed=i) for i in range(4)]
+    with LLM(path, show_progress=False) as roomy:
+        want = roomy.generate(prompts, params)
+    with LLM(path, show_progress=False, num_kv_blocks=9, block_size=8, preemption_mode="swap", swap_space_gb=0.01) as tight:
+        got = tight.generate(prompts, params)
+        assert tight.stats().preemptions > 0
+        assert tight.engine.options.preemption_mode == "recompute"
+    assert [o.finish_reason for o in got] == ["length"] * 4
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

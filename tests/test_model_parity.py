@@ -76,19 +76,19 @@ def run_greedy(runner: ModelRunner, prompts, num_new: int, plans, *, budget: int
     seqs = [_Seq(p, plans.blocks_for(i, MAX_LEN)) for i, p in enumerate(prompts)]
     while any(len(s.out) < num_new for s in seqs):
         rows, members = [], []
-        for s in seqs:
+        for i, s in enumerate(seqs):
             if s.cached >= len(s.prompt) and 0 < len(s.out) < num_new:
-                rows.append(plans.Row([0], s.cached, s.blocks, feed_from_row=s.row))
+                rows.append(plans.Row([0], s.cached, s.blocks, feed_from_row=s.row, state_slot=i))
                 members.append((s, 1))
         left = budget if budget is not None else 1 << 30
         left -= len(rows)
-        for s in seqs:
+        for i, s in enumerate(seqs):
             todo = len(s.prompt) - s.cached
             if todo <= 0 or left <= 0:
                 continue
             n = min(todo, left)
             left -= n
-            rows.append(plans.Row(s.prompt[s.cached : s.cached + n], s.cached, s.blocks, sample=n == todo))
+            rows.append(plans.Row(s.prompt[s.cached : s.cached + n], s.cached, s.blocks, sample=n == todo, state_slot=i))
             members.append((s, n))
         plan = plans.make_plan(rows)
         result = runner.execute(plan)
@@ -274,6 +274,7 @@ HF_VARIANTS = {
     "qwen3_moe-dense-layer": ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": False}, HF_PROMPT_LENS),
     "mixtral": ("mixtral", {}, HF_PROMPT_LENS),
     "mixtral-window": ("mixtral", {"sliding_window": 8}, HF_PROMPT_LENS),
+    "bamba": ("bamba", {}, HF_PROMPT_LENS),
 }
 
 
@@ -297,10 +298,10 @@ def test_transformers_made_checkpoints_match_transformers(variant, hf_model_dir,
         assert worst < LOGIT_ATOL, f"{variant}: prompt {i} logits differ by {worst}"
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "bamba"])
 def test_transformers_made_checkpoints_under_chunked_prefill(kind, hf_model_dir, plans):
     """A 12-token budget: later chunks read their cached prefix through sliding and global layers (Gemma 2's
-    soft-capped ones on the eager path)."""
+    soft-capped ones on the eager path), or continue their recurrent state from the slot (Bamba)."""
     path = hf_model_dir(kind)
     runner = ModelRunner(path, device=DEVICE, num_kv_blocks=256, show_progress=False)
     prompts = _hf_prompts(runner.info.vocab_size, HF_PROMPT_LENS)
@@ -312,18 +313,18 @@ def test_transformers_made_checkpoints_under_chunked_prefill(kind, hf_model_dir,
         assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits)) < LOGIT_ATOL
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "olmo2", "qwen3_moe", "bamba"])
 def test_transformers_made_checkpoints_in_bf16_agree_with_transformers_bf16(kind, hf_model_dir, plans):
-    """bf16 (the float32-scale norms off the native kernel, the eager soft-capped path, bf16 routing):
-    teacher-forced argmaxes agree with transformers' own bf16 run."""
+    """bf16 (the float32-scale norms off the native kernel, the eager soft-capped path, bf16 routing, a bf16
+    conv state beside a float32 SSM state): teacher-forced argmaxes agree with transformers' own bf16 run."""
     path = hf_model_dir(kind)
     runner = ModelRunner(path, device=DEVICE, dtype="bfloat16", num_kv_blocks=256, show_progress=False)
     seqs = _hf_prompts(runner.info.vocab_size, (9, 20, 33))
     blocks = [plans.blocks_for(i, MAX_LEN) for i in range(len(seqs))]
-    result = runner.execute(plans.make_plan([plans.Row(s[:-8], 0, b) for s, b in zip(seqs, blocks)]))
+    result = runner.execute(plans.make_plan([plans.Row(s[:-8], 0, b, state_slot=i) for i, (s, b) in enumerate(zip(seqs, blocks))]))
     ours = [[int(t)] for t in result.tokens]
     for k in range(7):
-        rows = [plans.Row([s[len(s) - 8 + k]], len(s) - 8 + k, b) for s, b in zip(seqs, blocks)]
+        rows = [plans.Row([s[len(s) - 8 + k]], len(s) - 8 + k, b, state_slot=i) for i, (s, b) in enumerate(zip(seqs, blocks))]
         result = runner.execute(plans.make_plan(rows))
         for i, t in enumerate(result.tokens):
             ours[i].append(int(t))
@@ -361,3 +362,34 @@ def test_longrope_switches_per_row_as_transformers_forward(hf_model_dir, plans):
                 theirs.append(out.logits[0, -1].float().cpu().numpy())
         assert [int(t.argmax()) for t in theirs] == seq.out
         assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, theirs)) < LOGIT_ATOL
+
+
+def test_recurrent_state_slots_are_reset_and_kept_apart(hf_model_dir, plans):
+    """Bamba's Mamba state lives in state slots: generating again in slots other sequences left dirty (a row
+    at position 0 resets its slot), and in another assignment of slots, gives the same tokens and logits."""
+    path = hf_model_dir("bamba")
+    runner = ModelRunner(path, device=DEVICE, num_kv_blocks=256, show_progress=False, max_num_seqs=8)
+    assert runner.info.fed_ahead_policy.value == "repick_only" and runner.info.num_state_slots == 8
+    prompts = _hf_prompts(runner.info.vocab_size, HF_PROMPT_LENS)
+    first = run_greedy(runner, prompts, 8, plans)
+    again = run_greedy(runner, prompts[::-1], 8, plans)[::-1]  # every slot now holds another prompt's state
+    for a, b in zip(first, again):
+        assert a.out == b.out
+        assert max(float(np.abs(x - y).max()) for x, y in zip(a.logits, b.logits)) < 1e-5
+
+
+def test_a_recurrent_model_refuses_plans_without_their_state_slots(hf_model_dir, plans):
+    """No slot, a slot outside the state, two rows in one slot, or drafts: a ValueError before anything runs."""
+    runner = ModelRunner(hf_model_dir("bamba"), device=DEVICE, num_kv_blocks=256, show_progress=False, max_num_seqs=4)
+    blocks = [plans.blocks_for(i, MAX_LEN) for i in range(2)]
+    for slots, why in (((-1, -1), "state slot"), ((0, 4), "state slot"), ((1, 1), "share a state slot")):
+        rows = [plans.Row([20, 21], 0, blocks[i], state_slot=slots[i]) for i in range(2)]
+        plan = plans.make_plan(rows)
+        with pytest.raises(ValueError, match=why):
+            runner.execute(plan)
+    # Drafts (a verify step) would run through the state, which cannot drop the rejected ones.
+    rows = [plans.Row([20, 21], 0, blocks[i], state_slot=i) for i in range(2)]
+    plan = plans.make_plan(rows)
+    plan.num_drafts = np.array([1, 0], dtype=np.int32)
+    with pytest.raises(ValueError, match="draft tokens for a recurrent model"):
+        runner.execute_verify(plan)

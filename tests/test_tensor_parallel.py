@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,27 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def test_a_broadcast_plan_keeps_every_field():
+    """What rank 0 packs for the off-host ranks unpacks to the plan bit for bit, grammar bitmask rows, drafts and
+    state slots included (the header's counts fit its int64s)."""
+    import numpy as np
+
+    from metrale.gpu_worker import plan_broadcast
+    from test_tickets import assert_plans_equal, random_plan
+
+    rng = np.random.default_rng(4)
+    for state in (False, True):
+        plan = random_plan(rng, 9, 4, 3, 2, 5, state=state)
+        plan.grammar_bitmask = rng.integers(-(2**31), 2**31, size=(2, 3), dtype=np.int32)
+        plan.num_drafts = np.array([0, 2, 0, 1], dtype=np.int32)
+        counts = plan_broadcast.counts_of(plan)
+        assert len(counts) == len(plan_broadcast.PLAN_COUNTS) and 3 + len(counts) <= plan_broadcast._HEADER
+        _, nbytes = plan_broadcast._layout(counts)
+        raw = np.zeros(nbytes, dtype=np.uint8)
+        plan_broadcast.pack(plan, counts, raw)
+        assert_plans_equal(plan_broadcast.unpack(counts, raw), plan)
+
+
 def test_gloo_all_reduce_gives_the_same_tokens(tiny_model_dir, tmp_path):
     """The gloo path (the one that spans hosts) sums to the same tokens as the shared-memory one."""
     from metrale.gpu_worker.model_runner import ModelRunner
@@ -105,22 +127,34 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=300 + i, ignore_eos=True)
 
 
+GRAMMAR = r"[0-9]{2,4}-(ab|cd)"
+
+
 @pytest.mark.parametrize("arch", ["llama"])
 def test_llm_with_two_ranks_matches_one(arch, tiny_model_dir, hf_model_dir):
-    """metrale.LLM(tensor_parallel_size=2): two worker processes on a ticket ring, the tokens of LLM() alone;
-    closing it leaves no process behind."""
+    """metrale.LLM(tensor_parallel_size=2): two worker processes on a ticket ring, the tokens of LLM() alone,
+    grammar rows among them (greedy and seeded: the plan's bitmask reaches every rank through the ring, and rank
+    0's picks, which the host commits, hold the grammar and equal one rank's); closing it leaves no process behind."""
+    from metrale.ipc.sampling import StructuredOutputs
+
     path = tiny_model_dir(arch) if arch in TINY_ARCHS else hf_model_dir(arch)
-    params = [_params(i) for i in range(N)]
+    so = StructuredOutputs(regex=GRAMMAR)
+    params = [_params(i) for i in range(N)] + [
+        SamplingParams(max_tokens=24, temperature=0.0 if i else 0.8, seed=7, structured_outputs=so) for i in range(2)
+    ]
+    prompts = PROMPTS + ["Code:", "Id:"]
     with LLM(str(path), show_progress=False) as llm:
-        want = [r.token_ids for r in llm.generate(PROMPTS, params)]
+        want = [r.token_ids for r in llm.generate(prompts, params)]
     llm = LLM(str(path), show_progress=False, tensor_parallel_size=2)
     procs = llm.device.processes
     try:
         assert len(procs) == 2 and llm.device.pids == [p.pid for p in procs]
-        got = [r.token_ids for r in llm.generate(PROMPTS, params)]
+        outs = llm.generate(prompts, params)
     finally:
         llm.close()
-    assert got == want
+    assert [r.token_ids for r in outs] == want
+    for r in outs[N:]:
+        assert r.finish_reason == "stop" and re.fullmatch(GRAMMAR, r.text), r.text
     assert all(p.poll() is not None for p in procs), "closing the LLM stops its ranks"
 
 

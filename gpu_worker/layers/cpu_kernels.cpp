@@ -83,14 +83,15 @@ struct Shape {
   int64_t heads, kv_heads, group, dim, block_size;
 };
 
-// Fold tokens [offset, offset + n) of one block into the row's state: keys are stored
-// [kv_heads, dim, block_size], values [block_size, kv_heads, dim]. Portable scalar loops.
+// Fold tokens [offset, offset + n) of one block into the row's state, for KV heads [h0, h1) and their
+// query heads: keys are stored [kv_heads, dim, block_size], values [block_size, kv_heads, dim]. Portable
+// scalar loops.
 template <typename T>
 void fold_block_generic(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n,
-                        const T* nk, const T* nv) {
+                        const T* nk, const T* nv, int64_t h0, int64_t h1) {
   if (nk) prefetch_block(nk, nv, sh.kv_heads * sh.dim * sh.block_size * static_cast<int64_t>(sizeof(T)));
   const int64_t bs = sh.block_size, dim = sh.dim;
-  for (int64_t hq = 0; hq < sh.heads; ++hq) {
+  for (int64_t hq = h0 * sh.group; hq < h1 * sh.group; ++hq) {
     const int64_t h = hq / sh.group;
     float* w = st.w + hq * bs;
     const float* q = st.qf + hq * dim;
@@ -181,13 +182,13 @@ inline __m512 exp16(__m512 x) {
 // score iteration, spread over the fold: a burst of prefetches would stall on the fill buffers.
 template <typename T, int G>
 void fold_block16(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n,
-                  const T* nk, const T* nv) {
+                  const T* nk, const T* nv, int64_t h0, int64_t h1) {
   constexpr int CB = G >= 8 ? 1 : (G == 4 ? 2 : 4);  // value chunks per pass: G * CB accumulators
   constexpr int PF = sizeof(T) / 2;  // next-block lines per score iteration: K and V, head by head
   const int64_t dim = sh.dim, kv_heads = sh.kv_heads;
   const __mmask16 lanes = static_cast<__mmask16>(((1u << n) - 1u) << offset);
   const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
-  for (int64_t h = 0; h < kv_heads; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     const char* pk = nk ? reinterpret_cast<const char*>(nk + h * dim * 16) : nullptr;
     const char* pv = nv ? reinterpret_cast<const char*>(nv) + h * dim * 16 * sizeof(T) : nullptr;
     __m512 s0[G], s1[G];
@@ -250,7 +251,7 @@ void fold_block16(const RowState& st, const Shape& sh, const T* kb, const T* vb,
 #endif
 
 template <typename T>
-using FoldFn = void (*)(const RowState&, const Shape&, const T*, const T*, int64_t, int64_t, const T*, const T*);
+using FoldFn = void (*)(const RowState&, const Shape&, const T*, const T*, int64_t, int64_t, const T*, const T*, int64_t, int64_t);
 
 // The fastest fold this build and shape allow.
 template <typename T>
@@ -260,6 +261,7 @@ FoldFn<T> choose_fold(const Shape& sh) {
     switch (sh.group) {
       case 1: return fold_block16<T, 1>;
       case 2: return fold_block16<T, 2>;
+      case 3: return fold_block16<T, 3>;
       case 4: return fold_block16<T, 4>;
       case 8: return fold_block16<T, 8>;
       default: break;
@@ -286,17 +288,20 @@ void decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v
   const float sc = static_cast<float>(scale);
   const FoldFn<T> fold = choose_fold<T>(sh);
 
-  // One task per row, its blocks in order, with an online softmax (flash-decoding): every key and
-  // value is read once, straight from its block.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  // One unit of work per row, its blocks in order, with an online softmax (flash-decoding): every key and
+  // value is read once, straight from its block. With fewer rows than twice the threads (a batch-1 step),
+  // a unit is one KV head of a row instead, so every thread has work; each head's arithmetic is the same.
+  const int64_t splits = rows >= 2 * at::get_num_threads() ? 1 : sh.kv_heads;
+  at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     const int64_t heads = sh.heads, dim = sh.dim;
     std::vector<float> scratch(heads * dim * 2 + heads * sh.block_size + heads * 2);
     const RowState st{scratch.data(), scratch.data() + heads * dim, scratch.data() + 2 * heads * dim,
                       scratch.data() + 2 * heads * dim + heads * sh.block_size,
                       scratch.data() + 2 * heads * dim + heads * sh.block_size + heads};
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t hq = 0; hq < heads; ++hq) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t r = u / splits, h0 = (u % splits) * sh.kv_heads / splits, h1 = (u % splits + 1) * sh.kv_heads / splits;
+      for (int64_t hq = h0 * sh.group; hq < h1 * sh.group; ++hq) {
         const T* src = qp + r * q_row + hq * q_head;
         for (int64_t d = 0; d < dim; ++d) st.qf[hq * dim + d] = load(src, d) * sc;
         for (int64_t d = 0; d < dim; ++d) st.acc[hq * dim + d] = 0.0f;
@@ -309,21 +314,22 @@ void decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v
         const int64_t block = table[t / sh.block_size];
         const int64_t offset = t % sh.block_size;
         const int64_t n = std::min(sh.block_size - offset, len - t);
-        // The block after this one: the row's next, else the first of the task's next row.
+        // The block after this one: the row's next, else the first of the task's next unit's row.
         const T* nk = nullptr;
         const T* nv = nullptr;
+        const int64_t rn = (u + 1) / splits;
         if (t + n < len) {
           nk = kp + table[(t + n) / sh.block_size] * block_elems;
           nv = vp + table[(t + n) / sh.block_size] * block_elems;
-        } else if (r + 1 < end && firsts[r + 1] < lens[r + 1]) {
-          const int64_t next = tables[(r + 1) * width + firsts[r + 1] / sh.block_size];
+        } else if (u + 1 < end && firsts[rn] < lens[rn]) {
+          const int64_t next = tables[rn * width + firsts[rn] / sh.block_size];
           nk = kp + next * block_elems;
           nv = vp + next * block_elems;
         }
-        fold(st, sh, kp + block * block_elems, vp + block * block_elems, offset, n, nk, nv);
+        fold(st, sh, kp + block * block_elems, vp + block * block_elems, offset, n, nk, nv, h0, h1);
         t += n;
       }
-      for (int64_t hq = 0; hq < heads; ++hq) {
+      for (int64_t hq = h0 * sh.group; hq < h1 * sh.group; ++hq) {
         const float inv = 1.0f / st.l[hq];
         T* dst = op + (r * heads + hq) * dim;
         for (int64_t d = 0; d < dim; ++d) store(dst, d, st.acc[hq * dim + d] * inv);

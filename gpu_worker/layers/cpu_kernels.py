@@ -1,4 +1,4 @@
-"""Native CPU kernels for the decode step: paged attention, the KV write, RMSNorm and greedy argmax.
+"""Native CPU kernels for the decode step: paged attention, the KV write, RMSNorm, the few-row GEMV, greedy argmax.
 
 The torch path of decode attention gathers every decode row's blocks into a padded copy and runs
 SDPA on it: per layer it writes and reads the whole live KV twice. `paged_decode` walks each row's
@@ -34,8 +34,13 @@ log = logging.getLogger(__name__)
 ENV_CHOICE = "METRALE_CPU_KERNELS"  # auto (default) | native | torch
 BUILD_TIMEOUT_S = 300
 
-# The kernels' C++ (next to this file); its text is part of the build cache key.
-SOURCE = (pathlib.Path(__file__).with_name("cpu_kernels.cpp")).read_text(encoding="utf-8")
+# The kernels' C++ (next to this file), compiled as one translation unit in this order: the dense product
+# (cpu_gemv.cpp) and the fused decode step (cpu_decode_step.cpp) call the kernels before them directly.
+# The text is part of the build cache key.
+SOURCE = "\n".join(
+    (pathlib.Path(__file__).with_name(name)).read_text(encoding="utf-8")
+    for name in ("cpu_kernels.cpp", "cpu_gemv.cpp", "cpu_decode_step.cpp")
+)
 
 # -ffp-contract=off: a product rounds before the add that follows it, as in torch's separate ops.
 # -fopenmp: with torch's OpenMP backend, at::parallel_for is inline in the headers, and without the flag
@@ -128,6 +133,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
     torch.ops.metrale_cpu.silu_mul(gate_up, out)
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x [rows, in] and a plain [out, in] weight: the native GEMV for one or two
+    bfloat16 rows, else F.linear (see layers/cpu_gemv.cpp)."""
+    return torch.ops.metrale_cpu.linear(x, weight, bias)
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,10 +16,15 @@ and never touches its weight storage itself. A method is three calls:
   whatever `apply` reads. It may replace or release the parameters.
 - `apply(layer, x, bias)` returns x @ W.T (+ bias) for x [..., input_size_per_partition], in x's dtype.
 
-`DenseLinearMethod` is the unquantized path: a plain [out, in] weight, repacked once after loading into
-oneDNN's blocked layout on a CPU (AMX tiles for bfloat16; an unpacked weight is reordered on every call,
-which for a decode step's few rows costs as much as the product itself), after `pack_weight` checks the
-packed product against F.linear on a probe; anything it cannot pack keeps F.linear. A model asks its
+`DenseLinearMethod` is the unquantized path: a plain [out, in] weight. In bfloat16 on a CPU with the native
+kernels it stays plain, one layout for every kernel that reads it: the native GEMV for one or two rows (a
+decode step's few rows are bound by reading the weight, which it streams at about the box's bandwidth,
+oneDNN's AMX kernel at about two thirds of it) and oneDNN's matmul for more (measured: as fast as on the
+packed weight at 8 and 32 rows, ~20 % slower at 256), after `gemv_serves` checks the GEMV against F.linear
+on a probe. Otherwise (float32, no native kernels) it is repacked once into oneDNN's blocked layout (an
+unpacked weight is reordered on every call, which for a decode step's few rows costs as much as the product
+itself), after `pack_weight` checks the packed product against F.linear on a probe; anything it cannot pack
+keeps F.linear. A model asks its
 `ModelContext.linear_method(prefix)` for each layer's method (prefix: the layer's checkpoint name, e.g.
 "model.layers.3.self_attn.qkv_proj"), so a quantized checkpoint chooses per layer.
 """
@@ -31,6 +36,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from metrale.gpu_worker.layers import cpu_kernels
 
 WeightLoader = Callable[..., None]  # weight_loader(param, loaded_weight, shard_id=None)
 
@@ -74,16 +81,23 @@ class DenseLinearMethod(LinearMethod):
         set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=weight_loader)
         layer.register_parameter("weight", weight)
         layer.packed = None
+        layer.native_gemv = False
 
     def process_weights_after_loading(self, layer):
-        """Pack the weight for oneDNN; the plain one is then released (an empty placeholder keeps its name),
-        unless the layer shares it (a tied LM head's weight is the embedding table)."""
+        """Keep a bfloat16 weight plain for the native GEMV where it checks out; else pack it for oneDNN and
+        release the plain one (an empty placeholder keeps its name), unless the layer shares it (a tied LM
+        head's weight is the embedding table)."""
+        layer.native_gemv = gemv_serves(layer.weight, getattr(layer, "bias", None))
+        if layer.native_gemv:
+            return
         layer.packed = pack_weight(layer.weight, getattr(layer, "bias", None))
         if layer.packed is not None and not getattr(layer, "shares_weight", False):
             layer.weight = nn.Parameter(layer.weight.new_empty((0, layer.weight.shape[1])), requires_grad=False)
 
     def apply(self, layer, x, bias=None):
         """The packed product where there is one, else F.linear."""
+        if layer.native_gemv and x.dim() == 2:
+            return cpu_kernels.linear(x, layer.weight, bias)
         packed = layer.packed
         if packed is not None:
             return packed(x, bias)
@@ -114,6 +128,20 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The product for x [..., in_features] (made contiguous if it is not)."""
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+
+def gemv_serves(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """True when the weight stays plain for the native GEMV: bfloat16 on a CPU with the kernels loaded, and
+    the GEMV's product on a probe within one bfloat16 rounding of F.linear's (it sums in another order)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] == 0:
+        return False
+    if not cpu_kernels.loaded() or not weight.is_contiguous():
+        return False
+    with torch.inference_mode():
+        probe = torch.linspace(-1, 1, 2 * weight.shape[1], dtype=torch.float32).view(2, -1).to(weight.dtype)  # rows it takes
+        want, got = F.linear(probe, weight, bias).float(), cpu_kernels.linear(probe, weight, bias).float()
+    tol = 2.0**-7 * want.abs() + 1e-6 * float(want.abs().max())
+    return got.shape == want.shape and bool(((got - want).abs() <= tol).all())
 
 
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:

@@ -48,7 +48,8 @@ def _expansion_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.de
     key = (dtype, device)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < rows * cols:
-        buf = torch.empty(rows * cols, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: usable in place inside and outside inference mode
+            buf = torch.empty(rows * cols, dtype=dtype, device=device)
         _scratch[key] = buf
     return buf[: rows * cols].view(rows, cols)
 

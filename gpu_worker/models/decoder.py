@@ -12,7 +12,8 @@ A family's file (models/llama.py, gemma.py, ...) defines its decoder layer from 
   (`stacked_params`: q/k/v_proj -> qkv_proj "q"/"k"/"v", gate/up_proj -> gate_up_proj 0/1; a family adds its
   own with `checkpoint_target`), whose own `weight_loader` copies it (pre-fused and split checkpoints alike);
   then every parameter must have been loaded, each weight processed once (packing, folded norms).
-- For the runner: `kv_shape` (the KV cache it needs), `windows`, `dtype`, `uses_native_decode` /
+- For the runner: `kv_shape` (the KV cache it needs: its attention layers'), `state_shape` (the state slots
+  a model with recurrent layers needs, else None), `windows`, `dtype`, `uses_native_decode` /
   `uses_masked_decode` (what the step's attention metadata must hold) and `rope_seq_len_threshold`.
 """
 
@@ -30,10 +31,12 @@ from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, Wind
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from metrale.gpu_worker.layers.norm import HeadNorm, RMSNorm
+from metrale.gpu_worker.layers.recurrent_state import StateShape, StateStep
 from metrale.gpu_worker.layers.rope_scaling import RopeConfig
 from metrale.gpu_worker.layers.rotary import RotaryEmbedding, StepRope
 from metrale.gpu_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from metrale.gpu_worker.models.context import ModelContext
+from metrale.gpu_worker.models.fused_decode import FusedDecode
 
 ShardId = str | int | tuple | None
 
@@ -232,6 +235,10 @@ class Backbone(nn.Module):
 class DecoderLM(nn.Module):
     """A decoder-only language model over the paged KV cache (see the module docstring for the interface)."""
 
+    # What each state slot holds (layers/recurrent_state.py) when the model has recurrent layers; the runner
+    # then allocates the slots and hands forward each step's `state`.
+    state_shape: StateShape | None = None
+
     # (parameter suffix, checkpoint suffix, shard id): split checkpoint weights stacked into one parameter.
     stacked_params: tuple[tuple[str, str, ShardId], ...] = (
         (".qkv_proj", ".q_proj", "q"),
@@ -254,7 +261,8 @@ class DecoderLM(nn.Module):
     ):
         """Build the embedding, the layers (make_layer(i)), the final norm, the LM head and the rotary tables.
 
-        Every layer's attention must be a SelfAttention reachable as `layer.self_attn`.
+        Every attention layer's attention must be a SelfAttention reachable as `layer.self_attn`, whose
+        Attention's layer index is its place among the attention layers (its KV cache layer).
         """
         super().__init__()
         self.ctx = ctx
@@ -279,10 +287,12 @@ class DecoderLM(nn.Module):
             self.embed_scale = torch.tensor(embed_scale, dtype=torch.float32, device=ctx.device).to(ctx.dtype)
         self.final_softcap = final_softcap
         self.windows: set[Window] = set(ctx.facts.layer_windows)
-        attns = [layer.self_attn.attn for layer in self.model.layers]
+        attns = [layer.self_attn.attn for layer in self.model.layers if hasattr(layer, "self_attn")]
         self.uses_native_decode = any(a.backend.native_decode for a in attns)
         self.uses_masked_decode = any(not a.backend.native_decode for a in attns)
-        self.kv_shape = KvShape(shape.num_layers, attns[0].num_kv_heads, attns[0].head_dim)
+        # A hybrid's recurrent layers keep no KV: the cache holds its attention layers only.
+        self.kv_shape = KvShape(len(attns), attns[0].num_kv_heads, attns[0].head_dim) if attns else KvShape(0, 1, 1)
+        self.fused_decode: FusedDecode | None = None  # the layers as one native call (after loading, where they allow)
 
     @torch.inference_mode()
     def forward(
@@ -292,15 +302,20 @@ class DecoderLM(nn.Module):
         cache: PagedKVCache,
         meta: AttentionMetadata,
         token_seq_lens: torch.Tensor | None = None,
+        state: StateStep | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) for the step's tokens; fills the cache.
 
         token_seq_lens: each token's row seq_len, given only when some row is past rope_seq_len_threshold.
+        state: the step's state slots, for a model with recurrent layers (`state_shape` not None).
         """
         ropes = [r.for_step(positions, token_seq_lens, self.ctx.native) for r in self.rotaries]
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        fused = self.fused_decode
+        if fused is not None and fused.serves(meta, ropes[0]):
+            return h.add_(fused(h, ropes[0], cache, meta))
         delta = None
         for layer in self.model.layers:
             delta = layer(h, delta, ropes, cache, meta)
@@ -366,10 +381,12 @@ class DecoderLM(nn.Module):
         self.eval()
 
     def process_weights_after_loading(self) -> None:
-        """Every module's own processing, children before their parents (a block may read its parts')."""
+        """Every module's own processing, children before their parents (a block may read its parts'); then
+        the fused decode step over the processed weights, where every layer allows it."""
         for module in reversed(list(self.modules())):
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+        self.fused_decode = FusedDecode.build(self)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

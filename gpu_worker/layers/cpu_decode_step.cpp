@@ -1,0 +1,78 @@
+// A whole decode step's decoder layers in one native call (see models/fused_decode.py, which builds it).
+//
+// Compiled after cpu_kernels.cpp and cpu_gemv.cpp in the same translation unit (cpu_kernels.py joins the
+// sources), so it calls those kernels and DenseLinearMethod's product (dense_linear) directly. Each layer runs exactly the ops the Python path runs, in its order, on
+// the same kernels and the same oneDNN products: the same bits, without a Python frame or a dispatch per
+// op. The weights are handed over once, when the model is loaded.
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+namespace {
+
+// One Llama-form decoder stack: per layer the input norm, stacked qkv, rotary, the KV write, paged decode
+// attention, o_proj, the post-attention norm, stacked gate/up, SiLU * up and down_proj.
+struct DecodeStep : torch::CustomClassHolder {
+  // Per layer: in_norm, qkv, qkv bias, o, o bias, post_norm, gate_up, down (a bias of no elements: none).
+  static constexpr int64_t kPerLayer = 8;
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> window_of;  // per layer: its index into a step's first_keys
+  int64_t heads, kv_heads, dim;
+  double eps, scale;
+  std::vector<at::Tensor> k_blocks, v_cache;
+
+  DecodeStep(std::vector<at::Tensor> weights_, std::vector<int64_t> window_of_, int64_t heads_, int64_t kv_heads_,
+             int64_t dim_, double eps_, double scale_)
+      : weights(std::move(weights_)), window_of(std::move(window_of_)), heads(heads_), kv_heads(kv_heads_), dim(dim_),
+        eps(eps_), scale(scale_) {
+    TORCH_CHECK(weights.size() == window_of.size() * kPerLayer, "weights: ", kPerLayer, " per layer");
+  }
+
+  // The KV cache's per-layer tensors (keys head-dim-major), bound once per cache.
+  void bind_cache(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
+    TORCH_CHECK(k.size() == window_of.size() && v.size() == window_of.size(), "one key and one value tensor per layer");
+    k_blocks = std::move(k);
+    v_cache = std::move(v);
+  }
+
+  // h [R, hidden] (the embeddings; the residual stream, updated in place): returns the last layer's output,
+  // still to be added to h. One token per row; slots, block_tables, seq_lens and first_keys as the native
+  // attention takes them.
+  at::Tensor run(at::Tensor h, const at::Tensor& table, const at::Tensor& positions, const at::Tensor& slots,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, std::vector<at::Tensor> first_keys) {
+    TORCH_CHECK(k_blocks.size() == window_of.size(), "bind_cache first");
+    const int64_t rows = h.size(0), q_size = heads * dim, kv_size = kv_heads * dim;
+    const int64_t layers = static_cast<int64_t>(window_of.size());
+    at::Tensor attn = at::empty({rows, heads, dim}, h.options());
+    std::optional<at::Tensor> delta;
+    for (int64_t l = 0; l < layers; ++l) {
+      const at::Tensor* w = weights.data() + l * kPerLayer;
+      const std::optional<at::Tensor> qkv_b = w[2].numel() ? std::optional<at::Tensor>(w[2]) : std::nullopt;
+      const std::optional<at::Tensor> o_b = w[4].numel() ? std::optional<at::Tensor>(w[4]) : std::nullopt;
+      at::Tensor x = at::empty_like(h);
+      rms_norm(h, delta, w[0], eps, x);
+      at::Tensor qkv = dense_linear(x, w[1], qkv_b);
+      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({rows, heads + kv_heads, dim});
+      rotary(qk, table, positions);
+      write_kv(qk.narrow(1, heads, kv_heads), qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, dim}),
+               k_blocks[l], v_cache[l], slots);
+      paged_decode(qk.narrow(1, 0, heads), k_blocks[l], v_cache[l], block_tables, seq_lens, first_keys[window_of[l]], scale, attn);
+      at::Tensor o = dense_linear(attn.view({rows, q_size}), w[3], o_b);
+      x = at::empty_like(h);
+      rms_norm(h, o, w[5], eps, x);
+      at::Tensor gate_up = dense_linear(x, w[6], std::nullopt);
+      at::Tensor act = at::empty({rows, gate_up.size(1) / 2}, h.options());
+      silu_mul(gate_up, act);
+      delta = dense_linear(act, w[7], std::nullopt);
+    }
+    return *delta;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(metrale_cpu, m) {
+  m.class_<DecodeStep>("DecodeStep")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double>())
+      .def("bind_cache", &DecodeStep::bind_cache)
+      .def("run", &DecodeStep::run);
+}

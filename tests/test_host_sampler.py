@@ -1,0 +1,142 @@
+"""The host sampler picks what the device sampler picks (a RepickOnly repair must equal the device's pick)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from metrale.engine_core.host_sampler import SamplingRow, gumbel_noise, host_sample, sample_row
+from metrale.engine_core.pipeline import RowMask
+from metrale.engine_core.sequence import Sequence
+from metrale.gpu_worker.sampler import Sampler
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan
+from metrale.ipc.sampling import SamplingParams
+
+VOCAB = 512
+
+
+def _random_plan(rng: np.random.Generator, rows: int, vocab: int) -> StepPlan:
+    """A decode plan of `rows` rows whose sampling parameters cover every stage and their mixes."""
+    pick = lambda values, dtype: np.array(rng.choice(values, size=rows), dtype=dtype)  # noqa: E731
+    mask = pick([0, 0, 0, MASK_BAN, MASK_GREEDY, MASK_FORCE, MASK_BAN | MASK_GREEDY], np.uint8)
+    ban = np.full((rows, 6), -1, dtype=np.int32)
+    for r in range(rows):
+        n = int(rng.integers(0, 7))
+        ban[r, :n] = rng.integers(0, vocab, size=n)
+    penalised = rng.random(rows) < 0.3
+    hists = [rng.integers(0, vocab, size=int(rng.integers(1, 40))).astype(np.int32) if p else np.zeros(0, np.int32) for p in penalised]
+    return StepPlan(
+        input_ids=np.zeros(rows, np.int32),
+        positions=np.zeros(rows, np.int32),
+        slot_mapping=np.zeros(rows, np.int64),
+        query_start=np.arange(rows + 1, dtype=np.int32),
+        seq_lens=rng.integers(1, 5000, size=rows).astype(np.int32),
+        block_tables=np.zeros((rows, 1), np.int32),
+        sample=np.ones(rows, bool),
+        feed_from_row=np.full(rows, -1, np.int32),
+        temperature=pick([0.0, 0.3, 0.7, 1.0, 1.0, 1.6], np.float32),
+        top_k=pick([0, 0, 1, 5, 40, vocab + 3], np.int32),
+        top_p=pick([1.0, 1.0, 0.95, 0.7, 0.3], np.float32),
+        min_p=pick([0.0, 0.0, 0.05, 0.3], np.float32),
+        repetition_penalty=np.where(penalised, rng.choice([1.0, 1.3, 0.8], size=rows), 1.0).astype(np.float32),
+        presence_penalty=np.where(penalised, rng.choice([0.0, 0.6, -0.4], size=rows), 0.0).astype(np.float32),
+        frequency_penalty=np.where(penalised, rng.choice([0.0, 0.3], size=rows), 0.0).astype(np.float32),
+        seeds=rng.integers(0, 2**63 - 1, size=rows, dtype=np.int64),
+        mask_kind=mask,
+        force_token=rng.integers(0, vocab, size=rows).astype(np.int32),
+        ban_ids=ban,
+        num_logprobs=np.full(rows, -1, np.int32),
+        hist_tokens=np.concatenate(hists).astype(np.int32),
+        hist_start=np.concatenate([[0], np.cumsum([len(h) for h in hists])]).astype(np.int32),
+        hist_prompt_len=np.array([int(rng.integers(0, len(h) + 1)) for h in hists], np.int32),
+    )
+
+
+def _random_logits(rng: np.random.Generator, rows: int, vocab: int) -> torch.Tensor:
+    """Logits of every spread; a third rounded through bfloat16, so ties (at the top-k cutoff too) abound."""
+    scale = rng.choice([0.5, 2.0, 8.0], size=(rows, 1))
+    logits = torch.from_numpy((rng.standard_normal((rows, vocab)) * scale).astype(np.float32))
+    tied = torch.from_numpy(rng.random(rows) < 0.33)
+    logits[tied] = logits[tied].bfloat16().float()
+    return logits
+
+
+def test_host_picks_equal_the_device_sampler_on_random_logits_and_parameters():
+    """Greedy, temperature, top-k, top-p, min-p, penalties, bans, forced and greedy masks and their mixes, with
+    seeded noise: 40 batches of 48 rows, every host pick equal to the device's."""
+    rng = np.random.default_rng(2024)
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    rows = 48
+    for _ in range(40):
+        plan = _random_plan(rng, rows, VOCAB)
+        logits = _random_logits(rng, rows, VOCAB)
+        device = sampler(logits, plan, torch.arange(rows)).tokens.numpy()
+        host = [sample_row(logits[r].numpy(), SamplingRow.of_plan(plan, r)) for r in range(rows)]
+        assert host == device.tolist()
+
+
+def test_host_picks_equal_the_device_sampler_with_grammar_rows():
+    """Grammar rows (a packed bitmask each, in row order) among rows of every other kind: the host applies the
+    bitmask where the device does (after penalties, before bans and the pick), so every pick is equal and every
+    grammar row's unforced pick is a token its bitmask allows."""
+    rng = np.random.default_rng(2025)
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    rows, words = 32, VOCAB // 32
+    for _ in range(20):
+        plan = _random_plan(rng, rows, VOCAB)
+        grammar = rng.random(rows) < 0.5
+        plan.mask_kind = np.where(grammar, (plan.mask_kind & np.uint8(0xFF ^ MASK_BAN)) | MASK_GRAMMAR, plan.mask_kind).astype(np.uint8)
+        allowed = rng.random((int(grammar.sum()), VOCAB)) < 0.2
+        allowed[:, rng.integers(0, VOCAB)] = True
+        plan.grammar_bitmask = np.packbits(allowed, axis=1, bitorder="little").view(np.int32).reshape(-1, words)
+        logits = _random_logits(rng, rows, VOCAB)
+        device = sampler(logits, plan, torch.arange(rows)).tokens.numpy()
+        host = [sample_row(logits[r].numpy(), SamplingRow.of_plan(plan, r)) for r in range(rows)]
+        assert host == device.tolist()
+        for g, r in enumerate(np.flatnonzero(grammar)):
+            if not plan.mask_kind[r] & MASK_FORCE:
+                assert allowed[g, host[r]]
+
+
+def test_host_noise_is_the_device_noise():
+    """The same splitmix64 bits and Gumbel transform: equal values, but for a rare last-ulp difference of the
+    device's float32 logs (the host rounds float64 ones; near g = 0 an ulp of the inner log is a few of g's)."""
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    seeds = np.array([0, 1, 2**62 + 7, 12345], dtype=np.int64)
+    positions = np.array([1, 77, 4095, 3], dtype=np.int32)
+    device = sampler.noise(seeds, positions).numpy()
+    host = np.stack([gumbel_noise(int(s), int(p), VOCAB) for s, p in zip(seeds, positions)])
+    ulps = np.abs(host.view(np.int32).astype(np.int64) - device.view(np.int32).astype(np.int64))
+    assert np.abs(host - device).max() < 1e-6
+    assert (ulps == 0).mean() > 0.99
+
+
+def test_host_sample_reads_each_sequence_as_the_step_builder_lays_it_out():
+    """host_sample from sequences and masks (a repair's inputs) equals the device sampler on the plan the step
+    builder would make of them; rows that do not sample pick nothing."""
+    from metrale.engine_core.step_builder import StepBuilder
+
+    rng = np.random.default_rng(5)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=7, seed=3),
+        SamplingParams(temperature=1.1, top_p=0.8, min_p=0.05, seed=4),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, seed=5),
+        SamplingParams(temperature=0.8, seed=6, min_tokens=5),
+    ]
+    seqs = []
+    for i, p in enumerate(params):
+        tokens = rng.integers(0, VOCAB, size=6 + i).tolist()
+        seq = Sequence(str(i), p, p.seed or 0, tokens, 4, i)
+        seq.num_computed = len(tokens) - 1
+        seq.block_table = [i]
+        seqs.append(seq)
+    masks = [RowMask(), RowMask(), RowMask(MASK_GREEDY), RowMask(), RowMask(MASK_BAN, -1, (2, 9, 11))]
+    builder = StepBuilder(max_tokens=8, max_rows=8, max_model_len=64, block_size=16)
+    plan = builder.build(seqs, [1] * len(seqs), masks)
+    logits = _random_logits(rng, len(seqs), VOCAB)
+    device = Sampler(VOCAB, torch.device("cpu"))(logits, plan, torch.arange(len(seqs))).tokens.numpy()
+    positions = [s.num_computed + 1 for s in seqs]
+    host = host_sample(logits.numpy(), seqs, masks, positions, [True] * 4 + [False])
+    assert host[:4].tolist() == device[:4].tolist()
+    assert host[4] == -1
