@@ -7,6 +7,7 @@ import numpy as np
 from metrale.ipc.messages import TokenLogprob
 from metrale.ipc.plan import StepResult
 
+from .grammar import advance as advance_grammar
 from .pipeline import update_row_state
 from .sequence import Sequence
 from .step_io import StepIo
@@ -32,6 +33,8 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
         if logprobs and seq.params.logprobs is not None:
             seq.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
         update_row_state(seq, tok, toks)
+        if seq.grammar is not None:  # structured outputs: the matcher follows the committed tokens
+            advance_grammar(seq, tok)
         _check_stop(io, seq, tok)
     for seq in seqs:
         io.pool.cache_full_blocks(seq)

@@ -23,17 +23,21 @@ import msgspec
 import psutil
 import zmq
 
-from metrale.config import ServeConfig
+from metrale.config import EngineArgs, ServeConfig
 from metrale.ipc.messages import (
     AbortRequest,
     AddRequest,
     EngineInput,
+    EngineLoad,
     EngineOutput,
     EngineOutputs,
     EngineReady,
+    GrammarVocab,
     RequestOutputDelta,
     StatsRequest,
     StatsResponse,
+    WorkerBack,
+    WorkerLost,
 )
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.plan import DeviceError
@@ -61,6 +65,7 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     output_address: str
     ring_token: str
     max_model_len: int
+    vocab_size: int = 0  # the model's (sizes the ring's grammar bitmasks)
     special_tokens: dict[str, int | None] = {}
     ready_timeout_s: float = 600.0
     served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
@@ -68,21 +73,32 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     # state (RepickOnly repairs), else 0 (no logits region).
     logits_vocab: int = 0
     status_address: str = ""  # the supervisor's status inbox (ipc/status_channel.py)
+    replica: int = 0  # this engine core's data-parallel replica (for its logs)
+    ring_ranks: int = 1  # the worker ranks that serve its ring together (a tensor-parallel group on this host)
 
 
 def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
     """Ticket slots sized for the largest step this engine can build."""
-    e = args.serve.engine
+    # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
+    return geometry_for(args.serve.engine, args.max_model_len, max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
+                        args.vocab_size, args.logits_vocab)
+
+
+def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int, vocab_size: int, logits_vocab: int = 0) -> RingGeometry:
+    """Ticket slots for an engine's largest step and bursts of up to max_burst steps (serve, and LLM's worker group):
+    grammar rows' bitmasks for vocab_size, a verify step's picks, and logits of logits_vocab (0: none) for host
+    sampling."""
     return RingGeometry(
         num_slots=4,
         max_tokens=max(e.max_num_batched_tokens, e.max_num_seqs),
         max_rows=e.max_num_seqs,
-        max_blocks_per_row=-(-args.max_model_len // e.block_size) + 1,
+        max_blocks_per_row=-(-max_model_len // e.block_size) + 1,
         max_ban_ids=MAX_BAN_IDS,
-        max_hist_tokens=max(65536, e.max_num_seqs * args.max_model_len),
-        # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
-        max_burst=max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
-        max_logits_vocab=args.logits_vocab,
+        max_hist_tokens=max(65536, e.max_num_seqs * max_model_len),
+        # A verify step's picks come back as the steps of a burst.
+        max_burst=max(max_burst, 1 + e.num_speculative_tokens if e.speculative else 1),
+        max_bitmask_words=max(1, -(-vocab_size // 32)),
+        max_logits_vocab=logits_vocab,
     )
 
 
@@ -118,6 +134,7 @@ class EngineCoreProcess:
         options = EngineOptions.from_args(args.serve.engine, recover_from_device_loss=True)
         options.stream_interval = args.serve.stream_interval
         self.engine = EngineCore(self.device, options, special_tokens=SpecialTokens(**args.special_tokens))
+        self._replicated = args.serve.engine.data_parallel_size > 1
         self._send(EngineReady(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                                num_kv_blocks=info.num_kv_blocks, block_size=info.block_size))
         log.info("engine core ready: %s, %d KV blocks of %d", info.name, info.num_kv_blocks, info.block_size)
@@ -135,7 +152,8 @@ class EngineCoreProcess:
                 log.exception("engine core: a tick failed; its requests are retried alone, then failed")
                 outputs = self.engine.contain_failure(exc)
             if outputs or time.monotonic() - self._sent_at >= HEARTBEAT_S:
-                self._send(EngineOutputs(outputs=outputs))  # an empty one is the heartbeat: work goes on
+                # An empty one is the heartbeat: work goes on. Replicas also say how busy they are (routing).
+                self._send(EngineOutputs(outputs=outputs, load=self._load() if self._replicated else None))
             if outputs and (self._unproven or self._recovered_at is not None):
                 self._note_worker_progress()
             if self.engine.device_lost:
@@ -166,12 +184,14 @@ class EngineCoreProcess:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
-                                        cache_salt=msg.cache_salt)
+                                        cache_salt=msg.cache_salt, grammar=msg.grammar)
             except Refused as e:
                 self._refuse(msg.request_id, e.code, e.message)
             except Exception as e:  # noqa: BLE001 - a bug admitting one request fails that request only
                 log.exception("engine core: admitting request %s failed", msg.request_id)
                 self._refuse(msg.request_id, ErrorCode.INTERNAL, f"the engine core could not admit it: {e}")
+        elif isinstance(msg, GrammarVocab):
+            self.engine.set_grammar_vocab(msg)
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
@@ -179,7 +199,14 @@ class EngineCoreProcess:
             stats = self.engine.stats()
             worker = self.device.worker_stats()
             stats.worker_busy_s, stats.worker_idle_s = worker.busy_ns / 1e9, worker.idle_ns / 1e9
+            cache = self.engine.pool.stats  # the hit rate's two counts, so that replicas' rates can be summed
+            stats.prefix_cache_hit_tokens, stats.prefix_cache_queried_tokens = cache.hit_tokens, cache.queried_tokens
             self._send(StatsResponse(id=msg.id, stats=stats))
+
+    def _load(self) -> EngineLoad:
+        """How busy this engine core is now (for the frontend's routing between replicas)."""
+        sched, pool = self.engine.scheduler, self.engine.pool
+        return EngineLoad(len(sched.running), sched.num_waiting, pool.num_used, pool.num_blocks)
 
     def _refuse(self, request_id: str, code: ErrorCode, message: str) -> None:
         self._send(EngineOutputs(outputs=[RequestOutputDelta(request_id, [], "error", None, message, code.value)]))
@@ -195,6 +222,7 @@ class EngineCoreProcess:
         if failed:
             self._send(EngineOutputs(outputs=failed))
         log.warning("worker lost (%s); %d requests wait for a new one", lost, self.engine.scheduler.num_waiting)
+        self._send(WorkerLost(why=lost))  # a frontend with other replicas moves them there meanwhile
         self.waiting_for_worker = True
         try:
             while not self.stopping:
@@ -210,6 +238,7 @@ class EngineCoreProcess:
             return
         self._unproven = True
         self._recovered_at = time.monotonic()
+        self._send(WorkerBack())
         log.info("new worker ready %.3f s after the loss (ready at monotonic %.6f)", self._recovered_at - t_lost,
                  self._recovered_at)
 
@@ -264,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     # A SIGTERM while the ring and its doorbell are being made would leave half of them behind: it waits.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        device = WorkerDevice(ring_geometry(args), token=args.ring_token,
+        device = WorkerDevice(ring_geometry(args), token=args.ring_token, num_ranks=args.ring_ranks,
                               hang_watch=HangWatch(floor_s=args.serve.worker_hang_timeout_s))
     except BaseException:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

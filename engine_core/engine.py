@@ -20,13 +20,15 @@ from typing import Callable
 
 from metrale.config import EngineArgs
 from metrale.ipc.errors import ErrorCode, Refused
-from metrale.ipc.messages import EngineStats, RequestOutputDelta
+from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, RequestOutputDelta
 from metrale.ipc.plan import Device, DeviceError
 from metrale.ipc.sampling import SamplingParams
 
 from .commit import commit_tokens
 from .decode_burst import Burst, burst_length, launch_burst, settle_burst
 from .decode_lane import discard_row, drain, fail_rows, launch, settle
+from .grammar import GrammarBook
+from .speculative import NgramProposer, Speculator
 from .kv_blocks import KvBlockPool
 from .pipeline import Pipeline, SpecialTokens, can_feed, init_row_state, row_mask
 from .scheduler import Scheduler, SchedulerConfig
@@ -57,6 +59,8 @@ class EngineOptions:
     # A streamed request's tokens are reported every this many (its first and its last at once): the
     # frontend's --stream-interval, applied where the tokens are made, so the ticks between send nothing.
     stream_interval: int = 1
+    speculative: str | None = None  # "ngram": decode steps verify prompt-lookup drafts (speculative.py)
+    num_speculative_tokens: int = 3
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
@@ -71,6 +75,8 @@ class EngineOptions:
             recover_from_device_loss=recover_from_device_loss,
             preemption_mode=args.preemption_mode,
             decode_burst=args.decode_burst,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
 
 
@@ -114,8 +120,12 @@ class EngineCore:
             max_model_len=info.max_model_len,
             block_size=info.block_size,
             swap=swap,
+            vocab_size=info.vocab_size,
             state_slots=info.num_state_slots > 0,
         )
+        self.grammars = GrammarBook(info.vocab_size)
+        self.speculator = (Speculator(NgramProposer(), options.num_speculative_tokens, info.max_model_len)
+                           if options.speculative == "ngram" else None)
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
         self.pipeline = Pipeline()
         self.io.recover = options.recover_from_device_loss
@@ -146,8 +156,12 @@ class EngineCore:
         *,
         stream: bool = True,
         cache_salt: str | None = None,
+        grammar: GrammarBlob | None = None,
     ) -> None:
         """Queue a request; Refused (a ValueError with its ErrorCode, naming the field) if it cannot be served.
+
+        grammar: the compiled grammar of params.structured_outputs (frontend/grammar_compiler.py), against the
+        vocabulary set_grammar_vocab was given.
 
         stream=False: its tokens are reported once, in the delta that finishes it (vLLM's FINAL_ONLY; the
         offline LLM's requests without stop strings), which spares a delta per request per tick.
@@ -176,11 +190,19 @@ class EngineCore:
             cache_salt=cache_salt,
             outbox=self._outbox,
         )
+        if params.structured_outputs is not None:
+            if grammar is None:
+                raise Refused(ErrorCode.BAD_REQUEST, "structured_outputs comes with its compiled grammar (AddRequest.grammar)")
+            seq.grammar = self.grammars.row_grammar(grammar, list(output_token_ids))
         self.scheduler.check_admissible(seq)
         self._arrivals += 1
         init_row_state(seq, self.io.toks)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def set_grammar_vocab(self, vocab: GrammarVocab) -> None:
+        """The vocabulary structured outputs' grammars are compiled against (sent by the frontend)."""
+        self.grammars.set_vocab(vocab)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: nothing more of it is committed, even what is in flight."""
@@ -226,6 +248,8 @@ class EngineCore:
         every_row_decodes = step.decode_only and len(step) == len(self.scheduler.running)
         if not step.seqs:
             self._fail_unschedulable()
+        elif every_row_decodes and self._speculate(step.seqs):
+            pass  # verified and committed
         elif every_row_decodes and self._launch_burst(step.seqs):
             pass  # settled (and continued) by the next tick
         elif self.options.pipeline:
@@ -307,10 +331,22 @@ class EngineCore:
             self.burst = launch_burst(seqs, steps, self.io)
         return self.burst is not None
 
+    def _speculate(self, seqs: list[Sequence]) -> bool:
+        """Run the decode step as a verify step when some row has drafts; False (nothing run) when none has."""
+        drafts = self.speculator.drafts(seqs) if self.speculator is not None else None
+        if drafts is None:
+            return False
+        self.speculator.run(seqs, drafts, self.io)
+        return True
+
+    def _drafts_ready(self, seqs: list[Sequence]) -> bool:
+        """True when a verify step could run for these rows (then neither a burst nor the lane runs ahead)."""
+        return self.speculator is not None and self.speculator.drafts([s for s in seqs if not s.finished]) is not None
+
     def _burst_length(self, seqs: list[Sequence]) -> int:
         """How many steps a burst of these rows may run (1: none)."""
         final, streamed = self._burst_limits
-        if final <= 1 and streamed <= 1:
+        if final <= 1 and streamed <= 1 or self._drafts_ready(seqs):
             return 1
         return burst_length(seqs, final, streamed, self.info.max_model_len)
 
@@ -318,7 +354,7 @@ class EngineCore:
         """True when the next step may be launched before the one in flight is committed: its tokens are the
         device's (no host repick pending), the device is there, and no burst could run instead (then the lane
         settles, and the next tick bursts)."""
-        if inf.host_logits or self.io.device_lost:
+        if inf.host_logits or self.io.device_lost or self._drafts_ready(self.scheduler.running):
             return False
         if max(self._burst_limits) <= 1:
             return True
@@ -399,14 +435,17 @@ class EngineCore:
             swapped_in_blocks=self.scheduler.swap.blocks_in,
             steps=self.num_steps,
             generated_tokens=self.generated_tokens,
+            spec_draft_tokens=self.speculator.stats.drafted if self.speculator else 0,
+            spec_accepted_tokens=self.speculator.stats.accepted if self.speculator else 0,
             host_repicks=self.io.host_repicks,
         )
 
 
 def _for_state_slots(options: EngineOptions, info) -> EngineOptions:
     """The options a model with recurrent state slots can serve under: no more sequences than slots, no prefix
-    caching (a cached KV prefix does not restore the recurrent state after it) and preemption by recompute
-    (swap copies KV, not the state); unchanged for a model without them."""
+    caching (a cached KV prefix does not restore the recurrent state after it), preemption by recompute
+    (swap copies KV, not the state) and no speculative decoding (a verify step runs the drafts through the
+    state, which cannot drop the rejected ones again); unchanged for a model without them."""
     slots = info.num_state_slots
     if not slots:
         return options
@@ -417,6 +456,8 @@ def _for_state_slots(options: EngineOptions, info) -> EngineOptions:
         changes["enable_prefix_caching"] = False
     if options.preemption_mode != "recompute":
         changes["preemption_mode"] = "recompute"
+    if options.speculative is not None:
+        changes["speculative"] = None
     if changes:
         log.info("%s keeps recurrent state in %d slots: serving with %s", info.name, slots,
                  ", ".join(f"{k}={v}" for k, v in changes.items()))

@@ -91,10 +91,13 @@ class FakeDevice:
         num_swap_blocks: int = 0,
         max_burst: int = 1,
         deferred: bool = False,
+        repetitive: bool = False,
         num_state_slots: int = 0,
     ):
         """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst);
-        num_state_slots > 0: a recurrent model (see the module docstring)."""
+        repetitive: the logits depend on the last token only (a model whose greedy output soon cycles, so
+        prompt lookup's drafts are often right); num_state_slots > 0: a recurrent model (see the module
+        docstring)."""
         self.info = ModelInfo(
             name="fake",
             vocab_size=vocab_size,
@@ -120,6 +123,7 @@ class FakeDevice:
         self._logits: dict[int, np.ndarray] = {}
         self._launched = 0
         self.deferred = deferred
+        self.repetitive = repetitive
         self._queued: list[tuple[int, StepPlan, int]] = []  # launched, not yet run (deferred)
         self._failed = False  # a step failed and the host has not awaited it yet
 
@@ -202,8 +206,10 @@ class FakeDevice:
 
     # ---- the toy model --------------------------------------------------------------
 
-    def _execute(self, n: int, plan: StepPlan) -> StepResult:
-        """Write the step's tokens into the fake KV, then pick a token for every sampling row."""
+    def _execute(self, n: int, plan: StepPlan) -> StepResult | list[StepResult]:
+        """Write the step's tokens into the fake KV, then pick a token for every sampling row (a verify step: at
+        each of a drafted row's positions up to its first pick that differs from the next draft, one result
+        per pick, as a burst's)."""
         if n in self.faults.fail_steps:
             raise DeviceError(f"injected failure of step {n}")
         if self._failed:
@@ -218,28 +224,41 @@ class FakeDevice:
         R = plan.num_rows
         if self.state:
             self._advance_state(plan, input_ids)
-        tokens = np.full(R, -1, dtype=np.int64)
         logits_all = np.zeros((R, self.info.vocab_size), dtype=np.float32)
         q_lens = np.diff(plan.query_start).tolist()
+        drafts = plan.num_drafts.tolist()
+        picks = np.full((max(drafts, default=0) + 1, R), -1, dtype=np.int64)
         for r in range(R):
             seq_len = int(plan.seq_lens[r])
             positions = plan.positions[plan.query_start[r] : plan.query_start[r + 1]]
             assert (positions == np.arange(seq_len - q_lens[r], seq_len)).all(), "positions do not end at seq_len"
             if not plan.sample[r]:
                 continue
-            context = self._read_context(plan.block_tables[r], seq_len)
             if self.state:
+                # The slot ran every token the row wrote, drafts included (a recurrent state cannot drop a
+                # rejected draft again, which is why the engine never speculates for such a model).
                 slot = self.state[plan.state_slots[r]]
-                assert slot == context.tolist(), f"row {r}'s state slot does not hold its context"
-            logits = self._logits_for(context)
-            logits_all[r] = logits
-            tokens[r] = sample_row(logits, SamplingRow.of_plan(plan, r))
+                assert slot == self._read_context(plan.block_tables[r], seq_len).tolist(), (
+                    f"row {r}'s state slot does not hold its context"
+                )
+            row = SamplingRow.of_plan(plan, r)
+            d = drafts[r]
+            for j in range(d + 1):  # j > 0: the j-th draft's position; stop at the first pick it contradicts
+                length = seq_len - d + j
+                logits = self._logits_for(self._read_context(plan.block_tables[r], length))
+                logits_all[r] = logits
+                row.position = length
+                picks[j, r] = sample_row(logits, row)
+                if j < d and picks[j, r] != input_ids[plan.query_start[r] + 1 + j]:
+                    break
+        tokens = picks[0]
         self.prev_tokens = tokens.copy()
         self._logits[n] = logits_all
         self._logits.pop(n - 4, None)
         self.records.append(StepRecord(q_lens, plan.sample.tolist(), fed))
         lp = np.zeros(R, dtype=np.float32) if (plan.num_logprobs >= 0).any() else None
-        return StepResult(tokens=tokens.astype(np.int32), logprobs=lp)
+        results = [StepResult(tokens=row.astype(np.int32), logprobs=lp) for row in picks]
+        return results if any(drafts) else results[0]
 
     def _advance_state(self, plan: StepPlan, input_ids: np.ndarray) -> None:
         """Run each row's tokens through its state slot: reset at position 0, else continue exactly where the
@@ -275,5 +294,6 @@ class FakeDevice:
 
     def _logits_for(self, context: np.ndarray) -> np.ndarray:
         """Peaked pseudo-random logits that depend on the last three tokens and the length."""
-        key = hash((tuple(context[-3:].tolist()), len(context))) & (2**63 - 1)
+        recent = context[-1:] if self.repetitive else context[-3:]
+        key = hash((tuple(recent.tolist()), 0 if self.repetitive else len(context))) & (2**63 - 1)
         return (uniform_noise(key, 0, self.info.vocab_size) * 8.0).astype(np.float32)

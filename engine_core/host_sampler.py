@@ -3,12 +3,13 @@
 The host samples a step's logits when a RepickOnly model's step was launched ahead and a row's mask went stale
 (decode_lane.py): the forward stands, the pick is redone under the mask as it is now. So the host must pick what
 the device would have: penalties (repetition over prompt and output, then frequency times the count and presence
-over the output), bans, forced tokens, greedy rows (by temperature or mask), temperature, top-k, top-p over the
-top-k survivors, min-p, and the Gumbel-max draw keyed by (seed, position) — the same float32 values at each
-step, the same splitmix64 noise bits, the same tie rules (a cutoff keeps every token at or above it; an argmax
-takes the first index). The transcendental steps (exp in top-p, the noise's two logs) are computed in float64 and
-rounded once, which is what the device's float32 functions give but for a last-ulp difference now and then; a
-pick can then differ only where two candidates tie to within an ulp. FakeDevice samples with it too.
+over the output), a grammar row's bitmask (its matcher's allowed tokens), bans, forced tokens, greedy rows (by
+temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
+(seed, position) — the same float32 values at each step, the same splitmix64 noise bits, the same tie rules (a
+cutoff keeps every token at or above it; an argmax takes the first index). The transcendental steps (exp in top-p,
+the noise's two logs) are computed in float64 and rounded once, which is what the device's float32 functions give
+but for a last-ulp difference now and then; a pick can then differ only where two candidates tie to within an
+ulp. FakeDevice samples with it too.
 
 The engine core imports no torch: this is numpy, row by row (a repair is rare and its rows are few).
 """
@@ -20,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale.ipc.messages import TokenLogprob
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, StepPlan, StepResult
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, StepResult, unpack_bitmask
 
+from .grammar import allowed_tokens
 from .pipeline import Inflight, RowMask, row_mask
 from .sequence import Sequence
 from .step_io import StepIo
@@ -74,6 +76,8 @@ class SamplingRow:
     history: np.ndarray  # int32: prompt + output tokens (empty when the row has no penalties)
     prompt_len: int  # the first prompt_len history tokens are the prompt
 
+    allowed: np.ndarray | None = None  # bool [>= V]: a MASK_GRAMMAR row's grammar bitmask, unpacked
+
     @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
@@ -82,23 +86,30 @@ class SamplingRow:
     def of_plan(cls, plan: StepPlan, r: int) -> SamplingRow:
         """Row r of a plan."""
         h0, h1 = int(plan.hist_start[r]), int(plan.hist_start[r + 1])
+        kind = int(plan.mask_kind[r])
+        allowed = None
+        if kind & MASK_GRAMMAR:
+            g = int(np.count_nonzero(plan.mask_kind[:r] & MASK_GRAMMAR))  # its row of grammar_bitmask
+            allowed = unpack_bitmask(plan.grammar_bitmask[g], 32 * plan.grammar_bitmask.shape[1])
         return cls(
             plan.temperature[r], int(plan.top_k[r]), plan.top_p[r], plan.min_p[r], plan.repetition_penalty[r],
             plan.presence_penalty[r], plan.frequency_penalty[r], int(plan.seeds[r]), int(plan.seq_lens[r]),
-            int(plan.mask_kind[r]), int(plan.force_token[r]), tuple(int(b) for b in plan.ban_ids[r] if b >= 0),
-            plan.hist_tokens[h0:h1], int(plan.hist_prompt_len[r]),
+            kind, int(plan.force_token[r]), tuple(int(b) for b in plan.ban_ids[r] if b >= 0),
+            plan.hist_tokens[h0:h1], int(plan.hist_prompt_len[r]), allowed,
         )
 
     @classmethod
-    def of_sequence(cls, seq: Sequence, mask: RowMask, position: int) -> SamplingRow:
-        """A sequence's row under mask, picking its token at position (its values as the step builder lays them)."""
+    def of_sequence(cls, seq: Sequence, mask: RowMask, position: int, vocab_size: int) -> SamplingRow:
+        """A sequence's row under mask, picking its token at position (its values as the step builder lays them;
+        a grammar row's allowed tokens are its matcher's as it is now)."""
         p = seq.params
         f32 = np.float32
         history = np.array(seq.tokens, dtype=np.int32) if p.has_penalties else np.zeros(0, np.int32)
+        allowed = allowed_tokens(seq, vocab_size) if mask.kind & MASK_GRAMMAR else None
         return cls(
             f32(p.temperature), p.top_k if p.top_k > 0 else 0, f32(p.top_p), f32(p.min_p), f32(p.repetition_penalty),
             f32(p.presence_penalty), f32(p.frequency_penalty), int(seq.seed), position, mask.kind, mask.force_token,
-            mask.ban, history, seq.num_prompt,
+            mask.ban, history, seq.num_prompt, allowed,
         )
 
 
@@ -108,6 +119,8 @@ def sample_row(logits: np.ndarray, row: SamplingRow) -> int:
     vocab = len(x)
     if row.penalised and len(row.history):
         _penalise(x, row)
+    if row.mask_kind & MASK_GRAMMAR:
+        x[~row.allowed[:vocab]] = -np.inf
     if row.mask_kind & MASK_BAN:
         ban = [b for b in row.ban if 0 <= b < vocab]
         x[ban] = -np.inf
@@ -180,7 +193,7 @@ def host_sample(logits: np.ndarray, seqs: list[Sequence], masks: list[RowMask], 
     picks = np.full(len(seqs), -1, dtype=np.int64)
     for r, (seq, mask, position, smp) in enumerate(zip(seqs, masks, positions, samples)):
         if smp:
-            picks[r] = sample_row(logits[r], SamplingRow.of_sequence(seq, mask, position))
+            picks[r] = sample_row(logits[r], SamplingRow.of_sequence(seq, mask, position, logits.shape[1]))
     return picks
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, MASK_NONE, Ticket
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, Ticket
 
 from .sequence import Sequence
 
@@ -33,11 +33,13 @@ class SpecialTokens:
 
 @dataclass(frozen=True, slots=True)
 class RowMask:
-    """What constrains a row's next pick: the MASK_* bits, the forced token, the banned ids."""
+    """What constrains a row's next pick: the MASK_* bits, the forced token, the banned ids, and for a grammar
+    row the number of output tokens its matcher had accepted when its bitmask was made (grammar.py)."""
 
     kind: int = MASK_NONE
     force_token: int = -1
     ban: tuple[int, ...] = ()
+    grammar_at: int = -1
 
 
 NO_MASK = RowMask()
@@ -89,20 +91,27 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
         ban = tuple(dict.fromkeys((*eos_ids, *p.stop_token_ids)))
     if p.adaptive_sampling and (seq.in_fence or seq.in_tool):
         kind |= MASK_GREEDY
-    return RowMask(kind, -1, ban) if kind else NO_MASK
+    # A grammar's bitmask is made from the matcher as it is: one launched ahead is made a token early (stale).
+    grammar_at = -1
+    if seq.grammar is not None:
+        kind |= MASK_GRAMMAR
+        grammar_at = seq.grammar.accepted
+    return RowMask(kind, -1, ban, grammar_at) if kind else NO_MASK
 
 
 def is_plain(seq: Sequence) -> bool:
     """True when seq's params make every mask NO_MASK, need no penalties and read no row state."""
     p = seq.params
-    return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None)
+    return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None
+                or p.structured_outputs is not None)
 
 
 def can_feed(seq: Sequence) -> bool:
     """True when seq's next step may be fed from the device's token before the host has seen it: its picks
-    need no history on the host (penalties do: such a row waits for its commit). A mask that the token could
-    change is predicted and validated, not waited for."""
-    return seq.plain or not seq.params.has_penalties
+    need no history on the host (penalties do) and no grammar bitmask (made by the matcher after that token):
+    such a row waits for its commit. A mask that the token could change is predicted and validated, not
+    waited for."""
+    return seq.plain or not (seq.params.has_penalties or seq.grammar is not None)
 
 
 def update_row_state(seq: Sequence, token: int, toks: SpecialTokens) -> None:

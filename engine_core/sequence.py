@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.messages import TokenLogprob
 from metrale.ipc.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import RowGrammar
 
 
 class SeqStatus(enum.IntEnum):
@@ -67,6 +71,7 @@ class Sequence:
     # report, so collecting a tick's outputs visits those only, not every request.
     outbox: dict | None = field(default=None, repr=False)
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
+    grammar: RowGrammar | None = None  # structured outputs: its matcher, past the committed output (grammar.py)
 
     @property
     def num_tokens(self) -> int:

@@ -13,8 +13,9 @@ from operator import add
 
 import numpy as np
 
-from metrale.ipc.plan import FEED_HOST, StepPlan
+from metrale.ipc.plan import FEED_HOST, MASK_GRAMMAR, StepPlan
 
+from .grammar import fill_bitmasks
 from .pipeline import NO_MASK, RowMask
 from .sequence import Sequence
 from .swap import SwapSpace
@@ -57,10 +58,12 @@ class _Buffers:
     hist_tokens: np.ndarray
     hist_start: np.ndarray
     hist_prompt_len: np.ndarray
+    grammar_bitmask: np.ndarray  # [max_rows, W]: the grammar rows' bitmasks, first rows first
+    num_drafts: np.ndarray
     state_slots: np.ndarray
 
     @classmethod
-    def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int) -> "_Buffers":
+    def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> "_Buffers":
         i32 = np.int32
         floats = np.zeros((_NUM_FLOATS, max_rows), np.float32)
         int32s = np.zeros((2, max_rows), i32)
@@ -90,6 +93,8 @@ class _Buffers:
             hist_tokens=np.zeros(max_hist, i32),
             hist_start=np.zeros(max_rows + 1, i32),
             hist_prompt_len=np.zeros(max_rows, i32),
+            grammar_bitmask=np.zeros((max_rows, words), i32),
+            num_drafts=np.zeros(max_rows, i32),
             state_slots=np.zeros(max_rows, i32),
         )
 
@@ -189,9 +194,10 @@ class StepBuilder:
 
     def __init__(
         self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, swap: SwapSpace | None = None, depth: int = 3,
-        state_slots: bool = False,
+        vocab_size: int = 0, state_slots: bool = False,
     ):
-        """state_slots: the model keeps recurrent state, so every plan carries each row's state slot."""
+        """vocab_size: the model's, for grammar rows' bitmasks (0: a builder that never meets one); state_slots:
+        the model keeps recurrent state, so every plan carries each row's state slot."""
         self.block_size = block_size
         self.state_slots = state_slots
         self.swap = swap or SwapSpace(0)
@@ -200,7 +206,7 @@ class StepBuilder:
         self.max_rows = max_rows
         self._hist_cap = max(4096, max_tokens)
         self._sets = [
-            _Buffers.allocate(max_tokens, max_rows, self.max_blocks, self._hist_cap) for _ in range(depth)
+            _Buffers.allocate(max_tokens, max_rows, self.max_blocks, self._hist_cap, -(-vocab_size // 32)) for _ in range(depth)
         ]
         self._turn = 0
         self._mirror = _Mirror(2 * max_rows, self.max_blocks)
@@ -208,7 +214,7 @@ class StepBuilder:
 
     def build(
         self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, feed: list[int] | None = None,
-        lookahead: int = 0,
+        lookahead: int = 0, drafts: list[list[int]] | None = None,
     ) -> StepPlan:
         """A plan running num_new[r] tokens of seqs[r] from its num_computed.
 
@@ -216,6 +222,8 @@ class StepBuilder:
         launched ahead: one token written at position num_computed, which always samples; its launch bookkeeping
         comes later). None: every row host-fed.
         lookahead: the block tables also cover that many positions past the step's (a decode burst's).
+        drafts: per row, draft tokens that follow its committed ones (a verify step, engine_core/speculative.py):
+        the row runs its last token and its drafts (num_new = 1 + len(drafts)) and samples at each.
         """
         b = self._sets[self._turn]
         self._turn = (self._turn + 1) % len(self._sets)
@@ -230,8 +238,10 @@ class StepBuilder:
         if num_new.count(1) == R:
             self._decode_tokens(b, seqs, starts, rows, feed)
         else:
-            self._mixed_tokens(b, seqs, starts, num_new, tables, feed)
-        self._sampling(b, rows, masks)
+            self._mixed_tokens(b, seqs, starts, num_new, tables, feed, drafts)
+        g = self._sampling(b, seqs, rows, masks)
+        if drafts is not None:
+            b.num_drafts[:R] = [len(d) for d in drafts]
         h = self._history(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
         state_slots = _NO_STATE
@@ -264,6 +274,8 @@ class StepBuilder:
             hist_prompt_len=b.hist_prompt_len[:R],
             swap_out=swap_out,
             swap_in=swap_in,
+            grammar_bitmask=b.grammar_bitmask[:g] if g else b.grammar_bitmask[:0, :0],
+            num_drafts=b.num_drafts[:R],
             state_slots=state_slots,
         )
 
@@ -290,11 +302,12 @@ class StepBuilder:
 
     def _mixed_tokens(
         self, b: _Buffers, seqs: list[Sequence], starts: list[int], num_new: list[int], tables: np.ndarray,
-        feed: list[int] | None,
+        feed: list[int] | None, drafts: list[list[int]] | None = None,
     ) -> None:
-        """Token and per-row arrays of a step with prefill chunks, row by row."""
+        """Token and per-row arrays of a step with prefill chunks (or drafts), row by row."""
         R, bs = len(seqs), self.block_size
         feed = feed or [FEED_HOST] * R
+        extra = [len(d) for d in drafts] if drafts is not None else [0] * R  # tokens past the committed ones
         t = 0
         for r, (seq, start, k) in enumerate(zip(seqs, starts, num_new)):
             if k == 1:  # a decode: scalars, no temporary arrays
@@ -305,31 +318,36 @@ class StepBuilder:
                 pos = np.arange(start, start + k, dtype=np.int32)
                 b.positions[t : t + k] = pos
                 b.slot_mapping[t : t + k] = tables[r, pos // bs].astype(np.int64) * bs + pos % bs
-                b.input_ids[t : t + k] = seq.tokens[start : start + k]
+                b.input_ids[t : t + k] = seq.tokens[start : start + k] + (drafts[r] if extra[r] else [])
             t += k
         b.seq_lens[:R] = ends = list(map(add, starts, num_new))
-        b.sample[:R] = [src != FEED_HOST or end == len(s.tokens) for s, end, src in zip(seqs, ends, feed)]
+        b.sample[:R] = [src != FEED_HOST or end - x == len(s.tokens) for s, end, src, x in zip(seqs, ends, feed, extra)]
         b.query_start[0] = 0
         np.cumsum(num_new, out=b.query_start[1 : R + 1])
         b.feed_from_row[:R] = feed
 
-    def _sampling(self, b: _Buffers, rows: np.ndarray, masks: list[RowMask]) -> None:
-        """Each row's sampling values (from the mirror) and mask."""
+    def _sampling(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, masks: list[RowMask]) -> int:
+        """Each row's sampling values (from the mirror) and mask; returns the grammar rows (their bitmasks filled)."""
         R, m = len(rows), self._mirror
         m.floats.take(rows, axis=1, out=b.floats[:, :R])
         m.int32s.take(rows, axis=1, out=b.int32s[:, :R])
         m.seeds.take(rows, out=b.seeds[:R])
         b.ban_ids[:R] = -1
+        b.num_drafts[:R] = 0
         if masks.count(NO_MASK) == R:  # the usual step: no row constrained
             b.mask_kind[:R] = NO_MASK.kind
             b.force_token[:R] = NO_MASK.force_token
-            return
-        b.mask_kind[:R] = [mask.kind for mask in masks]
+            return 0
+        kinds = [mask.kind for mask in masks]
+        b.mask_kind[:R] = kinds
         b.force_token[:R] = [mask.force_token for mask in masks]
         for r, mask in enumerate(masks):
             if mask.ban:
                 ban = mask.ban[:MAX_BAN_IDS]
                 b.ban_ids[r, : len(ban)] = ban
+        if not any(kind & MASK_GRAMMAR for kind in kinds):
+            return 0
+        return fill_bitmasks(seqs, kinds, b.grammar_bitmask)
 
     def _history(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray) -> int:
         """Token histories of the rows with penalties; returns their total length."""

@@ -9,6 +9,12 @@ progress (stopped, deadlocked, a kernel that never returns) is killed once its s
 deadline, and is then lost like a dead one. A restarted worker attaches to the
 same ring: wait_ready() accepts it, and every step launched before it is abandoned (DeviceError).
 
+A tensor-parallel group (`num_ranks` > 1) is one device: each of its ranks on this host connects a doorbell of
+its own and says WorkerReady with its rank; launch() rings them all (each reads the plan from the ring), rank 0
+alone answers. The group lives and dies as one: a death (or closed doorbell) of any rank is a DeviceLost, and a
+hung group (rank 0 stops answering when any rank stops, since every step waits on its collectives) is killed
+whole. wait_ready() then waits for a whole new group.
+
 No torch here: the engine core runs on numpy and plain Python.
 """
 
@@ -48,8 +54,10 @@ class WorkerDevice:
         spin_us: float = DEFAULT_SPIN_US,
         wait_slice_s: float = WAIT_SLICE_S,
         hang_watch: HangWatch | None = None,
+        num_ranks: int = 1,
     ) -> None:
         """Create the ring ("metrale-<our pid>-<token>") and its doorbell; no worker yet (see wait_ready).
+        num_ranks: the worker ranks on this host that serve the ring together (a tensor-parallel group).
 
         A supervisor that starts the worker itself passes a token it also gives the worker
         (`--ring metrale-<engine pid>-<token>`), then the engine calls wait_ready()."""
@@ -67,11 +75,15 @@ class WorkerDevice:
         self._launched_ns = [0] * self._ring.num_slots
         self._work = [1] * self._ring.num_slots  # tokens x steps of the ticket in each slot
         self._progress_ns = time.monotonic_ns()  # the last result seen (or the worker's start)
-        self._bell: Bell | None = None
+        self.num_ranks = num_ranks
+        self._bell: Bell | None = None  # rank 0's: it rings back with results
+        self._bells: list[Bell] = []  # every rank's, in rank order
         self._info: ModelInfo | None = None
-        self._pid: int | None = None
-        self._proc: subprocess.Popen | None = None  # only when we spawned the worker
-        self._spawn_args: tuple[list[str], dict[str, str] | None] | None = None
+        self._pid: int | None = None  # rank 0's
+        self._pids: list[int] = []  # every rank's, in rank order
+        self._procs: list[subprocess.Popen] = []  # only when we spawned the worker(s)
+        self._spawn_group = None  # callable(generation) -> one argv per rank, for a spawned group
+        self._generation = 0  # starts of a spawned group (each meets at a fresh port)
         self._gone: str | None = "no worker has attached to the ring yet"
         self._inflight = [0] * self._ring.num_slots  # seq in flight per slot, 0 when free
         self._next_seq = 1
@@ -90,10 +102,15 @@ class WorkerDevice:
         env: dict[str, str] | None = None,
         worker_spin_us: float | None = None,
         ready_timeout_s: float = 600.0,
+        tensor_parallel_size: int = 1,
+        all_reduce: str = "auto",
         **device_kwargs,
     ) -> WorkerDevice:
-        """Create a device and start its worker as our child process (tests, offline use)."""
-        device = cls(geometry, **device_kwargs)
+        """Create a device and start its worker (or its tensor-parallel group of worker processes, meeting at a
+        fresh port) as our children (tests, offline use)."""
+        from metrale.ipc import worker_group
+
+        device = cls(geometry, num_ranks=tensor_parallel_size, **device_kwargs)
         try:
             argv = [sys.executable, "-m", WORKER_MODULE, "--ring", device.ring_name]
             if factory is not None:
@@ -102,7 +119,16 @@ class WorkerDevice:
                 argv += ["--runner-kwargs", msgspec.json.encode(runner_kwargs).decode()]
             if worker_spin_us is not None:
                 argv += ["--spin-us", str(worker_spin_us)]
-            device._spawn_args = (argv, None if env is None else {**os.environ, **env})
+            full_env = None if env is None else {**os.environ, **env}
+
+            def group(generation: int) -> list[tuple[list[str], dict[str, str] | None]]:
+                """One command line per rank, meeting at a port fresh for this start."""
+                if tensor_parallel_size == 1:
+                    return [(argv, full_env)]
+                specs = worker_group.group_specs(tensor_parallel_size, generation=generation, all_reduce=all_reduce)
+                return [([*argv, "--group", worker_group.encode(spec)], full_env) for spec in specs]
+
+            device._spawn_group = group
             device.respawn(ready_timeout_s)
             return device
         except BaseException:
@@ -110,47 +136,77 @@ class WorkerDevice:
             raise
 
     def respawn(self, ready_timeout_s: float = 600.0) -> ModelInfo:
-        """Start a fresh worker on the same ring (killing the old one if it lives); spawned devices only."""
-        if self._spawn_args is None:
+        """Start a fresh worker (group) on the same ring (killing the old one if it lives); spawned devices only."""
+        if self._spawn_group is None:
             raise RuntimeError("respawn() is for devices made by WorkerDevice.spawn; the supervisor restarts workers")
-        self._stop_child(grace_s=0.0)
-        argv, env = self._spawn_args
-        self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
-        return self.wait_ready(ready_timeout_s, pid=self._proc.pid)
+        self._stop_children(grace_s=0.0)
+        self._generation += 1
+        self._procs = [subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+                       for argv, env in self._spawn_group(self._generation)]
+        return self.wait_ready(ready_timeout_s, pids=[p.pid for p in self._procs])
 
-    def wait_ready(self, timeout_s: float = 600.0, pid: int | None = None) -> ModelInfo:
-        """Wait for a (re)started worker to attach and say ready; steps launched before are abandoned.
+    def wait_ready(self, timeout_s: float = 600.0, pid: int | None = None, pids: list[int] | None = None) -> ModelInfo:
+        """Wait for a (re)started worker (every rank of a group) to attach and say ready; steps launched before
+        are abandoned.
 
-        pid: the worker's pid when the caller knows it, so that its death is an error at once (and a
-        stale connection from an earlier worker is skipped). DeviceError on timeout, or when the
+        pid / pids: the worker's (the ranks') pids when the caller knows them, so that a death is an error at
+        once (and a stale connection from an earlier worker is skipped). DeviceError on timeout, or when a
         worker reports that its runner failed to build."""
         deadline = time.monotonic() + timeout_s
+        expected = pids if pids is not None else ([pid] if pid is not None else None)
         self._detach()
-        while True:
-            self._raise_if_dead_before_ready(pid)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeviceError(f"no worker attached to {self._ring.name} within {timeout_s:.1f} s")
-            bell = self._listener.accept(min(left, 0.05))
-            if bell is None:
-                continue
-            try:
-                ready = self._receive_ready(bell, deadline, pid)
-                if ready is not None and (pid is None or ready.pid == pid):
-                    bell.send(Attached(first_seq=self._next_seq))
-                    break
-            except OSError:
-                pass  # it went away while attaching: wait for the next one
-            except BaseException:
+        ready: dict[int, tuple[Bell, WorkerReady]] = {}
+        try:
+            while len(ready) < self.num_ranks or not self._still_connected(ready):
+                self._raise_if_dead_before_ready(expected)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeviceError(f"{self.num_ranks - len(ready)} of {self.num_ranks} worker ranks did not attach "
+                                      f"to {self._ring.name} within {timeout_s:.1f} s")
+                bell = self._listener.accept(min(left, 0.05))
+                if bell is None:
+                    continue
+                try:
+                    message = self._receive_ready(bell, deadline, expected)
+                except OSError:
+                    message = None  # it went away while attaching: wait for the next one
+                except BaseException:
+                    bell.close()
+                    raise
+                if message is None or (expected is not None and message.pid not in expected) \
+                        or not 0 <= message.rank < self.num_ranks:
+                    bell.close()
+                    continue
+                old = ready.pop(message.rank, None)
+                if old is not None:  # a rank of an earlier group that died while this one formed
+                    old[0].close()
+                ready[message.rank] = (bell, message)
+            for rank in range(self.num_ranks):
+                ready[rank][0].send(Attached(first_seq=self._next_seq))
+        except BaseException:
+            for bell, _ in ready.values():
                 bell.close()
-                raise
-            bell.close()
-        self._bell, self._info, self._pid, self._gone = bell, ready.info, ready.pid, None
+            raise
+        self._bells = [ready[r][0] for r in range(self.num_ranks)]
+        self._pids = [ready[r][1].pid for r in range(self.num_ranks)]
+        self._bell, self._pid, self._info, self._gone = self._bells[0], self._pids[0], ready[0][1].info, None
         self._first_seq = self._next_seq
         self._inflight = [0] * self._ring.num_slots
         self.hang.reset()
         self._progress_ns = time.monotonic_ns()
-        return ready.info
+        return self._info
+
+    @staticmethod
+    def _still_connected(ready: dict) -> bool:
+        """Drop ranks whose connection closed while the rest of the group came; True when none did."""
+        gone = []
+        for rank, (bell, _) in ready.items():
+            bell.wait(0)
+            if bell.peer_gone:
+                gone.append(rank)
+        for rank in gone:
+            ready.pop(rank)[0].close()
+        return not gone
 
     # ---- the Device protocol -----------------------------------------------------------------
 
@@ -172,8 +228,8 @@ class WorkerDevice:
             raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
         self._ring.write_plan(slot, plan, steps)
         self._ring.publish_plan(slot, seq)
-        if self._bell is not None:
-            self._bell.ring()
+        for bell in self._bells:  # every rank reads the plan
+            bell.ring()
         self._inflight[slot] = seq
         self._launched_ns[slot] = time.monotonic_ns()
         self._work[slot] = max(1, len(plan.input_ids)) * steps
@@ -244,12 +300,13 @@ class WorkerDevice:
             return
         self._closed = True
         try:
-            if self._bell is not None and not self._bell.peer_gone:
-                try:
-                    self._bell.send(Shutdown(), timeout_s=1.0)
-                except OSError:
-                    pass  # the worker is gone already
-            self._stop_child(grace_s=5.0)
+            for bell in self._bells:
+                if not bell.peer_gone:
+                    try:
+                        bell.send(Shutdown(), timeout_s=1.0)
+                    except OSError:
+                        pass  # the worker is gone already
+            self._stop_children(grace_s=5.0)
         finally:
             self._detach()
             self._listener.close()
@@ -275,13 +332,23 @@ class WorkerDevice:
 
     @property
     def pid(self) -> int | None:
-        """The attached worker's pid (None before wait_ready)."""
+        """The attached worker's pid (rank 0's; None before wait_ready)."""
         return self._pid
 
     @property
+    def pids(self) -> list[int]:
+        """Every attached rank's pid, in rank order."""
+        return list(self._pids)
+
+    @property
     def process(self) -> subprocess.Popen | None:
-        """The worker process when this device spawned it."""
-        return self._proc
+        """The worker process (rank 0's) when this device spawned it."""
+        return self._procs[0] if self._procs else None
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """Every spawned rank's process, in rank order."""
+        return list(self._procs)
 
     def worker_stats(self) -> WorkerStats:
         """The worker's counters: idle (waiting for plans) vs busy time, steps served."""
@@ -327,20 +394,23 @@ class WorkerDevice:
         self._progress_ns = now
 
     def _kill_hung(self, stalled_ns: int) -> str:
-        """SIGKILL a worker that made no progress for stalled_ns; returns why (it is then gone, like a dead one)."""
-        why = (f"the worker process (pid {self._pid}) made no progress for {stalled_ns / 1e9:.1f} s "
+        """SIGKILL a worker (every rank of its group) that made no progress for stalled_ns; returns why (it is
+        then gone, like a dead one)."""
+        who = f"pid {self._pid}" if len(self._pids) == 1 else f"pids {', '.join(map(str, self._pids))}"
+        why = (f"the worker process ({who}) made no progress for {stalled_ns / 1e9:.1f} s "
                f"(longer than its recent steps allow); it was killed as hung")
-        try:
-            os.kill(self._pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        for pid in self._pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self._gone = why
         if self.on_hang is not None:
             self.on_hang(why)
         return why
 
     def _why_gone(self, now_ns: int) -> str | None:
-        """Why the worker can no longer answer (None while it lives); remembered once known.
+        """Why the worker (some rank of its group) can no longer answer (None while all live); remembered once known.
 
         The doorbell's end-of-file tells a death at once (the kernel closes a killed process's socket);
         the process table is read as well, at most every PID_CHECK_NS (it costs a /proc read per step
@@ -348,13 +418,19 @@ class WorkerDevice:
         """
         if self._gone is None:
             check_pid = now_ns - self._pid_checked_ns >= PID_CHECK_NS
-            if self._bell.peer_gone:
-                self._gone = f"the worker process (pid {self._pid}) closed its doorbell"
-            elif check_pid and not self._alive(self._pid):
-                self._gone = f"the worker process (pid {self._pid}) died"
+            for rank, (bell, pid) in enumerate(zip(self._bells, self._pids)):
+                if rank > 0:
+                    bell.wait(0)  # take in a rank's end-of-file (rank 0's bell is the one being waited on)
+                name = "the worker process" if self.num_ranks == 1 else f"worker rank {rank}"
+                if bell.peer_gone:
+                    self._gone = f"{name} (pid {pid}) closed its doorbell"
+                elif check_pid and not self._alive(pid):
+                    self._gone = f"{name} (pid {pid}) died"
+                if self._gone is not None:
+                    break
             if check_pid:
                 self._pid_checked_ns = now_ns
-            if self._gone is not None and self._proc is not None:
+            if self._gone is not None and self._procs:
                 code = self._reap(timeout_s=0.05)
                 if code is not None:
                     self._gone += f" (exit code {code})"
@@ -362,8 +438,9 @@ class WorkerDevice:
 
     def _alive(self, pid: int) -> bool:
         """Whether a worker pid runs (our own child is checked through its Popen, a zombie is dead)."""
-        if self._proc is not None and self._proc.pid == pid:
-            return self._proc.poll() is None
+        for proc in self._procs:
+            if proc.pid == pid:
+                return proc.poll() is None
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
@@ -371,13 +448,15 @@ class WorkerDevice:
         except psutil.AccessDenied:
             return True
 
-    def _raise_if_dead_before_ready(self, pid: int | None) -> None:
-        """DeviceError if the worker we are waiting for already died."""
-        if pid is not None and not self._alive(pid):
-            code = self._reap(0.0) if self._proc is not None and self._proc.pid == pid else None
-            raise DeviceError(f"the worker process (pid {pid}) exited before it was ready (exit code {code})")
+    def _raise_if_dead_before_ready(self, pids: list[int] | None) -> None:
+        """DeviceError if a worker we are waiting for already died."""
+        for pid in pids or ():
+            if not self._alive(pid):
+                proc = next((p for p in self._procs if p.pid == pid), None)
+                code = proc.poll() if proc is not None else None
+                raise DeviceError(f"the worker process (pid {pid}) exited before it was ready (exit code {code})")
 
-    def _receive_ready(self, bell: Bell, deadline: float, pid: int | None) -> WorkerReady | None:
+    def _receive_ready(self, bell: Bell, deadline: float, pids: list[int] | None) -> WorkerReady | None:
         """The WorkerReady a connected worker sends once its runner is built; None if it left first."""
         while True:
             message = bell.receive(min(max(deadline - time.monotonic(), 0.0), 0.05))
@@ -387,30 +466,36 @@ class WorkerDevice:
                 raise DeviceError(f"the worker (pid {message.pid}) failed to start: {message.message}")
             if bell.peer_gone:
                 return None
-            self._raise_if_dead_before_ready(pid)
+            self._raise_if_dead_before_ready(pids)
             if time.monotonic() > deadline:
                 raise DeviceError(f"a worker connected to {self._ring.name} but was not ready in time")
 
     def _detach(self) -> None:
-        """Forget the current worker: its steps in flight are abandoned."""
-        if self._bell is not None:
-            self._bell.close()
-            self._bell = None
+        """Forget the current worker (group): its steps in flight are abandoned."""
+        for bell in self._bells:
+            bell.close()
+        self._bells, self._bell = [], None
         self._gone = "the worker was detached"
         self._first_seq = self._next_seq
         self._inflight = [0] * self._ring.num_slots
 
-    def _stop_child(self, grace_s: float) -> None:
-        """Wait up to grace_s for our spawned worker to exit, then kill it; reap it."""
-        if self._proc is None:
+    def _stop_children(self, grace_s: float) -> None:
+        """Wait up to grace_s for our spawned worker(s) to exit, then kill them; reap them."""
+        if not self._procs:
             return
-        if self._reap(grace_s) is None:
-            self._proc.kill()
+        if self._reap(grace_s) is None or any(p.poll() is None for p in self._procs):
+            for proc in self._procs:
+                if proc.poll() is None:
+                    proc.kill()
             self._reap(5.0)
 
     def _reap(self, timeout_s: float) -> int | None:
-        """Our spawned worker's exit code if it exits within timeout_s, else None."""
-        try:
-            return self._proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
+        """Once every spawned rank exits within timeout_s: the first non-zero exit code (else 0); else None."""
+        deadline = time.monotonic() + timeout_s
+        codes = []
+        for proc in self._procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                return None
+        return next((c for c in codes if c), 0)

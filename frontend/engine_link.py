@@ -27,10 +27,16 @@ What the engine core must do:
    job; EOS, stop_token_ids, max_tokens and max_model_len are the engine core's.
 4. Answer ``StatsRequest{id}`` with ``StatsResponse{id, stats}`` (same id).
 
+5. When its worker dies, send ``WorkerLost`` (its requests are requeued and wait); when the new worker serves,
+   ``WorkerBack``. Under data parallel (``EngineOutputs.load``) report its load with its outputs.
+
 The frontend answers outputs for request ids it does not know (a request it already finished, or one from
 before a frontend restart) with an AbortRequest, once. While it has seen no EngineReady it sends
 ``StatsRequest{id: "<prefix>-ready"}`` every ``ready_probe_s``; a StatsResponse to it means an engine core is
 already running (the frontend was restarted) and the frontend adopts it.
+
+Under data parallel the frontend holds one EngineLink per replica (frontend/replicas.py). A monitor on the output
+socket tells at once when a replica's engine core disconnects (it died): its requests move to another replica.
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ class PendingStats:
 class EngineLink:
     """Sends to the engine core without waiting, remembers what it aborted and which stats it asked for."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index  # the replica it reaches
         self.prefix = secrets.token_hex(4)  # engine ids of this frontend never collide with a previous one's
         self._ids = itertools.count()
         self.up = False  # an engine core said EngineReady (or answered the readiness probe)
@@ -77,6 +84,7 @@ class EngineLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._to_engine: zmq.asyncio.Socket | None = None
         self._from_engine: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -89,8 +97,13 @@ class EngineLink:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # the engine core is trusted: never drop what it must see
             sock.setsockopt(zmq.RCVHWM, 0)
+        if input_address.startswith("tcp://"):  # a replica on another host: notice a host that vanished too
+            for sock in (self._to_engine, self._from_engine):
+                sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         self._to_engine.bind(input_address)
         self._from_engine.bind(output_address)
+        self._monitor = self._from_engine.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def cancel_retry(self) -> None:
         """Stop retrying the outbox (the server is stopping)."""
@@ -98,14 +111,30 @@ class EngineLink:
             self._outbox_timer.cancel()
 
     def close(self) -> None:
-        """Close both sockets without lingering."""
-        for sock in (self._to_engine, self._from_engine):
+        """Close both sockets (and the monitor) without lingering."""
+        if self._from_engine is not None and self._monitor is not None:
+            try:
+                self._from_engine.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        for sock in (self._monitor, self._to_engine, self._from_engine):
             if sock is not None:
                 sock.close(linger=0)
 
     async def recv(self) -> bytes:
         """The next frame from the engine core."""
         return await self._from_engine.recv()
+
+    async def disconnected(self) -> None:
+        """Return when an engine core's connection to the output socket drops (the process died or left)."""
+        while True:
+            frames = await self._monitor.recv_multipart()
+            if int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                return
+
+    def drop_outbox(self) -> None:
+        """Forget frames still waiting for a dead engine core (its replacement never knew their requests)."""
+        self._outbox.clear()
 
     # ---- frontend → engine core --------------------------------------------------------
 

@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from metrale.ipc.messages import Delta, TokenLogprob
+from metrale.ipc.sampling import StructuredOutputs
 
 from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningTags, tag_keeping_decoder
 from .http_errors import ApiError, json_response
 from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
 from .http_reply import Reply, TokenTexts, stream
 from .http_run import Choice, Run
+from .tool_parsers import ToolChoiceError, fold_calls, tool_choice_of
 
 if TYPE_CHECKING:
     from .server import FrontendServer
@@ -30,7 +32,6 @@ class ChatRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
     # metrale (and vLLM) extras
     chat_template_kwargs: dict | None = None
     add_generation_prompt: bool = True
@@ -59,6 +60,11 @@ class ChatCompletions:
         body = await decode_body(request, ChatRequest)
         self.model.check(body.model)
         _refuse_unsupported(body)
+        try:
+            tools = tool_choice_of(body.tools, body.tool_choice)
+        except ToolChoiceError as exc:
+            raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools",
+                           code="invalid_value") from None
         prompt = self._render(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         explicit_max = max_tokens is not None  # then it must fit beside the prompt (400 otherwise)
@@ -67,7 +73,8 @@ class ChatCompletions:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size)
+        forced = StructuredOutputs(json=tools.schema) if tools.schema is not None else None  # the call must parse
+        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced)
         check_count(body.n)
         decoder = self.decoder if params.skip_special_tokens else None
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)
@@ -76,7 +83,8 @@ class ChatCompletions:
             choices = []
             for j in range(body.n):
                 splitter = ReasoningSplitter(self.reasoning, opens_reasoning) if self.reasoning else None
-                choices.append(Choice(index=j, prompt_index=0, splitter=splitter))
+                choices.append(Choice(index=j, prompt_index=0, splitter=splitter,
+                                      tools=tools.parser(self.server.config.tool_call_parser)))
                 run.start(j, seeded(params, j), prompt=prompt, add_special_tokens=False, decoder=decoder,
                           cache_salt=body.cache_salt, strict_length=explicit_max)
             await run.wait_first("messages")
@@ -108,6 +116,12 @@ class ChatCompletions:
         if msg.finish_reason is not None and c.splitter:
             r, t = c.splitter.flush()
             reasoning, content = reasoning + r, content + t
+        calls: list[dict] = []
+        if c.tools is not None:
+            content, calls = c.tools.push(content)
+            if msg.finish_reason is not None:
+                rest, more = c.tools.flush()
+                content, calls = content + rest, calls + more
         delta: dict = {}
         if not c.started:
             c.started = True
@@ -116,9 +130,11 @@ class ChatCompletions:
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
         if not delta and msg.finish_reason is None and not logprobs:
             return []
-        entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": msg.finish_reason}
+        entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(c, msg.finish_reason)}
         if logprobs:
             entry["logprobs"] = {"content": self._logprobs(logprobs)}
         return [entry]
@@ -134,8 +150,14 @@ class ChatCompletions:
             message["content"] = content + t
         else:
             message["content"] = text
-        message["tool_calls"] = []
-        entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
+        calls: list[dict] = []
+        if c.tools is not None:
+            content, deltas = c.tools.push(message["content"])
+            rest, more = c.tools.flush()
+            calls = fold_calls(deltas + more)
+            message["content"] = (content + rest) or (None if calls else "")
+        message["tool_calls"] = calls
+        entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": _finish_reason(c, c.finish_reason)}
         if c.logprobs:
             entry["logprobs"] = {"content": self._logprobs(c.logprobs)}
         return entry
@@ -154,13 +176,11 @@ class ChatCompletions:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
+def _finish_reason(c: Choice, reason: str | None) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" for a choice that stopped after calling tools."""
+    return "tool_calls" if reason == "stop" and c.tools is not None and c.tools.calls else reason
+
+
 def _refuse_unsupported(body: ChatRequest) -> None:
     """400 for chat options this server does not implement."""
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise ApiError(400, f"response_format {kind!r} is not supported (only 'text')", param="response_format",
-                       code="unsupported_value")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported (tool calls are not parsed)",
-                       param="tool_choice", code="unsupported_value")
     refuse_logit_bias(body)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from metrale.ipc.sampling import SamplingParams
+from metrale.ipc.sampling import SamplingParams, StructuredOutputs
 
 from .http_errors import ApiError
 
@@ -49,6 +49,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     adaptive_sampling: bool | None = None
     priority: int | None = None
     cache_salt: str | None = None  # prefix-cache namespace: requests with different salts never share KV
+    # Structured outputs: OpenAI's response_format (json_object, json_schema) or vLLM's structured_outputs
+    # (json, json_object, regex, choice, grammar); at most one of the two.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
 
 # Simple sampling fields copied as they are when given.
@@ -84,9 +88,16 @@ async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-    """The request's SamplingParams; 400 naming the field when one is out of range."""
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int,
+                    structured: StructuredOutputs | None = None) -> SamplingParams:
+    """The request's SamplingParams; 400 naming the field when one is out of range. structured: a constraint the
+    route adds (a forced tool call's schema) where the body asks for none."""
     kw = {name: getattr(body, name) for name in _PASSTHROUGH if getattr(body, name) is not None}
+    asked = structured_outputs(body)
+    if asked is not None and structured is not None:
+        raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with response_format or "
+                       "structured_outputs", param="tool_choice", code="invalid_value")
+    kw["structured_outputs"] = asked or structured
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop,
                             stop_token_ids=list(body.stop_token_ids or []), **kw)
@@ -96,6 +107,36 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
         message = str(exc)
         raise ApiError(400, message, param=message.split(" ", 1)[0], code="invalid_value") from None
     return params
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """The constraint response_format or structured_outputs asks for (None for none or type "text"); 400 when
+    the field is malformed or both are given."""
+    rf, so = body.response_format, body.structured_outputs
+    kind = None if rf is None else rf.get("type", "text")
+    if kind not in (None, "text") and so is not None:
+        raise ApiError(400, "give response_format or structured_outputs, not both", param="structured_outputs",
+                       code="invalid_value")
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema (an object)",
+                           param="response_format", code="invalid_value")
+        return StructuredOutputs(json=schema)
+    if kind not in (None, "text"):
+        raise ApiError(400, f"response_format type must be text, json_object or json_schema (got {kind!r})",
+                       param="response_format", code="invalid_value")
+    if so is None:
+        return None
+    try:
+        out = msgspec.convert(so, StructuredOutputs)
+        out.validate()
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ApiError(400, f"structured_outputs: {exc}", param="structured_outputs", code="invalid_value") from None
+    return out
 
 
 def seeded(params: SamplingParams, j: int) -> SamplingParams:

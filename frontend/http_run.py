@@ -29,6 +29,7 @@ class Choice:
     index: int
     prompt_index: int
     splitter: ReasoningSplitter | None = None  # chat of a reasoning model
+    tools: object = None  # chat with tools: its ToolParser (frontend/tool_parsers.py)
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

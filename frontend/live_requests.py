@@ -6,6 +6,12 @@ engine id (a fresh one each time an engine core comes up). Its outputs are detok
 and handed on as Deltas; its final message, whether a Delta with a finish_reason or an Error, also forgets it.
 A client that goes away has its requests aborted. Answers go to an in-process sink when the request has one,
 else to its ROUTER peer through the server's send.
+
+Under data parallel a request is submitted to the replica the router picks (replicas.py, router.py). When a
+replica's engine core dies or loses its worker, its requests move at once to another replica (`move_off`): each is
+submitted there with the tokens already streamed and its compiled grammar (that replica is sent the grammar
+vocabulary first if it has not had it), exactly as after an engine-core restart, so nothing is lost and nobody
+waits for the dead replica to come back.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from dataclasses import dataclass, field
 import msgspec
 
 from metrale.ipc.errors import ErrorCode
-from metrale.ipc.messages import AddRequest, Delta, Error, Generate, RequestOutputDelta
+from metrale.ipc.messages import AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta
 from metrale.ipc.sampling import SamplingParams
 
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .engine_link import EngineLink
 from .frame_checks import Rejected, check_generate
+from .grammar_compiler import DEFAULT_TIMEOUT_S, GrammarCompiler, GrammarRefused, grammar_vocab
+from .replicas import ReplicaSet
 from .metrics import Metrics
 from .tokenizer import Tokenizer
 
@@ -48,6 +56,7 @@ class RequestState:
     prompt_ids: list[int] = field(default_factory=list)
     detok: IncrementalDetokenizer | None = None  # None while the prompt is being tokenized
     engine_id: str = ""  # "" until submitted to an engine core
+    replica: int = 0  # the data-parallel replica it was submitted to (while engine_id is set)
     sink: LocalSink | None = None  # an in-process client's callback; None: answers go to the ROUTER
     decoder: Decoder | None = None  # detokenize with this instead of the server's tokenizer
     last_token_at: float | None = None  # when its last tokens came (None before the first)
@@ -61,6 +70,7 @@ class RequestState:
     # max_tokens must fit beside the prompt (the HTTP API, as vLLM and OpenAI: a 400 with the numbers);
     # else the engine core stops the request at max_model_len (finish_reason "length").
     strict_length: bool = False
+    grammar: GrammarBlob | None = None  # params.structured_outputs compiled (grammar_compiler.py)
 
 
 @dataclass(slots=True)
@@ -76,10 +86,11 @@ class ClientState:
 class LiveRequests:
     """The live requests by client and by engine id; every step of a request's life goes through here."""
 
-    def __init__(self, tokenizer: Tokenizer, link: EngineLink, metrics: Metrics, clock: Callable[[], float],
-                 send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1) -> None:
+    def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, metrics: Metrics, clock: Callable[[], float],
+                 send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1,
+                 grammar_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
-        self.link = link
+        self.replicas = replicas
         self.metrics = metrics
         self.clock = clock
         self._send = send
@@ -92,6 +103,9 @@ class LiveRequests:
         self.refusing: tuple[ErrorCode, str] | None = None  # (code, why) while new requests are refused
         self.idle = asyncio.Event()  # set while no request is live
         self.idle.set()
+        self.grammar_timeout_s = grammar_timeout_s
+        self._grammars: GrammarCompiler | None = None  # made at the first structured request
+        self._vocab_sent: set[int] = set()  # the replicas whose engine core up now has our GrammarVocab
 
     @property
     def num_live(self) -> int:
@@ -123,8 +137,37 @@ class LiveRequests:
         self.idle.clear()
         return req
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler, made on first use for the vocabulary size the engine core has."""
+        if self._grammars is None or self._grammars.vocab.vocab_size != self.vocab_size:
+            if self._grammars is not None:
+                self._grammars.close()
+            vocab = grammar_vocab(self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids)
+            self._grammars = GrammarCompiler(vocab, self.grammar_timeout_s)
+            self._vocab_sent.clear()
+        return self._grammars
+
+    def close(self) -> None:
+        """Stop the grammar compiler's helper process, if one runs."""
+        if self._grammars is not None:
+            self._grammars.close()
+
     def tokenize_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool = True) -> None:
-        """Admit a registered request: its token ids, or its prompt tokenized (off the loop when long)."""
+        """Admit a registered request: its grammar compiled (off the loop, unless cached), its token ids, or its
+        prompt tokenized (off the loop when long)."""
+        so = msg.sampling.structured_outputs
+        if so is not None and req.grammar is None:
+            try:
+                req.grammar = self.grammars.cached(so)
+            except GrammarRefused as exc:
+                self.send_final(req, Error(id=req.client_id, code=ErrorCode.BAD_REQUEST.value, message=str(exc)))
+                return
+            if req.grammar is None:
+                task = asyncio.create_task(self._compile_then_admit(req, msg, add_special_tokens))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+                return
         if msg.token_ids is not None:
             self._admit(req, msg.token_ids)
         elif len(msg.prompt) <= _SYNC_ENCODE_CHARS:
@@ -133,6 +176,17 @@ class LiveRequests:
             task = asyncio.create_task(self._encode_then_admit(req, msg.prompt, add_special_tokens))
             self.background.add(task)
             task.add_done_callback(self.background.discard)
+
+    async def _compile_then_admit(self, req: RequestState, msg: Generate, add_special_tokens: bool) -> None:
+        """Compile a request's grammar in the compiler's helper (within its time limit), then go on admitting."""
+        try:
+            req.grammar = await self.grammars.compile(msg.sampling.structured_outputs)
+        except GrammarRefused as exc:
+            if self._is_live(req):
+                self.send_final(req, Error(id=req.client_id, code=ErrorCode.BAD_REQUEST.value, message=str(exc)))
+            return
+        if self._is_live(req):
+            self.tokenize_then_admit(req, msg, add_special_tokens)
 
     async def _encode_then_admit(self, req: RequestState, prompt: str, add_special_tokens: bool = True) -> None:
         """Tokenize a long prompt on the tokenizer's threads, then admit the request."""
@@ -166,7 +220,7 @@ class LiveRequests:
             return
         req.prompt_ids = prompt_ids
         req.detok = IncrementalDetokenizer(req.decoder or self.tokenizer, prompt_ids, req.params)
-        if self.link.up:
+        if self.replicas.any_up:
             self._submit(req)
 
     def _is_live(self, req: RequestState) -> bool:
@@ -181,56 +235,101 @@ class LiveRequests:
 
     # ---- the engine core -------------------------------------------------------------
 
-    def _submit(self, req: RequestState) -> None:
-        """Send a request to the engine core under a fresh engine id."""
+    def _submit(self, req: RequestState, exclude: int | None = None) -> None:
+        """Send a request to the replica the router picks (not `exclude`), under a fresh engine id; with none up it
+        waits, unsubmitted, for the next engine core to come up."""
+        router = self.replicas.router
+        k = router.choose(req.prompt_ids, req.cache_salt, exclude)
         if req.engine_id:
             self._by_engine_id.pop(req.engine_id, None)
-        req.engine_id = self.link.new_request_id()
+            router.live[req.replica] -= 1
+            req.engine_id = ""
+        if k is None:
+            return
+        link = self.replicas.links[k]
+        req.engine_id, req.replica = link.new_request_id(), k
+        router.live[k] += 1
         self._by_engine_id[req.engine_id] = req
+        if req.grammar is not None and k not in self._vocab_sent:  # the engine core matches against our vocabulary
+            link.send(self.grammars.vocab)
+            self._vocab_sent.add(k)
         add = AddRequest(
             request_id=req.engine_id,
             prompt_token_ids=req.prompt_ids,
             params=req.params,
             output_token_ids=list(req.detok.output_ids),
             cache_salt=req.cache_salt,
+            grammar=req.grammar,
         )
-        self.link.send(add)
+        link.send(add)
 
-    def resubmit_all(self) -> None:
-        """Submit every live request under a new engine id, aborting the id it had (a fresh engine core is up).
+    def resubmit(self, k: int) -> None:
+        """A fresh engine core of replica k is up: submit again every live request it had (under a new engine id,
+        aborting the id it had) and every request still waiting for an engine core.
 
         A request that was running at MAX_ENGINE_DEATHS engine-core deaths is failed instead: it may be the
         request that kills the engine, and resubmitting it again would kill the next one."""
-        self.link.abort([req.engine_id for req in self._each() if req.engine_id])
+        lost = [req for req in self._each() if req.engine_id and req.replica == k]
+        self.replicas.links[k].abort([req.engine_id for req in lost])
+        self._vocab_sent.discard(k)  # a fresh engine core (or one this frontend has not told yet)
+        for req in lost:
+            self._resubmit(req)
+        self.resubmit_waiting()
+
+    def resubmit_waiting(self) -> None:
+        """Submit every live request that waits for an engine core (none was up when it was admitted)."""
         for req in list(self._each()):
-            if req.engine_id:
-                req.engine_deaths += 1
-                if req.engine_deaths >= MAX_ENGINE_DEATHS:
-                    message = (f"the engine core died {req.engine_deaths} times while running this request; "
-                               "it is not resubmitted again")
-                    log.error("frontend: failing request %r: %s", req.client_id, message)
-                    self.send_final(req, Error(id=req.client_id, code=ErrorCode.INTERNAL.value, message=message))
-                    continue
-            if req.detok is not None:  # else it is submitted once its prompt is tokenized
+            if not req.engine_id and req.detok is not None:  # else it is submitted once its prompt is tokenized
                 self._submit(req)
+
+    def move_off(self, k: int) -> int:
+        """Replica k lost its engine core or its worker: move its requests to other replicas now (their tokens so
+        far go with them). Nothing moves when no other replica is up: they wait for k. Returns how many moved."""
+        if not self.replicas.has_other(k):
+            return 0
+        lost = [req for req in self._each() if req.engine_id and req.replica == k]
+        if self.replicas.links[k].up:  # its engine core lives (its worker died): it must not run them later
+            self.replicas.links[k].abort([req.engine_id for req in lost])
+        for req in lost:
+            self._resubmit(req, exclude=k)
+        if lost:
+            log.warning("frontend: moved %d requests off replica %d", len(lost), k)
+        return len(lost)
+
+    def _resubmit(self, req: RequestState, exclude: int | None = None) -> None:
+        """Submit a request whose engine core died again, or fail it at its MAX_ENGINE_DEATHS-th death."""
+        req.engine_deaths += 1
+        if req.engine_deaths >= MAX_ENGINE_DEATHS:
+            message = (f"the engine core died {req.engine_deaths} times while running this request; "
+                       "it is not resubmitted again")
+            log.error("frontend: failing request %r: %s", req.client_id, message)
+            self.send_final(req, Error(id=req.client_id, code=ErrorCode.INTERNAL.value, message=message))
+            return
+        self._submit(req, exclude)
 
     def end_all(self, code: ErrorCode, message: str) -> None:
         """End every live request with Error(code, message) and tell the engine core to drop them."""
-        engine_ids = [req.engine_id for req in self._each() if req.engine_id]
+        engine_ids = [(req.replica, req.engine_id) for req in self._each() if req.engine_id]
         for req in list(self._each()):
             self.send_final(req, Error(id=req.client_id, code=code.value, message=message))
-        self.link.abort(engine_ids)
+        self._abort_each(engine_ids)
+
+    def _abort_each(self, engine_ids: list[tuple[int, str]]) -> None:
+        """Tell each replica to drop its requests among (replica, engine id) pairs."""
+        for link in self.replicas.links:
+            link.abort([engine_id for k, engine_id in engine_ids if k == link.index])
 
     def _each(self) -> Iterator[RequestState]:
         """Every live request."""
         for state in self.clients.values():
             yield from state.requests.values()
 
-    def on_output(self, out: RequestOutputDelta, aborts: list[str]) -> None:
-        """Detokenize one request's new tokens and stream them; collect engine ids to abort."""
+    def on_output(self, out: RequestOutputDelta, aborts: list[str], link: EngineLink) -> None:
+        """Detokenize one request's new tokens (from the replica of link) and stream them; collect engine ids to
+        abort there."""
         req = self._by_engine_id.get(out.request_id)
         if req is None:
-            self.link.on_orphan(out, aborts)
+            link.on_orphan(out, aborts)
             return
         if out.finish_reason == "error":
             code = out.error_code or ErrorCode.INTERNAL.value
@@ -290,8 +389,10 @@ class LiveRequests:
     def abort(self, req: RequestState) -> None:
         """End a live request with finish_reason "abort" and tell the engine core to drop it."""
         text = req.detok.flush() if req.detok is not None else ""
+        replica, engine_id = req.replica, req.engine_id
         self._finish(req, "abort", text, [], None)
-        self.link.abort([req.engine_id] if req.engine_id else [])
+        if engine_id:
+            self.replicas.links[replica].abort([engine_id])
 
     def _finish(self, req: RequestState, reason: str, text: str, token_ids: list[int], logprobs) -> None:
         """Send a request's final Delta (with whatever it held back) and forget it."""
@@ -332,7 +433,8 @@ class LiveRequests:
 
     def _forget(self, req: RequestState) -> None:
         """Remove a request from every index (its client entry too when it was the last one)."""
-        self._by_engine_id.pop(req.engine_id, None)
+        if self._by_engine_id.pop(req.engine_id, None) is not None:
+            self.replicas.router.live[req.replica] -= 1
         state = self.clients.get(req.client)
         if state is not None:
             state.requests.pop(req.client_id, None)
@@ -349,10 +451,10 @@ class LiveRequests:
         engine_ids = []
         for req in state.requests.values():
             self._count_finished(req, "abort")
-            self._by_engine_id.pop(req.engine_id, None)
-            if req.engine_id:
-                engine_ids.append(req.engine_id)
+            if self._by_engine_id.pop(req.engine_id, None) is not None:
+                self.replicas.router.live[req.replica] -= 1
+                engine_ids.append((req.replica, req.engine_id))
         log.info("frontend: client %s %s; aborting %d request(s)", client.hex(), why, len(state.requests))
-        self.link.abort(engine_ids)
+        self._abort_each(engine_ids)
         if not self.clients:
             self.idle.set()

@@ -4,7 +4,9 @@ The frontend sees every request from admission to its last token, so request cou
 latencies are measured here, for ZMQ and HTTP clients alike. What only the engine core knows (queue lengths, KV
 blocks, prefix-cache hits, preemptions, steps) comes from its StatsResponse, asked for when /metrics is scraped,
 and what only the supervisor knows (restarts) from the health source. Both are kept as the last snapshot and
-turned into metric families by a collector when the registry is rendered.
+turned into metric families by a collector when the registry is rendered. Under data parallel the engine
+families are the sums over the replicas and `metrale_replica_*` families give each replica's own (label
+`replica`); process families carry `replica` and `rank` labels when there are several of either.
 """
 
 from __future__ import annotations
@@ -120,16 +122,43 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
         yield _gauge("metrale_worker_idle_ratio", "Fraction of time the worker waited for a step.",
                      idle / (busy + idle) if busy + idle > 0 else 0.0)
         yield _gauge("metrale_step_time_seconds", "Mean worker time per step.", busy / s.steps if s.steps else 0.0)
+    if s.replicas:
+        yield from _replica_families(s.replicas)
+
+
+def _replica_families(replicas: list[EngineStats]) -> Iterator[Metric]:
+    """Each data-parallel replica's own counters, labelled by its index."""
+    specs = (
+        ("metrale_replica_requests_running", "Requests in a replica's running batch.", lambda r: r.running),
+        ("metrale_replica_requests_waiting", "Requests waiting in a replica.", lambda r: r.waiting),
+        ("metrale_replica_kv_cache_usage_ratio", "Fraction of a replica's KV blocks in use.",
+         lambda r: r.kv_blocks_used / r.kv_blocks_total if r.kv_blocks_total else 0.0),
+        ("metrale_replica_prefix_cache_hit_rate", "A replica's prefix-cache hit rate.", lambda r: r.prefix_cache_hit_rate),
+        ("metrale_replica_generated_tokens", "Tokens a replica's engine core generated since it started.",
+         lambda r: r.generated_tokens),
+    )
+    for name, doc, value in specs:
+        family = GaugeMetricFamily(name, doc, labels=["replica"])
+        for k, r in enumerate(replicas):
+            family.add_metric([str(k)], value(r))
+        yield family
 
 
 def _health_families(h: Health) -> Iterator[Metric]:
     """Each process's liveness and restart count."""
-    up = GaugeMetricFamily("metrale_process_up", "1 when the process is alive.", labels=["process"])
+    labels = ["process"]
+    if any(p.replica for p in h.processes):
+        labels.append("replica")
+    if any(p.rank for p in h.processes):
+        labels.append("rank")
+    up = GaugeMetricFamily("metrale_process_up", "1 when the process is alive.", labels=labels)
     restarts = CounterMetricFamily("metrale_process_restarts", "Restarts of each process by the supervisor.",
-                                   labels=["process"])
+                                   labels=labels)
     for p in h.processes:
-        up.add_metric([p.name], 1.0 if p.alive else 0.0)
-        restarts.add_metric([p.name], p.restarts)
+        values = [p.name, str(p.replica), str(p.rank)][: len(labels)] if "replica" in labels else \
+            [p.name, str(p.rank)][: len(labels)]
+        up.add_metric(values, 1.0 if p.alive else 0.0)
+        restarts.add_metric(values, p.restarts)
     yield up
     yield restarts
     yield _gauge("metrale_healthy", "1 when every process is alive and no fault is pending.", 1.0 if h.healthy else 0.0)

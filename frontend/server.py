@@ -4,7 +4,9 @@ One asyncio (uvloop) process. Clients speak docs/protocol.md to a ZMQ ROUTER; th
 (frame_checks.py), tokenizes, hands the engine core an AddRequest, detokenizes what comes back (stop strings
 included) and streams Delta frames (live_requests.py holds each request through that life). Nothing waits on the
 engine: every socket send is non-blocking and every engine answer is matched to its request when it arrives.
-The engine core's two sockets, and the contract it keeps on them, are engine_link.py's.
+The engine core's two sockets, and the contract it keeps on them, are engine_link.py's. Under data parallel
+there is one engine core per replica (replicas.py): each request goes to the replica the router picks, and a
+replica whose engine core disconnects or loses its worker has its requests moved to the others at once.
 
 In-process clients: the HTTP API (http_api.py, started on the same loop when ``http_port`` is set) submits through
 ``generate_local`` / ``abort_local``: the same validation, tokenization, AddRequest, detokenization and abort
@@ -27,7 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -52,6 +54,8 @@ from metrale.ipc.messages import (
     Stats,
     StatsQuery,
     StatsResponse,
+    WorkerBack,
+    WorkerLost,
 )
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.sampling import SamplingParams
@@ -60,6 +64,7 @@ from metrale.model_facts import resolve_model
 
 from .detokenizer import Decoder
 from .engine_link import EngineLink
+from .replicas import ReplicaSet
 from .frame_checks import Rejected, read_client_frame, source_fd
 from .live_requests import LiveRequests, LocalSink
 from .metrics import Metrics
@@ -81,6 +86,8 @@ class FrontendConfig:
     model_dir: str
     engine_input_address: str  # ipc:// the frontend binds; the engine core connects a PULL
     engine_output_address: str  # ipc:// the frontend binds; the engine core connects a PUSH
+    # Data parallel: [input, output] addresses of the engine cores of replicas 1 .. N-1 (replica 0's are above).
+    replica_addresses: list[list[str]] = field(default_factory=list)
     client_address: str = "tcp://127.0.0.1:7410"  # a port of * binds any free port (see client_endpoint)
     max_model_len: int | None = None  # until EngineReady says; default the model's (metrale.model_facts)
     max_frame_bytes: int = 8 << 20  # larger frames get Error "too_long"
@@ -97,6 +104,8 @@ class FrontendConfig:
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
     shutdown_timeout_s: float = 0.0  # on SIGTERM, live requests get this long to finish before they are ended
     stall_s: float = 30.0  # /health is unhealthy when requests are live and the engine was silent this long
+    grammar_timeout_s: float = 10.0  # structured_outputs grammars that take longer to compile are refused
+    tool_call_parser: str = "hermes"  # the chat route's tool-call format (frontend/tool_parsers.py)
 
 
 class BindError(OSError):
@@ -122,11 +131,12 @@ class FrontendServer:
         self.engine_ready = threading.Event()  # set once an engine core is up (for callers and tests)
         self.http_endpoint: str | None = None  # "http://host:port" once the HTTP API listens
         self.metrics = Metrics()
-        self.link = EngineLink()
+        self.replicas = ReplicaSet(1 + len(config.replica_addresses))
         self.facts = resolve_model(config.model_dir, config.max_model_len)
         max_model_len = self.facts.max_model_len
-        self.requests = LiveRequests(self.tokenizer, self.link, self.metrics, clock, self._send,
-                                     self.tokenizer.vocab_size, max_model_len, config.stream_interval)
+        self.requests = LiveRequests(self.tokenizer, self.replicas, self.metrics, clock, self._send,
+                                     self.tokenizer.vocab_size, max_model_len, config.stream_interval,
+                                     config.grammar_timeout_s)
         self._started = clock()
         self._local_keys = itertools.count()
         self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
@@ -171,10 +181,14 @@ class FrontendServer:
             self._report_serving()
             tasks = [
                 asyncio.create_task(self._serve_clients(), name="frontend-clients"),
-                asyncio.create_task(self._serve_engine(), name="frontend-engine"),
                 asyncio.create_task(self._watch_clients(), name="frontend-monitor"),
-                asyncio.create_task(self.link.probe(self.config.ready_probe_s), name="frontend-ready-probe"),
             ]
+            for link in self.replicas.links:
+                tasks += [
+                    asyncio.create_task(self._serve_engine(link), name=f"frontend-engine-{link.index}"),
+                    asyncio.create_task(self._watch_engine(link), name=f"frontend-engine-monitor-{link.index}"),
+                    asyncio.create_task(link.probe(self.config.ready_probe_s), name=f"frontend-ready-probe-{link.index}"),
+                ]
             stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -184,7 +198,7 @@ class FrontendServer:
             tasks += [*self.requests.background, *([stop] if stop is not None else [])]
             for task in tasks:
                 task.cancel()
-            self.link.cancel_retry()
+            self.replicas.cancel_retry()
             await asyncio.gather(*tasks, return_exceptions=True)
             if http is not None:
                 await http.stop()
@@ -241,7 +255,8 @@ class FrontendServer:
                                        f"({os.strerror(exc.errno)}); choose another with --port") from None
         self._router_sync = zmq.Socket.shadow(router.underlying)  # not closed itself: closing router closes it
         self.client_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.link.open(ctx, cfg.engine_input_address, cfg.engine_output_address)
+        self.replicas.open(ctx, [(cfg.engine_input_address, cfg.engine_output_address),
+                                 *((a, b) for a, b in cfg.replica_addresses)])
         log.info("frontend listening on %s; engine core at %s / %s", self.client_endpoint,
                  cfg.engine_input_address, cfg.engine_output_address)
 
@@ -257,7 +272,8 @@ class FrontendServer:
                 # Final messages (a shutdown's errors) may still be queued: give them a moment to go out.
                 sock.close(linger=_CLOSE_LINGER_MS if self._draining else 0)
         self._router_sync = None
-        self.link.close()
+        self.replicas.close()
+        self.requests.close()  # the grammar compiler's helper process
 
     # ---- clients → server ------------------------------------------------------------
 
@@ -313,10 +329,10 @@ class FrontendServer:
 
     def _on_stats_query(self, client: bytes, envelope: tuple[bytes, ...], msg: StatsQuery) -> None:
         """Ask the engine core for its counters; the answer (or Error "internal" in time) goes to the client."""
-        if not self.link.up:
+        if not self.replicas.any_up:
             self._reject(client, envelope, msg.id, "busy", "the engine core is not ready")
             return
-        self.link.ask_stats(
+        self.replicas.ask_stats(
             lambda stats: self._send(client, envelope, Stats(id=msg.id, stats=stats)),
             lambda why: self._reject(client, envelope, msg.id, "internal", why),
             self.config.engine_reply_timeout_s,
@@ -344,12 +360,13 @@ class FrontendServer:
             uptime = self.clock() - self._started
             me = ProcessHealth(name="frontend", pid=os.getpid(), uptime_s=uptime, restarts=0, alive=True)
             health = Health(id=request_id, healthy=True, processes=[me])
-        health.ready = self.link.up and not self._draining
+        health.ready = self.replicas.any_up and not self._draining
+        health.replicas_ready = [link.up for link in self.replicas.links]
         stalled = self.clock() - self._engine_heard_at if self.requests.num_submitted else 0.0
         health.progress_s = stalled
         if self._draining:
             health.waiting_for = "nothing: the server is shutting down"
-        elif not self.link.up:
+        elif not self.replicas.any_up:
             health.waiting_for = "the engine core: it is starting (loading the model) or restarting"
         elif stalled > self.config.stall_s:
             health.waiting_for = (f"progress: the engine core completed no step for {stalled:.0f} s with "
@@ -407,7 +424,7 @@ class FrontendServer:
 
     async def engine_stats(self, timeout_s: float | None = None) -> EngineStats:
         """The engine core's counters; Rejected("busy") before one is up, TimeoutError when it does not answer."""
-        if not self.link.up:
+        if not self.replicas.any_up:
             raise Rejected("busy", "the engine core is not ready")
         future = self._loop.create_future()
 
@@ -422,11 +439,11 @@ class FrontendServer:
                 future.set_exception(TimeoutError(why))
 
         wait_s = self.config.engine_reply_timeout_s if timeout_s is None else timeout_s
-        internal = self.link.ask_stats(answer, fail, wait_s)
+        asked = self.replicas.ask_stats(answer, fail, wait_s)
         try:
             return await future
         finally:  # the caller may have been cancelled
-            self.link.forget_stats(internal)
+            self.replicas.forget_stats(asked)
 
     def health(self) -> Health:
         """Each process's health, as a HealthQuery is answered."""
@@ -434,52 +451,73 @@ class FrontendServer:
 
     # ---- engine core → server --------------------------------------------------------
 
-    async def _serve_engine(self) -> None:
-        """Receive engine-core frames forever."""
+    async def _serve_engine(self, link: EngineLink) -> None:
+        """Receive one replica's engine-core frames forever."""
         while True:
-            data = await self.link.recv()
+            data = await link.recv()
             self._engine_heard_at = self.clock()
             try:
-                self._on_engine_message(self._engine_decoder.decode(data))
+                self._on_engine_message(link, self._engine_decoder.decode(data))
             except msgspec.DecodeError:
                 log.exception("frontend: undecodable frame from the engine core")
             except Exception:
                 log.exception("frontend: failed to handle an engine-core frame")
 
-    def _on_engine_message(self, msg: EngineOutputs | StatsResponse | EngineReady) -> None:
-        """Dispatch one engine-core message."""
+    def _on_engine_message(self, link: EngineLink, msg: EngineOutput) -> None:
+        """Dispatch one engine-core message (from replica link.index)."""
         if isinstance(msg, EngineOutputs):
             aborts: list[str] = []
             self._batch = []
             try:
                 for out in msg.outputs:
-                    self.requests.on_output(out, aborts)
+                    self.requests.on_output(out, aborts, link)
             finally:
                 batch, self._batch = self._batch, None
                 self._send_batch(batch)
-            self.link.abort(aborts)
+            link.abort(aborts)
+            if msg.load is not None:
+                self.replicas.note_load(link.index, msg.load)
         elif isinstance(msg, StatsResponse):
-            if self.link.answer_stats(msg) and not self.link.up:
-                log.info("frontend: adopting a running engine core (it answered the readiness probe)")
-                self._engine_came_up()
+            if link.answer_stats(msg) and not link.up:
+                log.info("frontend: adopting a running engine core of replica %d (it answered the readiness probe)",
+                         link.index)
+                self._engine_came_up(link)
         elif isinstance(msg, EngineReady):
-            log.info("frontend: engine core ready (vocab %d, max_model_len %d)", msg.vocab_size, msg.max_model_len)
+            log.info("frontend: engine core%s ready (vocab %d, max_model_len %d)", _of(link), msg.vocab_size,
+                     msg.max_model_len)
             self.requests.vocab_size = msg.vocab_size
             self.requests.max_model_len = msg.max_model_len
-            self._engine_came_up()
+            self.replicas.router.block_size = msg.block_size
+            self._engine_came_up(link)
+        elif isinstance(msg, WorkerLost):
+            self.replicas.set_paused(link.index, True)
+            self.requests.move_off(link.index)
+        elif isinstance(msg, WorkerBack):
+            self.replicas.set_paused(link.index, False)
+            self.requests.resubmit_waiting()
 
-    def _engine_came_up(self) -> None:
-        """A fresh engine core: submit every live request under a new engine id, aborting the id it had."""
-        self.link.up = True
+    async def _watch_engine(self, link: EngineLink) -> None:
+        """When a replica's engine core disconnects (it died), take it out of routing and move its requests."""
+        while True:
+            await link.disconnected()
+            if link.up:
+                log.warning("frontend: the engine core%s disconnected", _of(link))
+                self.replicas.set_up(link.index, False)
+                self.requests.move_off(link.index)
+
+    def _engine_came_up(self, link: EngineLink) -> None:
+        """A fresh engine core: submit its live requests again under new engine ids (aborting the ids they had),
+        and whatever waited for an engine core."""
+        self.replicas.set_up(link.index, True)
         self._engine_heard_at = self.clock()
         self._rejections_logged.clear()
         self.engine_ready.set()
-        self.requests.resubmit_all()
+        self.requests.resubmit(link.index)
         self._report_serving()
 
     def _report_serving(self) -> None:
         """Tell the supervisor (once bound and with an engine up) that requests can be served."""
-        if self._status is not None and self.link.up and self.bound.is_set():
+        if self._status is not None and self.replicas.all_up and self.bound.is_set():
             self._status.send(SERVING, client_endpoint=self.client_endpoint or "", http_endpoint=self.http_endpoint or "")
 
     # ---- server → clients ------------------------------------------------------------
@@ -545,6 +583,11 @@ class FrontendServer:
             if not state.local and (state.fd is None or state.fd == fd):
                 some_id = next(iter(state.requests))
                 self._send(client, state.envelope, Delta(id=some_id))
+
+
+def _of(link: EngineLink) -> str:
+    """" of replica K" for logs about replicas past the first."""
+    return f" of replica {link.index}" if link.index else ""
 
 
 def main(config: FrontendConfig, health_source: HealthSource | None = None) -> None:

@@ -15,6 +15,7 @@ from metrale import gguf_metadata
 from metrale.gpu_worker.gguf_weights import gguf_layer_kinds, gguf_tensors
 from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
+from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.layers.quantization import Int4LinearMethod, linear_methods, quantize_tied_head
 from metrale.gpu_worker.models.context import ModelContext
 from metrale.gpu_worker.models.registry import model_class
@@ -57,13 +58,15 @@ def load_model(
     attention: TorchAttention = TORCH,
     show_progress: bool = True,
     quantization: str | None = None,
+    group: ParallelGroup = SINGLE,
 ):
     """The model for facts (its architecture's class from the registry), loaded and ready to run.
 
     native: the native CPU kernels are loaded; attention: the device's attention backend; quantization: the
     linear layers' methods (layers/quantization.py: None follows the checkpoint, a GGUF's Q8_0 and 4-bit layers
-    staying quantized). ModelError for an architecture no model here implements (before anything is read);
-    ValueError for a checkpoint that does not fit the model.
+    staying quantized); group: this process's tensor-parallel group (its layers hold this rank's shards, cut from
+    the checkpoint's full tensors). ModelError for an architecture no model here implements (before anything is
+    read); ValueError for a checkpoint that does not fit the model.
     """
     cls = model_class(facts.architecture)
     gguf = gguf_metadata.gguf_file(facts.path)
@@ -72,7 +75,7 @@ def load_model(
     methods = linear_methods(quantization, kinds.get if kinds is not None else None)
     ctx = ModelContext(
         facts=facts, dtype=resolve_dtype(dtype, facts.config), device=torch.device(device), native=native,
-        attention=attention, quant=methods,
+        attention=attention, quant=methods, group=group,
     )
     model = cls(ctx)
     if gguf is not None:

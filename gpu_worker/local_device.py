@@ -137,7 +137,12 @@ class LocalDevice:
         """Execute one step (or a burst of them) and publish its outcome."""
         outcome = _Outcome()
         try:
-            outcome.result = self.runner.execute_burst(plan, steps) if steps > 1 else self.runner.execute(plan)
+            if steps > 1:
+                outcome.result = self.runner.execute_burst(plan, steps)
+            elif plan.num_drafts.any():  # a verify step: awaited with await_burst
+                outcome.result = self.runner.execute_verify(plan)
+            else:
+                outcome.result = self.runner.execute(plan)
             self._runner_step[seq] = self.runner.steps_executed - 1
             self._runner_step.pop(seq - 4, None)  # the runner keeps only the last few steps' logits
         except Exception as exc:  # a failed step is reported to its awaiter, never kills the thread

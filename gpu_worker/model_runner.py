@@ -17,16 +17,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.gpu_worker.errors import PlanError
 from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention_backends import select_backend
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
+from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.layers.recurrent_state import RecurrentState, StateStep, build_state_step
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.sampler import Sampler, SamplerOutput
 from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
-from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
+from metrale.ipc.plan import MASK_GRAMMAR, FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
 GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
@@ -94,19 +96,24 @@ class ModelRunner:
         show_progress: bool = True,
         swap_space: int = 0,
         max_model_len: int | None = None,
+        group: ParallelGroup = SINGLE,
     ):
         """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)
-        and swap_space bytes of host blocks for swap preemption."""
+        and swap_space bytes of host blocks for swap preemption.
+
+        group: this rank's tensor-parallel group; the model holds this rank's shards and its KV cache this
+        rank's KV heads, and every rank of the group agrees on the number of blocks."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
         self.facts = resolve_model(model_dir, max_model_len)
+        self.group = group
         # The native CPU kernels (layers/cpu_kernels.py): decode attention reading keys stored
         # head-dim-major (see layers/kv_cache.py), the KV write, RMSNorm, rotary, SiLU and the greedy argmax.
         self._native = self.device.type == "cpu" and cpu_kernels.available()
         self.model = load_model(
             self.facts, dtype=dtype, device=self.device, native=self._native,
             attention=select_backend(self.device, native=self._native), show_progress=show_progress,
-            quantization=quantization,
+            quantization=quantization, group=group,
         )
         # A model with recurrent layers keeps their state in one slot per running sequence (max_num_seqs of them,
         # allocated before the KV cache takes what memory is left); the engine core assigns the slots. A step
@@ -121,7 +128,7 @@ class ModelRunner:
         kv = self.model.kv_shape
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        num_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory)
+        num_blocks = group.min_int(self._choose_num_blocks(num_kv_blocks, kv_cache_memory))
         # Keys head-dim-major only when some layer's decode runs the native kernel (its layout).
         self.kv_cache = PagedKVCache(
             kv.num_layers, num_blocks, block_size, kv.num_kv_heads, kv.head_dim,
@@ -166,13 +173,61 @@ class ModelRunner:
         """
         r = plan.num_rows
         if plan.num_tokens != r or not plan.sample.all() or len(plan.hist_tokens):
-            raise ValueError("a decode burst needs one token per row, every row sampling, no penalty history")
+            raise PlanError("a decode burst needs one token per row, every row sampling, no penalty history")
         later = [moved_on(plan, k, self.block_size) for k in range(1, steps)]
         self._check(plan)
         if later:
             self._check(later[-1])
         greedy = self.sampler.plain_greedy(plan)  # the same rows and parameters in every step
         return [self._step(p, greedy) for p in (plan, *later)]
+
+    def execute_verify(self, plan: StepPlan) -> list[StepResult]:
+        """A verify step (speculative decoding): a row with d drafts runs its last token and the d drafts and
+        picks at each of those d + 1 positions, noise keyed by each position, so pick j is what a plain decode
+        would pick there; the row keeps its picks up to the first that differs from the next draft. Returns one
+        result per pick index, as a burst does (tokens -1 where a row kept fewer)."""
+        self._check(plan)
+        start = time.perf_counter()
+        self.steps_executed += 1
+        self._last_sample = None  # the host commits the picks: nothing is fed from a verify step
+        with torch.inference_mode():
+            self.swap.apply(plan)
+            prepared = self._prepare(plan, self._staging.put("input_ids", plan.input_ids))
+            hidden = self._forward(prepared)
+            rows = np.flatnonzero(plan.sample)
+            counts = plan.num_drafts[rows].astype(np.int64) + 1  # picks of each sampling row
+            of_row = np.repeat(rows, counts)
+            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # j of each pick
+            token_at = np.repeat(plan.query_start[rows + 1] - counts, counts) + within  # its input token
+            logits = self.model.compute_logits(hidden[self._staging.put("verify_tokens", token_at)])
+            keys = plan.seq_lens[of_row] - np.repeat(counts, counts) + within + 1
+            out = self.sampler(logits, plan, torch.from_numpy(of_row), keys=keys)
+            picks = out.tokens.cpu().numpy()
+        # A pick stands while every earlier pick of its row equals the draft that followed it.
+        drafts = plan.input_ids[np.minimum(token_at + 1, plan.num_tokens - 1)]
+        wrong = ((picks != drafts) & (within < np.repeat(counts, counts) - 1)).astype(np.int64)
+        before = np.cumsum(wrong) - wrong  # wrong picks before each pick, over the whole step
+        first = np.repeat(np.cumsum(counts) - counts, counts)  # each pick's row's first pick
+        keep = before - before[first] == 0  # ... and within its own row
+        steps, r = int(counts.max(initial=1)), plan.num_rows
+        j, row = within[keep], of_row[keep]
+        tokens = np.full((steps, r), -1, dtype=np.int32)
+        tokens[j, row] = picks[keep]
+        results = [StepResult(tokens=tokens[k], timings=_timings(start)) for k in range(steps)]
+        if out.logprobs is not None:
+            lp = np.full((steps, r), np.nan, dtype=np.float32)
+            lp[j, row] = out.logprobs.float().cpu().numpy()[keep]
+            for k, result in enumerate(results):
+                result.logprobs = lp[k]
+        if out.top_ids is not None:
+            n = out.top_ids.shape[1]
+            ids = np.full((steps, r, n), -1, dtype=np.int32)
+            ids[j, row] = out.top_ids.cpu().numpy()[keep]
+            top = np.full((steps, r, n), np.nan, dtype=np.float32)
+            top[j, row] = out.top_logprobs.float().cpu().numpy()[keep]
+            for k, result in enumerate(results):
+                result.top_ids, result.top_logprobs = ids[k], top[k]
+        return results
 
     def forward_only(self, plan: StepPlan, *, sync: bool = True) -> torch.Tensor:
         """The same step without feeds or sampling: [S, V] logits of the sampling rows (the model's dtype).
@@ -228,32 +283,39 @@ class ModelRunner:
             return self._result(plan, rows, out, start)
 
     def _check(self, plan: StepPlan) -> None:
-        """ValueError for a malformed plan or an index outside the model or the cache: caught here on
+        """PlanError for a malformed plan or an index outside the model or the cache: caught here on
         the host, since on a GPU an out-of-range index is a device-side assert that ends the CUDA context."""
         t, r = plan.num_tokens, plan.num_rows
         if t == 0 or len(plan.query_start) != r + 1 or int(plan.query_start[-1]) != t:
-            raise ValueError(f"invalid plan: {t} tokens, {r} rows, query_start ending {plan.query_start[-1:]}")
+            raise PlanError(f"invalid plan: {t} tokens, {r} rows, query_start ending {plan.query_start[-1:]}")
         q_lens = np.diff(plan.query_start)
         if int(q_lens.min()) < 1 or (plan.seq_lens < q_lens).any():
-            raise ValueError("invalid plan: a row with no tokens, or a seq_len below its token count")
+            raise PlanError("invalid plan: a row with no tokens, or a seq_len below its token count")
         host_fed = np.ones(t, dtype=bool)
         host_fed[plan.query_start[:-1][plan.feed_from_row >= 0]] = False
         if _outside(plan.input_ids[host_fed], self.info.vocab_size):
-            raise ValueError("invalid plan: an input id outside the vocabulary")
+            raise PlanError("invalid plan: an input id outside the vocabulary")
         if _outside(plan.positions, self.info.max_model_len):
-            raise ValueError("invalid plan: a position outside the model's context")
+            raise PlanError("invalid plan: a position outside the model's context")
         if _outside(plan.slot_mapping, self.kv_cache.num_blocks * self.block_size):
-            raise ValueError("invalid plan: a slot outside the KV cache")
+            raise PlanError("invalid plan: a slot outside the KV cache")
         if _outside(plan.block_tables, self.kv_cache.num_blocks):
-            raise ValueError("invalid plan: a block id outside the KV cache")
+            raise PlanError("invalid plan: a block id outside the KV cache")
         if -(-int(plan.seq_lens.max()) // self.block_size) > plan.block_tables.shape[1]:
-            raise ValueError("invalid plan: block_tables narrower than the longest row's seq_len needs")
+            raise PlanError("invalid plan: block_tables narrower than the longest row's seq_len needs")
+        grammar_rows = int(np.count_nonzero(plan.mask_kind & MASK_GRAMMAR))
+        if grammar_rows and (plan.grammar_bitmask.shape[0] != grammar_rows
+                             or 32 * plan.grammar_bitmask.shape[1] < self.info.vocab_size):
+            raise PlanError(f"invalid plan: {grammar_rows} grammar rows need as many bitmasks of the vocabulary, "
+                            f"got {plan.grammar_bitmask.shape}")
         if self.state is not None:
             slots = plan.state_slots
             if len(slots) != r or _outside(slots, self.state.num_slots):
-                raise ValueError(f"invalid plan: a recurrent model needs a state slot in [0, {self.state.num_slots}) per row")
+                raise PlanError(f"invalid plan: a recurrent model needs a state slot in [0, {self.state.num_slots}) per row")
             if len(np.unique(slots)) != r:
-                raise ValueError("invalid plan: two rows share a state slot")
+                raise PlanError("invalid plan: two rows share a state slot")
+            if plan.num_drafts.any():  # the engine core never speculates for such a model (engine._for_state_slots)
+                raise PlanError("invalid plan: draft tokens for a recurrent model (its state cannot drop rejected ones)")
 
     def _prepare(self, plan: StepPlan, input_ids: torch.Tensor) -> _Prepared:
         """Copy the plan's (checked) positions and slots to the device and build the attention metadata."""
@@ -293,7 +355,7 @@ class ModelRunner:
             # Every row fed from itself (a decode step launched ahead, a burst's step): the kept tokens are the
             # inputs as they are; this step's picks overwrite them only after the forward has read them.
             if prev is None or len(prev) < r or not prev[:r].all():
-                raise ValueError(f"rows 0..{r - 1} are fed from themselves: not all sampled in the previous step")
+                raise PlanError(f"rows 0..{r - 1} are fed from themselves: not all sampled in the previous step")
             return self._last_tokens[:r]
         input_ids = self._staging.put("input_ids", plan.input_ids)
         fed = np.flatnonzero(plan.feed_from_row >= 0)
@@ -301,9 +363,9 @@ class ModelRunner:
             return input_ids
         src = plan.feed_from_row[fed]
         if prev is None or int(src.max()) >= len(prev) or not prev[src].all():
-            raise ValueError(f"rows {fed.tolist()} are fed from rows {src.tolist()}: not all sampled in the previous step")
+            raise PlanError(f"rows {fed.tolist()} are fed from rows {src.tolist()}: not all sampled in the previous step")
         if not (np.diff(plan.query_start)[fed] == 1).all():
-            raise ValueError("a fed row must have exactly one token")
+            raise PlanError("a fed row must have exactly one token")
         token_idx = self._staging.put("fed_tokens", plan.query_start[fed])
         input_ids[token_idx] = self._last_tokens[self._staging.put("fed_src", src)]
         return input_ids

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from metrale.gpu_worker.layers import cpu_kernels
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, StepPlan
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan
 
 GREEDY_EPS = 1e-5  # temperatures below this pick greedily (vLLM's _SAMPLING_EPS)
 NOISE_BITS = 23  # uniform draws are (k + 0.5) / 2**23: exact in float32 and strictly inside (0, 1)
@@ -102,13 +102,15 @@ class _Batch:
     penalised: np.ndarray  # bool [S]
     banned: np.ndarray  # bool [S]
     forced: np.ndarray  # bool [S]
+    grammar: np.ndarray  # bool [S]: the pick is limited to the row's grammar bitmask
     top_k_on: np.ndarray  # bool [S]
     top_p_on: np.ndarray  # bool [S]
     min_p_on: np.ndarray  # bool [S]
     max_logprobs: int  # -1 when no row wants logprobs
+    keys: np.ndarray  # int [S]: the position each pick's noise is keyed by (its KV length once its token is in)
 
 
-def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int) -> _Batch:
+def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int, keys: np.ndarray | None = None) -> _Batch:
     """Read the sampling rows' parameters from the plan and decide which stages the step needs."""
     mask = plan.mask_kind[rows]
     greedy = (plan.temperature[rows] < GREEDY_EPS) | ((mask & MASK_GREEDY) != 0)
@@ -122,10 +124,12 @@ def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int) -> _Batch:
         | (plan.frequency_penalty[rows] != 0.0),
         banned=(mask & MASK_BAN) != 0,
         forced=(mask & MASK_FORCE) != 0,
+        grammar=(mask & MASK_GRAMMAR) != 0,
         top_k_on=~greedy & (top_k > 0) & (top_k < vocab_size),
         top_p_on=~greedy & (plan.top_p[rows] < 1.0),
         min_p_on=~greedy & (plan.min_p[rows] > 0.0),
         max_logprobs=int(num_logprobs.max()) if len(rows) else -1,
+        keys=plan.seq_lens[rows] if keys is None else keys,
     )
 
 
@@ -136,7 +140,7 @@ def _plain_greedy(plan: StepPlan, rows: np.ndarray | None) -> bool:
     pick = (lambda a: a) if rows is None else (lambda a: a[rows])
     mask = pick(plan.mask_kind)
     return bool(
-        not (mask & (MASK_BAN | MASK_FORCE)).any()
+        not (mask & (MASK_BAN | MASK_FORCE | MASK_GRAMMAR)).any()
         and ((pick(plan.temperature) < GREEDY_EPS) | ((mask & MASK_GREEDY) != 0)).all()
         and pick(plan.num_logprobs).max(initial=-1) < 0
         and (pick(plan.repetition_penalty) == 1.0).all()
@@ -157,14 +161,18 @@ class Sampler:
         self._vocab_steps = torch.from_numpy(steps).to(self.device)  # splitmix64's stream increments
         self._capacity = 0
         self._work = self._hash = self._scratch = self._noise = self._mask = None
+        self._bit_shifts: torch.Tensor | None = None
 
     def __call__(
-        self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor, greedy: bool | None = None, out: torch.Tensor | None = None
+        self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor, greedy: bool | None = None, out: torch.Tensor | None = None,
+        keys: np.ndarray | None = None,
     ) -> SamplerOutput:
         """Sample one token for each of the S rows of logits (plan row rows[i] for logits[i]).
 
         greedy: plain_greedy's answer for these rows when the caller knows it already (a decode burst).
-        out: int64 [S] where a plain greedy pick may write its tokens (other picks return their own)."""
+        out: int64 [S] where a plain greedy pick may write its tokens (other picks return their own).
+        keys: the position each pick's noise is keyed by, where it is not its row's seq_len (a verify step picks
+        at several positions of one row)."""
         # Pass rows on the CPU: the plan's arrays are host numpy, and a device rows tensor costs a sync.
         rows_np = rows.numpy() if rows.device.type == "cpu" else rows.cpu().numpy()
         rows_np = rows_np.astype(np.int64, copy=False)
@@ -172,11 +180,13 @@ class Sampler:
             greedy = _plain_greedy(plan, None if len(rows_np) == plan.num_rows else rows_np)
         if greedy:
             return SamplerOutput(argmax(logits, out), None, None, None)
-        batch = _gather(plan, rows_np, self.vocab_size)
+        batch = _gather(plan, rows_np, self.vocab_size, keys)
         work = self._scratch_rows(len(rows_np))
         work.copy_(logits)
         if batch.penalised.any():
             self._apply_penalties(work, plan, batch)
+        if batch.grammar.any():
+            self._apply_grammar(work, plan, batch)
         if batch.banned.any():
             self._apply_bans(work, plan, batch)
         tokens = self._pick(work, plan, batch)
@@ -280,6 +290,19 @@ class Sampler:
             x -= self._to_device(plan.presence_penalty[out_rows].astype(np.float32))
             flat[out_dev] = x
 
+    def _apply_grammar(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> None:
+        """Set every token outside a grammar row's bitmask to -inf (structured outputs), before any other stage:
+        penalties aside, the pick is the unconstrained one among the tokens the grammar allows."""
+        bitmask_of = np.cumsum((plan.mask_kind & MASK_GRAMMAR) != 0) - 1  # plan row -> its grammar_bitmask row
+        at = np.flatnonzero(batch.grammar)
+        words = self._to_device(plan.grammar_bitmask[bitmask_of[batch.rows[at]]])  # int32 [n, W]
+        if self._bit_shifts is None:
+            self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
+        bits = (words[:, :, None] >> self._bit_shifts) & 1  # [n, W, 32]: bit b of word w is token 32 w + b
+        refused = (bits.view(len(at), -1)[:, : self.vocab_size] == 0)
+        idx = self._to_device(at.astype(np.int64))
+        work[idx] = work[idx].masked_fill_(refused, -math.inf)
+
     def _apply_bans(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> None:
         """Set the banned ids of MASK_BAN rows to -inf, for greedy and sampled picks alike."""
         ids = plan.ban_ids[batch.rows].astype(np.int64)
@@ -300,7 +323,7 @@ class Sampler:
             self._apply_top_k_top_p(work, plan, batch)
         if batch.min_p_on.any():
             self._apply_min_p(work, plan, batch)
-        self._add_noise(work, plan.seeds[rows], plan.seq_lens[rows])
+        self._add_noise(work, plan.seeds[rows], batch.keys)
         sampled = argmax(work)
         if greedy_tokens is None:
             return sampled

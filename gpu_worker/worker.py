@@ -7,10 +7,22 @@ the doorbell), run it, write the result (or the error), publish, ring. It exits 
 engine core's end of the doorbell closes, or when its parent process dies.
 
 A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` (and `execute_burst(plan, steps)`
-for tickets of several steps); one that counts its steps (`steps_executed`) and keeps their logits
-(`read_logits(step)`) also answers logits tickets: the engine asks for a settled ticket's logits (a RepickOnly
-repair), and the worker writes that step's logits into the ring's logits region. The plan's arrays are views
-into the shared slot: a runner copies what it keeps past execute().
+for tickets of several steps, `execute_verify(plan)` for a verify step's drafts); one that counts its steps
+(`steps_executed`) and keeps their logits (`read_logits(step)`) also answers logits tickets: the engine asks for
+a settled ticket's logits (a RepickOnly repair), and the worker writes that step's logits into the ring's logits
+region. The plan's arrays are views into the shared slot: a runner copies what it keeps past execute().
+
+Tensor parallel (`--group SPEC`, ipc/worker_group.py): each of N ranks is such a process. It joins the group
+(gpu_worker/tp_group.py) before building its runner, which then holds this rank's shards. The ranks on the
+engine core's host each connect their own doorbell and read every plan from the ring; rank 0 alone writes
+results, publishes them and rings the engine. Every rank samples every row itself, from the same gathered logits
+with the plan's parameters, noise and grammar bitmasks, so the ranks pick alike and each feeds its own next
+step. Ranks on other hosts get each plan from rank 0 over the process group (gpu_worker/plan_broadcast.py). A
+logits ticket runs no collective: rank 0 answers it alone and the other ranks pass it by. A step that fails its
+checks (PlanError) fails alike on every rank and is that step's error; any other failure under tensor
+parallelism, or a collective that fails (GroupLost: a peer is gone), ends the rank with EXIT_GROUP_LOST, since
+its peers may be waiting in a collective it will never reach: the supervisor then restarts the whole group and
+the engine core requeues what it ran.
 """
 
 from __future__ import annotations
@@ -27,9 +39,13 @@ from typing import Any
 
 import msgspec
 
+from metrale.ipc import worker_group
 from metrale.ipc.doorbell import Attached, Bell, Shutdown, WorkerFailed, WorkerReady, bell_path
 from metrale.ipc.ticket_layout import LOGITS_TICKET
 from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
+from metrale.ipc.worker_group import KEEPALIVE_S, GroupSpec
+
+from .errors import GroupLost, PlanError
 
 log = logging.getLogger("metrale.gpu_worker")
 
@@ -37,6 +53,7 @@ DEFAULT_FACTORY = "metrale.gpu_worker.model_runner:ModelRunner"
 DEFAULT_SPIN_US = 100.0  # then block on the doorbell; the spin yields the core every turn (TicketRing._spin)
 TICKETS_REMEMBERED = 8  # tickets whose runner step the worker remembers, for logits tickets (the runner keeps fewer)
 WAIT_SLICE_S = 0.02  # how often a blocked worker checks that its parent lives
+EXIT_GROUP_LOST = 3  # a tensor-parallel rank whose group broke (a peer died, a collective failed)
 
 
 @dataclass(slots=True)
@@ -48,6 +65,7 @@ class WorkerConfig:
     runner_kwargs: dict[str, Any] = field(default_factory=dict)
     spin_us: float = DEFAULT_SPIN_US
     connect_timeout_s: float = 60.0
+    group: GroupSpec | None = None  # a tensor-parallel rank's place in its group (None: a worker of its own)
 
 
 @dataclass(slots=True)
@@ -59,6 +77,9 @@ class WorkerLoop:
     runner: Any
     spin_ns: int
     parent_pid: int
+    rank: int = 0  # only rank 0 writes results, publishes them and rings the engine
+    tensor_parallel: bool = False
+    sender: Any = None  # rank 0's PlanSender when ranks run on other hosts
     idle_ns: int = 0
     busy_ns: int = 0
     steps: int = 0
@@ -66,7 +87,11 @@ class WorkerLoop:
     runner_steps: dict[int, int] = field(default_factory=dict)  # ticket seq -> the runner's index of its last step
 
     def serve(self, first_seq: int) -> None:
-        """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop."""
+        """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop; GroupLost when
+        this rank's group broke."""
+        if self.rank > 0:
+            self._follow(first_seq)
+            return
         ring, n = self.ring, self.ring.num_slots
         pid = os.getpid()
         self.started_ns = t0 = time.monotonic_ns()
@@ -81,6 +106,8 @@ class WorkerLoop:
             t1 = time.monotonic_ns()
             self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
             ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
+            if self.sender is not None and ring.plan_steps(slot) != LOGITS_TICKET:
+                self.sender.send(ring.read_plan(slot), ring.plan_steps(slot))
             self.steps += self.run_step(slot, seq)
             t0 = time.monotonic_ns()  # publishing the result counts as the next wait
             self.busy_ns += t0 - t1
@@ -90,6 +117,24 @@ class WorkerLoop:
             self.bell.ring()
             seq += 1
 
+    def _follow(self, first_seq: int) -> None:
+        """A rank > 0 beside the engine: run every plan rank 0 runs, write nothing."""
+        ring, n = self.ring, self.ring.num_slots
+        seq = first_seq
+        t0 = time.monotonic_ns()
+        while True:
+            slot = seq % n
+            if not self.wait_for_plan(slot, seq, t0):
+                return
+            ran = self.run_step(slot, seq)
+            # The engine reuses a slot only after rank 0 published its result, which needs this rank's share of
+            # the step's collectives, and it keeps fewer tickets in flight than slots: a reused slot means
+            # this rank read a plan that changed under it (a logits ticket, which rank 0 answers alone, aside).
+            if ran and ring.plan_seq(slot) != seq:
+                raise GroupLost(f"rank {self.rank}: ticket {seq}'s slot was reused while it ran")
+            t0 = time.monotonic_ns()
+            seq += 1
+
     def wait_for_plan(self, slot: int, seq: int, since_ns: int) -> bool:
         """Wait until plan seq is published in slot (True), or until the worker should exit (False)."""
         ring = self.ring
@@ -97,30 +142,53 @@ class WorkerLoop:
             return True
         if ring.spin_for_plan(slot, seq, since_ns + self.spin_ns):
             return True
+        keepalive_at = time.monotonic() + KEEPALIVE_S
         while ring.plan_seq(slot) != seq:
             if self.should_exit():
                 return False
             self.bell.wait(WAIT_SLICE_S)
+            if self.sender is not None and time.monotonic() >= keepalive_at:
+                self.sender.idle()  # the off-host ranks wait in a broadcast: keep it short of its timeout
+                keepalive_at = time.monotonic() + KEEPALIVE_S
         return True
 
     def run_step(self, slot: int, seq: int) -> int:
-        """Execute ticket seq's plan in slot (one step, or a decode burst's) and write its results, or answer a
-        logits ticket, or write the error (serve publishes it); the worker keeps serving. Returns the steps run."""
+        """Execute ticket seq's plan in slot (one step, a decode burst's, or a verify step) and, on rank 0, write
+        its results or its error (serve publishes it), or answer a logits ticket; the worker keeps serving.
+        Returns the steps run.
+
+        GroupLost under tensor parallelism for a failure past the plan's checks (see the module docstring)."""
         ring = self.ring
         t0 = time.perf_counter_ns()
         steps = ring.plan_steps(slot)
+        if steps == LOGITS_TICKET:
+            if self.rank == 0:
+                self._answer_logits(slot, t0)
+            return 0
         try:
-            if steps == LOGITS_TICKET:
-                ring.write_logits(slot, self.logits_of(ring.logits_of(slot)), exec_ns=time.perf_counter_ns() - t0)
-                return 0
             plan = ring.read_plan(slot)
-            results = self.runner.execute_burst(plan, steps) if steps > 1 else [self.runner.execute(plan)]
-            ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
+            results = execute(self.runner, plan, steps)
+            if self.rank == 0:
+                ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
             self._ran(seq)
+        except GroupLost:
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
             traceback.print_exc(file=sys.stderr)
-            ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+            if self.tensor_parallel and not isinstance(exc, PlanError):
+                raise GroupLost(f"rank {self.rank}: a step failed past its checks: {exc!r}") from exc
+            if self.rank == 0:
+                ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
         return steps
+
+    def _answer_logits(self, slot: int, t0: int) -> None:
+        """Write the logits a logits ticket asks for, or its error (the step failed, or is no longer kept)."""
+        ring = self.ring
+        try:
+            ring.write_logits(slot, self.logits_of(ring.logits_of(slot)), exec_ns=time.perf_counter_ns() - t0)
+        except Exception as exc:  # noqa: BLE001 - that ticket's error; no collective ran, the group goes on
+            traceback.print_exc(file=sys.stderr)
+            ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
 
     def _ran(self, seq: int) -> None:
         """Remember which runner step ticket seq ended with (its logits are that step's)."""
@@ -146,6 +214,16 @@ class WorkerLoop:
         return False
 
 
+def execute(runner, plan, steps: int) -> list:
+    """Run one ticket's plan on the runner: a decode burst's steps, a verify step's picks, or one step; the
+    StepResults to write."""
+    if steps > 1:
+        return runner.execute_burst(plan, steps)
+    if plan.num_drafts.any():  # a verify step (speculative decoding): one result per pick
+        return runner.execute_verify(plan)
+    return [runner.execute(plan)]
+
+
 def load_factory(spec: str):
     """The callable named by "module:attribute" (attribute may be dotted)."""
     module_name, _, attr = spec.partition(":")
@@ -158,17 +236,27 @@ def load_factory(spec: str):
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Serve the ring named in config until shutdown; the process exit code."""
+    """Serve the ring named in config until shutdown (or, off the engine's host, rank 0's plans); the exit code."""
+    spec = config.group
+    if spec is not None and not spec.reads_ring:
+        return _run_off_host(config)
     parent_pid = os.getppid()
     bell = Bell.connect(
         bell_path(config.ring_name), config.connect_timeout_s, keep_trying=lambda: os.getppid() == parent_pid
     )
     ring = TicketRing.attach(config.ring_name)
+    joined = sender = None
     try:
         t0 = time.monotonic()
+        if spec is not None:
+            try:
+                joined = _join(config)
+            except Exception:  # noqa: BLE001 - a peer that never came, a rendezvous that broke: restart the group
+                log.exception("rank %d could not join its group", spec.rank)
+                return EXIT_GROUP_LOST
         log.info("loading %s", config.runner_kwargs.get("model_dir", "the model"))
         try:
-            runner = load_factory(config.factory)(**config.runner_kwargs)
+            runner = _build_runner(config, joined)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, then we exit
             traceback.print_exc(file=sys.stderr)
             try:
@@ -179,8 +267,9 @@ def run_worker(config: WorkerConfig) -> int:
         info = runner.info
         log.info("ready in %.1f s: %s in %s; KV cache of %d blocks x %d tokens (%d tokens)", time.monotonic() - t0,
                  info.name, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size)
+        rank = spec.rank if spec is not None else 0
         try:
-            bell.send(WorkerReady(pid=os.getpid(), info=info))
+            bell.send(WorkerReady(pid=os.getpid(), info=info, rank=rank))
         except OSError:  # the engine core went away while we loaded (a failed start, a shutdown): nothing to serve
             log.info("the engine core left before the worker was ready; exiting")
             return 0
@@ -188,11 +277,86 @@ def run_worker(config: WorkerConfig) -> int:
         if first_seq is None:
             return 0
         spin_ns = int(config.spin_us * 1000) if SPIN_IS_SAFE else 0
-        WorkerLoop(ring, bell, runner, spin_ns, parent_pid).serve(first_seq)
+        if joined is not None and joined.plan_pg is not None and rank == 0:
+            from .plan_broadcast import PlanSender
+
+            sender = PlanSender(joined.plan_pg)
+        loop = WorkerLoop(ring, bell, runner, spin_ns, parent_pid, rank=rank, tensor_parallel=spec is not None,
+                          sender=sender)
+        try:
+            loop.serve(first_seq)
+        except GroupLost as exc:
+            log.error("rank %d: %s; exiting so that the group restarts", rank, exc)
+            return EXIT_GROUP_LOST
         return 0
     finally:
+        if sender is not None:
+            sender.stop()
+        if joined is not None:
+            joined.close()
         bell.close()
         ring.close()
+
+
+def _join(config: WorkerConfig):
+    """Join the tensor-parallel group (CUDA ranks first take their own device)."""
+    from .tp_group import join_group
+
+    return join_group(config.group, _device(config))
+
+
+def _device(config: WorkerConfig):
+    """The torch device this worker runs on: the runner's, and for a CUDA rank its local device."""
+    import torch
+
+    name = config.runner_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if config.group is not None and str(name).startswith("cuda"):
+        name = f"cuda:{config.group.local_rank}"
+        torch.cuda.set_device(name)
+    config.runner_kwargs["device"] = str(name)
+    return torch.device(name)
+
+
+def _build_runner(config: WorkerConfig, joined):
+    """The runner the factory makes (with this rank's group under tensor parallelism)."""
+    kwargs = dict(config.runner_kwargs)
+    if joined is not None:
+        kwargs["group"] = joined.group
+    return load_factory(config.factory)(**kwargs)
+
+
+def _run_off_host(config: WorkerConfig) -> int:
+    """A rank on another host than the engine core: join, build, then run each plan rank 0 broadcasts."""
+    from .plan_broadcast import PlanReceiver
+
+    spec = config.group
+    try:
+        joined = _join(config)
+    except Exception:  # noqa: BLE001
+        log.exception("rank %d could not join its group", spec.rank)
+        return EXIT_GROUP_LOST
+    try:
+        runner = _build_runner(config, joined)
+        receiver = PlanReceiver(joined.plan_pg)
+        log.info("rank %d ready (off the engine core's host): plans come from rank 0", spec.rank)
+        while True:
+            item = receiver.receive()
+            if item is None:
+                return 0
+            plan, steps = item
+            try:
+                execute(runner, plan, steps)
+            except PlanError:
+                continue  # rank 0 refused it too
+            except GroupLost:
+                raise
+            except Exception as exc:  # noqa: BLE001 - past the checks: the group cannot follow
+                raise GroupLost(f"rank {spec.rank}: a step failed past its checks: {exc!r}") from exc
+    except GroupLost as exc:
+        log.error("rank %d: %s; exiting so that the group restarts", spec.rank, exc)
+        return EXIT_GROUP_LOST
+    finally:
+        joined.close()
 
 
 def _await_attached(bell: Bell, parent_pid: int) -> int | None:
@@ -217,7 +381,8 @@ def _number(text: str) -> int | float:
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     """The WorkerConfig of a command line."""
     ap = argparse.ArgumentParser(prog="python -m metrale.gpu_worker.worker", description=__doc__.splitlines()[0])
-    ap.add_argument("--ring", required=True, help="name of the ticket ring segment to serve")
+    ap.add_argument("--ring", default="", help="name of the ticket ring segment to serve")
+    ap.add_argument("--group", default=None, help="a tensor-parallel rank's GroupSpec as JSON (ipc/worker_group.py)")
     ap.add_argument("--factory", default=DEFAULT_FACTORY, help="runner factory, 'module:callable'")
     ap.add_argument("--runner-kwargs", default="{}", help="JSON object of keyword arguments for the factory")
     ap.add_argument("--model-dir")
@@ -228,6 +393,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     ap.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US)
     ap.add_argument("--connect-timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
+    group = worker_group.decode(args.group) if args.group else None
+    if not args.ring and (group is None or group.reads_ring):
+        ap.error("--ring is required (except for a rank off the engine core's host)")
     kwargs = msgspec.json.decode(args.runner_kwargs, type=dict[str, Any])
     for name in ("model_dir", "dtype", "num_kv_blocks", "kv_cache_memory", "block_size"):
         if getattr(args, name) is not None:
@@ -238,6 +406,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         runner_kwargs=kwargs,
         spin_us=args.spin_us,
         connect_timeout_s=args.connect_timeout,
+        group=group,
     )
 
 

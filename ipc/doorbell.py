@@ -34,10 +34,12 @@ _RECV_BYTES = 65536
 
 
 class WorkerReady(msgspec.Struct, tag="worker_ready"):
-    """The worker built its runner and serves the ring; info describes its model."""
+    """The worker built its runner and serves the ring; info describes its model (rank: its place in a
+    tensor-parallel group, whose every ring rank connects a doorbell of its own)."""
 
     pid: int
     info: ModelInfo
+    rank: int = 0
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed"):
@@ -182,7 +184,7 @@ class BellListener:
         try:
             self._sock.bind(path)
             os.chmod(path, 0o600)
-            self._sock.listen(1)
+            self._sock.listen(16)  # a tensor-parallel group's ranks connect at once
         except BaseException:
             self._sock.close()
             raise

@@ -97,9 +97,15 @@ class EngineStats(msgspec.Struct, kw_only=True):
     generated_tokens: int = 0
     worker_busy_s: float = 0.0  # the worker's time executing steps, since it started
     worker_idle_s: float = 0.0  # the worker's time waiting for the engine core's next plan
+    prefix_cache_hit_tokens: int = 0  # prompt tokens found in the prefix cache (hit rate = hits / queried)
+    prefix_cache_queried_tokens: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0  # ... and kept (the acceptance rate is their ratio)
     # RepickOnly repairs: tokens the host picked again from a step's logits (a recurrent model's step
     # launched ahead whose mask went stale).
     host_repicks: int = 0
+    # Data parallel: the frontend's sums over every replica hold each replica's own counters here, in order.
+    replicas: list[EngineStats] = []
 
 
 class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):
@@ -109,12 +115,14 @@ class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):
     stats: EngineStats
 
 
-class ProcessHealth(msgspec.Struct, kw_only=True):
-    name: str
+class ProcessHealth(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str  # frontend | engine_core | gpu_worker
     pid: int
     uptime_s: float
     restarts: int
     alive: bool
+    replica: int = 0  # the data-parallel replica an engine core or worker belongs to
+    rank: int = 0  # a worker's tensor-parallel rank
 
 
 class Health(msgspec.Struct, tag="health_reply", kw_only=True):
@@ -127,6 +135,7 @@ class Health(msgspec.Struct, tag="health_reply", kw_only=True):
     ready: bool = True  # an engine core is up and the server takes requests
     waiting_for: str | None = None  # why it is not healthy now: what it waits for
     progress_s: float = 0.0  # seconds since the engine core last reported progress, while requests are live
+    replicas_ready: list[bool] = []  # data parallel: which replicas' engine cores are up, in order
 
 
 class ModelInfoReply(msgspec.Struct, tag="model_info_reply", kw_only=True):
@@ -147,6 +156,26 @@ ServerMessage = Delta | Error | Stats | Health | ModelInfoReply
 # ---- frontend ↔ engine core ----------------------------------------------------------
 
 
+class GrammarBlob(msgspec.Struct, kw_only=True):
+    """A request's grammar as the frontend compiled it (params.structured_outputs): xgrammar's serialized
+    CompiledGrammar, and the digest of what it was compiled from (the engine core keeps one copy per key)."""
+
+    key: str
+    data: str
+
+
+class GrammarVocab(msgspec.Struct, tag="grammar_vocab", kw_only=True):
+    """The vocabulary as xgrammar sees it: the frontend sends it before the first AddRequest with a grammar to
+    each engine core it talks to (the engine core has no tokenizer); its grammars are compiled against it."""
+
+    digest: str  # of the fields below: a repeat with the same digest changes nothing
+    encoded_vocab: list[str]  # token strings by id, as the tokenizer's vocabulary spells them
+    vocab_type: int  # xgrammar's VocabType: 0 raw, 1 byte fallback, 2 byte level
+    add_prefix_space: bool
+    vocab_size: int  # the model's (its logits' width)
+    stop_token_ids: list[int]
+
+
 class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     """A tokenized request for the engine core."""
 
@@ -156,6 +185,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     # Tokens already streamed to the client (resubmission after an engine-core restart).
     output_token_ids: list[int] = []
     cache_salt: str | None = None
+    grammar: GrammarBlob | None = None  # with params.structured_outputs
 
 
 class AbortRequest(msgspec.Struct, tag="abort_req", kw_only=True):
@@ -166,7 +196,7 @@ class StatsRequest(msgspec.Struct, tag="stats_req", kw_only=True):
     id: str
 
 
-EngineInput = AddRequest | AbortRequest | StatsRequest
+EngineInput = AddRequest | AbortRequest | StatsRequest | GrammarVocab
 
 
 class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -180,10 +210,31 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     error_code: str | None = None  # with finish_reason "error": an ErrorCode value (ipc/errors.py)
 
 
+class EngineLoad(msgspec.Struct, array_like=True):
+    """How busy an engine core is (for the frontend's routing between data-parallel replicas)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
 class EngineOutputs(msgspec.Struct, tag="outputs", kw_only=True):
-    """Everything one tick produced."""
+    """Everything one tick produced (and, under data parallel, the engine core's load after it)."""
 
     outputs: list[RequestOutputDelta] = []
+    load: EngineLoad | None = None
+
+
+class WorkerLost(msgspec.Struct, tag="worker_lost", kw_only=True):
+    """The engine core's worker (group) died: its requests wait for a new one (the frontend of several replicas
+    moves them to another at once)."""
+
+    why: str = ""
+
+
+class WorkerBack(msgspec.Struct, tag="worker_back", kw_only=True):
+    """The engine core serves again after a WorkerLost (its new worker is ready)."""
 
 
 class StatsResponse(msgspec.Struct, tag="stats_resp", kw_only=True):
@@ -200,4 +251,4 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     block_size: int
 
 
-EngineOutput = EngineOutputs | StatsResponse | EngineReady
+EngineOutput = EngineOutputs | StatsResponse | EngineReady | WorkerLost | WorkerBack

@@ -21,6 +21,7 @@ MASK_NONE = 0
 MASK_BAN = 1  # ban the ids in ban_ids[r] (min_tokens not reached: EOS and stop ids)
 MASK_FORCE = 2  # the pick is force_token[r] (thinking budget spent: the think-end token)
 MASK_GREEDY = 4  # take the argmax whatever the temperature (adaptive sampling in a fence or tool call)
+MASK_GRAMMAR = 8  # only the tokens of the row's grammar bitmask (grammar_bitmask, one per such row in row order)
 
 NO_SEED = -1
 
@@ -99,9 +100,19 @@ class StepPlan:
     # KV copies before the forward: first swap_out (device block, host block), then swap_in (host, device).
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
+    # Structured outputs: the allowed next tokens of each MASK_GRAMMAR row, in row order, as packed bits (token
+    # i allowed iff bit i % 32 of word i // 32 is set, xgrammar's layout); [0, 0] when no row has a grammar.
+    grammar_bitmask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))  # int32[G, W]
+    # Speculative decoding: a row with d > 0 drafts runs its last token and the d draft tokens (its last d + 1
+    # tokens), samples at each of them, and keeps the picks up to the first that differs from the next draft.
+    num_drafts: np.ndarray | None = None  # int32[R]; None: no drafts (all zeros)
     # int32[R]: each row's recurrent state slot (a row whose tokens start at position 0 finds it reset);
     # empty for a model without recurrent state, so its plans carry nothing more.
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+
+    def __post_init__(self) -> None:
+        if self.num_drafts is None:
+            self.num_drafts = np.zeros(len(self.seq_lens), dtype=np.int32)
 
     @property
     def num_rows(self) -> int:
@@ -110,6 +121,12 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+
+def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [..., vocab_size] from packed grammar bitmask rows (bit i % 32 of word i // 32 is token i)."""
+    bits = np.unpackbits(np.ascontiguousarray(words, dtype=np.int32).view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
 
 
 _NO_SWAP = np.zeros((0, 2), dtype=np.int32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json as _json
+
 import msgspec
 
 MAX_LOGPROBS = 20
@@ -9,6 +11,57 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 32
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # lower runs first and may preempt higher; any client may set it
+MAX_GRAMMAR_CHARS = 65536  # a schema, regex or grammar's text (a choice list's, as JSON)
+MAX_CHOICES = 256
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on the whole output (vLLM's StructuredOutputsParams): exactly one field is set.
+
+    json: a JSON schema (an object, or its text); json_object: any JSON object; regex: a regular expression the
+    output matches; choice: the output is one of these strings; grammar: an EBNF grammar (xgrammar's dialect,
+    rule `root`). Compiled by the frontend (docs/protocol.md), applied to every pick as a token mask."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def kind_and_spec(self) -> tuple[str, str]:
+        """(kind, text) of the one constraint given: what the grammar compiler takes, and its cache key.
+
+        A schema given as an object is written as compact JSON in its own key order (which is the order the
+        output's properties follow)."""
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else _json_text(self.json)
+            return "json", spec
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json_text(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        raise ValueError("structured_outputs needs one of json, json_object, regex, choice, grammar")
+
+    def validate(self) -> None:
+        """Raise ValueError unless exactly one constraint is set, within the size bounds."""
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) == 1, "structured_outputs", "must set exactly one of json, json_object, regex, choice, grammar", given)
+        if self.choice is not None:
+            _check(0 < len(self.choice) <= MAX_CHOICES and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice", f"must be 1..{MAX_CHOICES} non-empty strings", self.choice[:4])
+        kind, spec = self.kind_and_spec()
+        _check(len(spec) <= MAX_GRAMMAR_CHARS, f"structured_outputs.{kind}", f"must have at most {MAX_GRAMMAR_CHARS} characters", len(spec))
+        _check(kind not in ("regex", "grammar") or bool(spec), f"structured_outputs.{kind}", "must not be empty", spec)
+
+
+def _json_text(value: object) -> str:
+    """Compact JSON, keys in their order."""
+    return _json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -32,6 +85,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_thinking_tokens: int | None = None  # after this many thinking tokens, force the think-end token
     adaptive_sampling: bool = False  # greedy inside a code fence or a tool call
     priority: int = 0  # lower runs first (vLLM's convention); FCFS among equals
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output follows (JSON schema, regex, ...)
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +120,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         lo, hi = PRIORITY_RANGE
         _check(isinstance(self.priority, int) and lo <= self.priority <= hi, "priority", f"must be an integer in [{lo}, {hi}]", self.priority)
         _check(self.max_thinking_tokens is None or (isinstance(self.max_thinking_tokens, int) and self.max_thinking_tokens >= 0), "max_thinking_tokens", "must be >= 0", self.max_thinking_tokens)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids must be in [0, {vocab_size})", bad)

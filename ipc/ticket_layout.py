@@ -22,7 +22,7 @@ import numpy as np
 from .plan import StepPlan, StepResult
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 4  # 4: StepPlan.state_slots, the logits region and logits tickets
+VERSION = 5  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -34,19 +34,19 @@ CTRL_BYTES = 256  # two 128-byte halves: engine-written and worker-written (no f
 # Header int64 indices.
 H_MAGIC, H_VERSION, H_OWNER_PID, H_SLOT_BYTES = 0, 1, 2, 3
 H_GEOMETRY = 4  # the RingGeometry fields, in order
-N_GEOMETRY = 11  # RingGeometry's fields in the header (at most 12: the worker's counters follow)
+N_GEOMETRY = 12  # RingGeometry's fields in the header (at most 12: the worker's counters follow)
 H_WORKER = 16  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_ns (worker-written)
 # Control block int64 indices (relative to the slot's first int64).
-C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI, C_STEPS = 0, 1, 2, 3, 4, 5, 6, 7, 8  # C_STEPS: a burst's steps
-C_S = 9  # state_slots entries (0 or R)
-C_LOGITS_OF = 10  # a logits ticket (C_STEPS 0): the seq of the step whose logits it asks for
+C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI, C_G, C_W, C_STEPS = range(11)  # C_STEPS: a burst's steps
+C_S = 11  # state_slots entries (0 or R)
+C_LOGITS_OF = 12  # a logits ticket (C_STEPS 0): the seq of the step whose logits it asks for
 LOGITS_TICKET = 0  # C_STEPS of a ticket that asks for a step's logits instead of running a plan
 C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_RES_STEPS = range(16, 24)
 HAS_LOGPROBS, HAS_TOP = 1, 2
 
 # Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
 # RB rows × block-table width, RK rows × ban width, H history tokens, SO / SI swap pairs × 2,
-# S state slots (R for a model with recurrent state, else 0).
+# GW grammar rows × bitmask words, S state slots (R for a model with recurrent state, else 0).
 PLAN_FIELDS = (
     ("input_ids", np.int32, "T"),
     ("positions", np.int32, "T"),
@@ -73,6 +73,8 @@ PLAN_FIELDS = (
     ("hist_prompt_len", np.int32, "R"),
     ("swap_out", np.int32, "SO"),
     ("swap_in", np.int32, "SI"),
+    ("grammar_bitmask", np.int32, "GW"),
+    ("num_drafts", np.int32, "R"),
     ("state_slots", np.int32, "S"),
 )
 assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fields(StepPlan)), (
@@ -104,7 +106,8 @@ class RingGeometry:
     max_logprobs: int = 20
     error_msg_bytes: int = 4096
     max_swaps: int = 4096  # block copies per step, each way
-    max_burst: int = 1  # decode steps one ticket may ask for (results held per step)
+    max_burst: int = 1  # decode steps one ticket may ask for (results held per step; a verify step's picks too)
+    max_bitmask_words: int = 1  # int32 words of a grammar row's token bitmask (the model's vocab / 32)
     max_logits_vocab: int = 0  # vocabulary of the logits region (0: none; a model that never host-samples)
 
     def capacity(self, kind: str) -> int:
@@ -121,6 +124,7 @@ class RingGeometry:
             "E": self.error_msg_bytes,
             "SO": 2 * self.max_swaps,
             "SI": 2 * self.max_swaps,
+            "GW": self.max_rows * self.max_bitmask_words,
             "S": self.max_rows,
         }[kind]
 
@@ -156,15 +160,22 @@ def regions(base: np.ndarray, slot_at: int, offsets: dict[str, int], g: RingGeom
     return out
 
 
-def region_lengths(t: int, r: int, b: int, k: int, h: int, so: int, si: int, s: int) -> dict[str, int]:
+def region_lengths(
+    t: int, r: int, b: int, k: int, h: int, so: int, si: int, g: int, w: int, s: int,
+) -> dict[str, int]:
     """Element count of each length kind for a plan's counts."""
-    return {"T": t, "R": r, "R1": r + 1, "RB": r * b, "RK": r * k, "H": h, "SO": 2 * so, "SI": 2 * si, "S": s}
+    return {"T": t, "R": r, "R1": r + 1, "RB": r * b, "RK": r * k, "H": h, "SO": 2 * so, "SI": 2 * si, "GW": g * w,
+            "S": s}
 
 
 def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
-    """(T, R, B, K, H, SO, SI, S) of a plan, checked against its own arrays and the ring's capacity."""
+    """(T, R, B, K, H, SO, SI, G, W, S) of a plan, checked against its own arrays and the ring's capacity."""
     t, r, h = len(plan.input_ids), len(plan.seq_lens), len(plan.hist_tokens)
     so, si = len(plan.swap_out), len(plan.swap_in)
+    gr, w = plan.grammar_bitmask.shape if plan.grammar_bitmask.ndim == 2 else (-1, -1)
+    if gr > r or (gr > 0 and w > g.max_bitmask_words):
+        raise ValueError(f"plan has a grammar bitmask of {plan.grammar_bitmask.shape}, the ticket ring holds at most "
+                         f"{r} rows of {g.max_bitmask_words} words")
     s = len(plan.state_slots)
     if s not in (0, r):
         raise ValueError(f"plan has {s} state slots for {r} rows (expected {r}, or none)")
@@ -183,12 +194,13 @@ def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
             if value > limit:
                 raise ValueError(f"plan has {value} {what}, the ticket ring holds at most {limit}")
     shapes = {
-        "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2), "S": (s,),
+        "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
+        "GW": (gr, w), "S": (s,),
     }
     for name, _, kind in PLAN_FIELDS:
         if getattr(plan, name).shape != shapes[kind]:
             raise ValueError(f"plan.{name} has shape {getattr(plan, name).shape}, expected {shapes[kind]}")
-    return t, r, b, k, h, so, si, s
+    return t, r, b, k, h, so, si, gr, w, s
 
 
 def result_counts(results: list[StepResult], g: RingGeometry) -> tuple[int, int, int]:

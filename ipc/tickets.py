@@ -41,6 +41,7 @@ from .ticket_layout import (
     C_B,
     C_ERR_LEN,
     C_EXEC_NS,
+    C_G,
     C_H,
     C_K,
     C_LOGITS_OF,
@@ -57,6 +58,7 @@ from .ticket_layout import (
     C_STATUS,
     C_STEPS,
     C_T,
+    C_W,
     H_GEOMETRY,
     H_MAGIC,
     H_OWNER_PID,
@@ -222,8 +224,8 @@ class TicketRing:
         for name, view in zip(PLAN_NAMES, self._plan_views(slot, counts)):
             view[...] = getattr(plan, name)
         c = self._ctrl[slot]
-        self._q[c + C_T : c + C_STEPS + 1] = (*counts[:7], steps)
-        self._q[c + C_S] = counts[7]
+        self._q[c + C_T : c + C_STEPS + 1] = (*counts[:9], steps)
+        self._q[c + C_S] = counts[9]
 
     def publish_plan(self, slot: int, seq: int) -> None:
         """Make the plan written in a slot visible as ticket seq (after write_plan)."""
@@ -255,7 +257,8 @@ class TicketRing:
         """The slot's plan as zero-copy views, valid until the engine reuses the slot (do not keep them)."""
         c = self._ctrl[slot]
         q = self._seqs
-        counts = (q[c + C_T], q[c + C_R], q[c + C_B], q[c + C_K], q[c + C_H], q[c + C_SO], q[c + C_SI], q[c + C_S])
+        counts = (q[c + C_T], q[c + C_R], q[c + C_B], q[c + C_K], q[c + C_H], q[c + C_SO], q[c + C_SI], q[c + C_G],
+                  q[c + C_W], q[c + C_S])
         return StepPlan(*self._plan_views(slot, counts))
 
     def _plan_views(self, slot: int, counts: tuple[int, ...]) -> list[np.ndarray]:
@@ -264,12 +267,13 @@ class TicketRing:
         if cached_counts == counts:
             return cached
         lengths = region_lengths(*counts)
-        r, b, k, so, si = counts[1], counts[2], counts[3], counts[5], counts[6]
+        r, b, k, so, si, g, w = counts[1], counts[2], counts[3], counts[5], counts[6], counts[7], counts[8]
         views = [region[: lengths[kind]] for (_, _, kind), region in zip(PLAN_FIELDS, self._plan_regions[slot])]
         views[5] = views[5].reshape(r, b)  # block_tables
         views[18] = views[18].reshape(r, k)  # ban_ids
         views[23] = views[23].reshape(so, 2)  # swap_out
         views[24] = views[24].reshape(si, 2)  # swap_in
+        views[25] = views[25].reshape(g, w)  # grammar_bitmask
         self._plan_cache[slot] = (counts, views)
         return views
 

@@ -50,6 +50,27 @@ def main() -> None:
               help="on Ctrl-C / SIGTERM, let live requests finish for up to this many seconds (new ones get 503 / shutdown).")
 @click.option("--worker-hang-timeout", default=10.0, type=click.FloatRange(min=0.1), show_default=True,
               help="a worker whose step runs this long (and far longer than its recent steps) is killed as hung and restarted.")
+@click.option("--tensor-parallel-size", "-tp", default=1, type=click.IntRange(min=1), show_default=True,
+              help="worker ranks that split the model's layers and form one device (torch.distributed).")
+@click.option("--data-parallel-size", "-dp", default=1, type=click.IntRange(min=1), show_default=True,
+              help="engine replicas (each with its own worker ranks) behind the one frontend, routed by load and prefix.")
+@click.option("--all-reduce", default="auto", type=click.Choice(["auto", "shm", "gloo"]), show_default=True,
+              help="how tensor-parallel ranks on one CPU host sum: shared memory (auto) or gloo.")
+@click.option("--nnodes", default=1, type=click.IntRange(min=1), show_default=True,
+              help="hosts this server spans (run `metrale serve` on each, with its --node-rank).")
+@click.option("--node-rank", default=0, type=click.IntRange(min=0), show_default=True,
+              help="this host's place among --nnodes (node 0 runs the frontend).")
+@click.option("--master-addr", default="127.0.0.1", show_default=True,
+              help="node 0's address, where the nodes meet (a torch.distributed TCP store).")
+@click.option("--master-port", default=29500, show_default=True,
+              help="the store's port on node 0; replicas on other nodes also use the ports just above it.")
+@click.option("--grammar-timeout", default=10.0, type=click.FloatRange(min=0.01), show_default=True,
+              help="seconds a structured_outputs grammar may take to compile; longer (or invalid) is a 400 for that request.")
+@click.option("--tool-call-parser", default="hermes", type=click.Choice(["hermes", "llama3_json"]), show_default=True,
+              help="how chat outputs are parsed into tool_calls: Hermes/Qwen <tool_call> JSON, or Llama 3 JSON.")
+@click.option("--speculative", default=None, type=click.Choice(["ngram"]),
+              help="speculative decoding: ngram drafts tokens by prompt lookup, verified in one step.")
+@click.option("--num-speculative-tokens", default=3, type=click.IntRange(1, 16), show_default=True)
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
     from metrale.supervisor import StartupError, Supervisor
@@ -74,6 +95,11 @@ def serve(**o) -> None:
         pipeline=not o["no_pipeline"],
         seed=o["seed"],
         worker_threads=o["worker_threads"],
+        tensor_parallel_size=o["tensor_parallel_size"],
+        data_parallel_size=o["data_parallel_size"],
+        all_reduce=o["all_reduce"],
+        speculative=o["speculative"],
+        num_speculative_tokens=o["num_speculative_tokens"],
     )
     try:
         engine.validate()
@@ -82,7 +108,9 @@ def serve(**o) -> None:
     config = ServeConfig(
         engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"],
         stream_interval=o["stream_interval"], shutdown_timeout_s=o["shutdown_timeout"],
-        worker_hang_timeout_s=o["worker_hang_timeout"],
+        worker_hang_timeout_s=o["worker_hang_timeout"], nnodes=o["nnodes"], node_rank=o["node_rank"],
+        master_addr=o["master_addr"], master_port=o["master_port"], grammar_timeout_s=o["grammar_timeout"],
+        tool_call_parser=o["tool_call_parser"],
     )
     try:
         sup = Supervisor(config)
@@ -97,8 +125,14 @@ def serve(**o) -> None:
         except StartupError as e:
             sup.stop()
             _fail(str(e))
-        http = f", HTTP on {sup.endpoints.http_endpoint}" if sup.endpoints and sup.endpoints.http_endpoint else ""
-        click.echo(f"metrale serving {sup.model_dir} on {sup.client_address}{http} (pid {os.getpid()})")
+        if config.node_rank > 0:
+            lay = sup.layout
+            what = f"replicas {list(lay.replicas)}" if lay.replicas else f"tensor-parallel ranks {list(lay.ranks)}"
+            click.echo(f"metrale node {config.node_rank} of {config.nnodes} running {what} of {sup.model_dir} for "
+                       f"{config.master_addr}:{config.master_port} (pid {os.getpid()})")
+        else:
+            http = f", HTTP on {sup.endpoints.http_endpoint}" if sup.endpoints and sup.endpoints.http_endpoint else ""
+            click.echo(f"metrale serving {sup.model_dir} on {sup.client_address}{http} (pid {os.getpid()})")
         sys.stdout.flush()
         sup.watch()
     finally:
@@ -177,18 +211,24 @@ def status(host: str, port: int, as_json: bool) -> None:
         click.echo(msgspec.json.encode({"health": health, "stats": stats}).decode())
         return
     click.echo(f"metrale at {host}:{port}: {'healthy' if health.healthy else 'UNHEALTHY'}")
+    replicas = any(p.replica for p in health.processes)
+    grouped = {p.replica for p in health.processes if p.rank}  # replicas whose workers form a group of ranks
     for p in health.processes:
         state = "alive" if p.alive else "DOWN"
-        click.echo(f"{p.name:<12} pid {p.pid:<8} up {p.uptime_s:9.1f} s  restarts {p.restarts:<3} {state}")
+        where = (f" replica {p.replica}" if replicas and p.name != "frontend" else "") + \
+            (f" rank {p.rank}" if p.name == "gpu_worker" and p.replica in grouped else "")
+        click.echo(f"{p.name:<12} pid {p.pid:<8} up {p.uptime_s:9.1f} s  restarts {p.restarts:<3} {state}{where}")
     click.echo(f"last fault: {health.last_fault or 'none'}")
     if stats is None:
         click.echo(f"engine: no counters ({why})")
     else:
-        click.echo(
-            f"engine: {stats.running} running, {stats.waiting} waiting, KV blocks {stats.kv_blocks_used} used / "
-            f"{stats.kv_blocks_cached} cached / {stats.kv_blocks_total} total, {stats.generated_tokens} tokens generated"
-            + (f", {stats.host_repicks} host repicks" if stats.host_repicks else "")
-        )
+        for label, s in [("engine", stats), *((f"replica {k}", r) for k, r in enumerate(stats.replicas))]:
+            click.echo(
+                f"{label}: {s.running} running, {s.waiting} waiting, KV blocks {s.kv_blocks_used} used / "
+                f"{s.kv_blocks_cached} cached / {s.kv_blocks_total} total, {s.generated_tokens} tokens generated, "
+                f"prefix-cache hit rate {s.prefix_cache_hit_rate:.2f}"
+                + (f", {s.host_repicks} host repicks" if s.host_repicks else "")
+            )
 
 
 if __name__ == "__main__":

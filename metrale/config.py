@@ -39,6 +39,16 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     # torch threads of a serve worker on a CPU; None: one fewer than the cores (the engine core and the
     # frontend need the last one: a descheduled torch thread stalls every step).
     worker_threads: int | None = None
+    # N worker ranks form one device (`metrale serve` and LLM): the model's layers are split across them.
+    tensor_parallel_size: int = 1
+    # `metrale serve` only: N engine cores, each with its own worker (group), behind one frontend.
+    data_parallel_size: int = 1
+    # How tensor-parallel ranks on one CPU host sum: auto (the shared-memory all-reduce), shm or gloo.
+    all_reduce: str = "auto"
+    # Speculative decoding: "ngram" (prompt lookup) drafts up to num_speculative_tokens tokens per decode, all
+    # verified in one step (engine_core/speculative.py); None: off.
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
 
     def validate(self) -> None:
         """Raise ValueError naming the first knob that cannot work."""
@@ -55,6 +65,15 @@ class EngineArgs(msgspec.Struct, kw_only=True):
             raise ValueError(f"swap_space_gb must be >= 0 (got {self.swap_space_gb})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 (got {self.num_kv_blocks})")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.all_reduce not in ("auto", "shm", "gloo"):
+            raise ValueError(f"all_reduce must be auto, shm or gloo (got {self.all_reduce!r})")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be ngram or None (got {self.speculative!r})")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16] (got {self.num_speculative_tokens})")
 
 
     def runner_kwargs(self, model_dir: str) -> dict:
@@ -87,3 +106,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
     shutdown_timeout_s: float = 0.0  # on SIGTERM / Ctrl-C, live requests get this long to finish
     worker_hang_timeout_s: float = 10.0  # the least time a step may take before its worker counts as hung
+    grammar_timeout_s: float = 10.0  # a structured_outputs grammar that takes longer to compile is a 400
+    tool_call_parser: str = "hermes"  # how chat outputs become tool_calls: hermes (Qwen's <tool_call>) or llama3_json
+    # Several hosts: node 0 runs the frontend; the nodes meet at node 0's master address (a torch.distributed
+    # TCP store there). See metrale/node_layout.py for what each node runs.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500

@@ -65,18 +65,25 @@ class LLM:
         from metrale.gpu_worker.local_device import LocalDevice
         from metrale.gpu_worker.model_runner import ModelRunner
 
+        if args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size is for `metrale serve` (replicas behind one frontend); LLM runs one engine")
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.runner = ModelRunner(**args.runner_kwargs(self.model_dir))
-        # On a CPU the model and the host share one GIL and the same cores: a device thread costs more
-        # than the overlap gains (measured), so steps run inside launch; the lane's logic is unchanged.
-        self.device = LocalDevice(self.runner, threaded=args.pipeline and self.runner.device.type != "cpu")
         options = EngineOptions.from_args(args)
-        if self.device.threaded:
-            options.decode_burst = 1  # the lane overlaps the host's tick with the device's step already
+        if args.tensor_parallel_size > 1:
+            self.runner = None
+            self.device = _spawn_group(args, self.model_dir)
+        else:
+            self.runner = ModelRunner(**args.runner_kwargs(self.model_dir))
+            # On a CPU the model and the host share one GIL and the same cores: a device thread costs more
+            # than the overlap gains (measured), so steps run inside launch; the lane's logic is unchanged.
+            self.device = LocalDevice(self.runner, threaded=args.pipeline and self.runner.device.type != "cpu")
+            if self.device.threaded:
+                options.decode_burst = 1  # the lane overlaps the host's tick with the device's step already
         self.engine = EngineCore(self.device, options, special_tokens=special_tokens_of(self.tokenizer))
         self._ids = itertools.count()
+        self._grammars = None  # the grammar compiler (frontend/grammar_compiler.py), made at the first constraint
 
     def generate(
         self,
@@ -91,14 +98,16 @@ class LLM:
         plist = _params_list(params, len(token_lists))
         for p in plist:
             p.validate(self.engine.info.vocab_size)
+        grammars = [self._grammar(p) for p in plist]
         rids = [f"offline-{next(self._ids)}" for _ in token_lists]
         outputs = {rid: RequestOutput(rid, ids) for rid, ids in zip(rids, token_lists)}
         detoks = {rid: IncrementalDetokenizer(self.tokenizer, ids, p) for rid, ids, p in zip(rids, token_lists, plist)}
         added = []
         try:
-            for rid, ids, p in zip(rids, token_lists, plist):
+            for rid, ids, p, g in zip(rids, token_lists, plist, grammars):
                 # Only a request with stop strings needs its tokens as they come (to detokenize them).
-                self.engine.add_request(rid, ids, msgspec.structs.replace(p), stream=detoks[rid].has_stop_strings)
+                self.engine.add_request(rid, ids, msgspec.structs.replace(p), stream=detoks[rid].has_stop_strings,
+                                        grammar=g)
                 added.append(rid)
         except Exception:
             for rid in added:
@@ -127,6 +136,22 @@ class LLM:
         self._run_until_idle()
         return [outputs[rid] for rid in rids]
 
+    def _grammar(self, params: SamplingParams):
+        """The compiled grammar of params.structured_outputs (None without one); ValueError when it does not
+        compile in time."""
+        if params.structured_outputs is None:
+            return None
+        from metrale.frontend.grammar_compiler import GrammarCompiler, GrammarRefused, grammar_vocab
+
+        if self._grammars is None:
+            info = self.engine.info
+            self._grammars = GrammarCompiler(grammar_vocab(self.tokenizer, info.vocab_size, info.eos_token_ids))
+            self.engine.set_grammar_vocab(self._grammars.vocab)
+        try:
+            return self._grammars.compile_blocking(params.structured_outputs)
+        except GrammarRefused as exc:
+            raise ValueError(f"structured_outputs: {exc}") from None
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (between benchmark runs, or after changing what prompts mean); False
         while a generate() is running in another thread."""
@@ -139,6 +164,8 @@ class LLM:
         """Settle what is in flight and stop the device thread."""
         self.engine.drain()
         self.device.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -176,6 +203,27 @@ class LLM:
         elif prompts and isinstance(prompts[0], int):
             prompts = [list(prompts)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _spawn_group(args: EngineArgs, model_dir: str):
+    """The tensor-parallel device of LLM(tensor_parallel_size=N): N worker processes on a ticket ring, started
+    and owned by this process (WorkerDevice.spawn), exactly the group `metrale serve` runs; on a CPU each rank
+    gets an equal share of the cores unless worker_threads says."""
+    import os
+
+    from metrale.engine_core.core import geometry_for
+    from metrale.engine_core.worker_device import WorkerDevice
+    from metrale.model_facts import STATE_RECURRENT, resolve_model
+
+    n = args.tensor_parallel_size
+    env = {}
+    if args.device in (None, "cpu"):
+        env["OMP_NUM_THREADS"] = str(args.worker_threads or max(1, (os.cpu_count() or 1) // n))
+    facts = resolve_model(model_dir, args.max_model_len)
+    logits_vocab = facts.vocab_size if facts.state_kind == STATE_RECURRENT else 0
+    geometry = geometry_for(args, facts.max_model_len, args.decode_burst, facts.vocab_size, logits_vocab)
+    return WorkerDevice.spawn(geometry, runner_kwargs=args.runner_kwargs(model_dir),
+                              env=env, tensor_parallel_size=n, all_reduce=args.all_reduce)
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:

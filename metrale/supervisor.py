@@ -29,7 +29,6 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,11 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-import psutil
 
+from metrale.children import Child, RestartPolicy, WorkerGroup
 from metrale.config import EngineArgs, ServeConfig
-from metrale.health_file import HealthFile, read_health
+from metrale.health_file import HealthFile
 from metrale.ipc.messages import Health, ProcessHealth
+from metrale.node_layout import layout, node_of_replica, replica_addresses, worker_argvs
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, WORKER_HUNG, ChildStatus, StatusInbox
 
 log = logging.getLogger("metrale.supervisor")
@@ -56,72 +56,6 @@ class StartupError(RuntimeError):
     """`metrale serve` cannot start; the message is one line naming the thing and what to do."""
 
 
-@dataclass(slots=True)
-class RestartPolicy:
-    """When a dead child is started again: at once, after a backoff, or never (the server is then unhealthy)."""
-
-    window_s: float = 30.0  # a child that lived longer than this did not crash "in a row"
-    max_in_a_row: int = 5  # this many deaths in a row: give up
-    backoff_s: float = 0.5  # the wait before the second restart in a row; it doubles after each death
-    max_backoff_s: float = 10.0
-
-    def delay(self, in_a_row: int) -> float | None:
-        """Seconds to wait before the next start after this many deaths in a row; None: do not restart."""
-        if in_a_row >= self.max_in_a_row:
-            return None
-        if in_a_row <= 1:
-            return 0.0
-        return min(self.max_backoff_s, self.backoff_s * 2 ** (in_a_row - 2))
-
-
-@dataclass(slots=True)
-class Child:
-    """One supervised process and its restart history."""
-
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen | None = None
-    started: float = 0.0  # on the supervisor's clock
-    restarts: int = 0
-    env_extra: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's environment
-    in_a_row: int = 0  # deaths without work done in between (RestartPolicy)
-    restart_at: float | None = None  # set when it died: when to start it again (NEVER: given up)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
-
-    def start(self, env: dict[str, str], now: float) -> None:
-        """Start (or restart) the process."""
-        env = {**env, **self.env_extra} if self.env_extra else env
-        self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.started = now
-        self.restart_at = None
-
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM, then SIGKILL after grace_s; reaps the process and waits for what it started to end too."""
-        if self.proc is None:
-            return
-        try:  # e.g. multiprocessing's resource tracker, which exits once its parent has
-            descendants = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            descendants = []
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        _, alive = psutil.wait_procs(descendants, timeout=grace_s)
-        for p in alive:
-            p.kill()
-
-
 def free_port(host: str) -> int:
     """A port the OS considers free right now (for --port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -129,8 +63,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+@dataclass(slots=True)
+class Replica:
+    """One engine core and its worker group (a data-parallel replica), with the addresses it talks on."""
+
+    index: int
+    engine: Child
+    workers: WorkerGroup
+    input_address: str  # the frontend's PUSH to this engine core
+    output_address: str  # this engine core's PUSH to the frontend
+    served_path: Path  # the engine core writes here the pid of each rank 0 once it has served a step
+    ring_name: str = ""  # the current engine core's ticket ring (its worker ranks serve it)
+    engine_pids: set[int] = field(default_factory=set)  # every engine core it ran (their segments are swept)
+    hung: str | None = None  # why the engine core killed its workers, until their death is noted
+
+
 class Supervisor:
-    """Owns the three processes of one `metrale serve`."""
+    """Owns the processes of one `metrale serve`: the frontend, and per replica an engine core and its workers."""
 
     def __init__(
         self, config: ServeConfig, policy: RestartPolicy | None = None, clock: Callable[[], float] = time.monotonic
@@ -159,20 +108,66 @@ class Supervisor:
         self.run_dir = Path(tempfile.mkdtemp(prefix="metrale-run-"))
         config.run_dir = str(self.run_dir)
         self.env = {**os.environ, "METRALE_SUPERVISOR_PID": str(os.getpid())}
-        self.frontend = Child("frontend", self._frontend_argv())
-        self.engine = Child("engine_core", [])
-        self.worker = Child("gpu_worker", [], env_extra=_worker_env(config.engine))
-        self.ring_name = ""  # the current engine core's ticket ring (the worker serves it)
-        self.engine_pids: set[int] = set()
+        try:
+            self.layout = layout(config)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        local_ranks = max(1, len(self.layout.replicas)) * len(self.layout.ranks)
+        self._threads_env = _worker_env(config.engine, local_ranks)
+        self.replicas = [self._replica(k) for k in self.layout.replicas]
+        # Node 0 runs the frontend; another node of a group spanning the nodes runs only its ranks of it.
+        self.frontend = Child("frontend", self._frontend_argv()) if config.node_rank == 0 else None
+        self.follower: WorkerGroup | None = None
+        if self.layout.spans_nodes and config.node_rank > 0:
+            self.follower = WorkerGroup("gpu_worker", self._follower_argvs, self._threads_env)
+        self.node_store = None
+        if self.layout.multi_node:
+            from metrale.node_store import NodeStore
+
+            try:
+                self.node_store = NodeStore(config.master_addr, config.master_port, hosting=config.node_rank == 0)
+            except Exception as e:  # noqa: BLE001 - a port in use, a master that never came
+                raise StartupError(f"--master-addr {config.master_addr} --master-port {config.master_port}: "
+                                   f"the nodes cannot meet there ({e})") from None
+        self.worker_pids: set[int] = set()  # every rank 0 started (a killed one may leave its all-reduce segment)
         self.healthy = True  # False once a child is given up on
         self.last_fault: str | None = None
         self.given_up: str | None = None  # why the server ends: a child it no longer restarts
-        self._hung: str | None = None  # why the engine core killed the worker, until its death is noted
         self._cannot_run: dict[str, str] = {}  # a child's own reason for exiting with EXIT_CONFIG
         self.endpoints: ChildStatus | None = None  # the frontend's bound addresses, once serving
         self._stop = threading.Event()
         self._health_file = HealthFile(self.health_path, self.clock)
         self.inbox = StatusInbox(self._ipc("status"))
+
+    def _replica(self, k: int) -> Replica:
+        """Replica k's children (not started) and addresses; replica 0 keeps the single-engine names."""
+        tag = "" if k == 0 else f"-{k}"
+        inp, out = self._engine_addresses(k)
+        rep = Replica(k, Child("engine_core", []), WorkerGroup("gpu_worker", lambda g: [], self._threads_env),
+                      inp, out, self.run_dir / f"worker-served{tag}")
+        rep.workers.argvs = lambda generation, rep=rep: self._worker_argvs(rep, generation)
+        return rep
+
+    # The first replica's children by their single-engine names (tests replace them with stand-ins).
+    @property
+    def engine(self) -> Child:
+        return self.replicas[0].engine
+
+    @engine.setter
+    def engine(self, child: Child) -> None:
+        self.replicas[0].engine = child
+
+    @property
+    def worker(self) -> WorkerGroup:
+        return self.replicas[0].workers
+
+    @worker.setter
+    def worker(self, child: Child | WorkerGroup) -> None:
+        self.replicas[0].workers = child if isinstance(child, WorkerGroup) else WorkerGroup.of(child)
+
+    @property
+    def ring_name(self) -> str:
+        return self.replicas[0].ring_name
 
     # ---- addresses and command lines ------------------------------------------------
 
@@ -186,17 +181,27 @@ class Supervisor:
 
     @property
     def served_path(self) -> Path:
-        """The engine core writes here the pid of each worker once it has served a step."""
-        return self.run_dir / "worker-served"
+        """Replica 0's engine core writes here the pid of each (rank 0) worker once it has served a step."""
+        return self.replicas[0].served_path
 
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.run_dir / name}"
 
+    def _engine_addresses(self, k: int) -> tuple[str, str]:
+        """Replica k's engine-core addresses: ipc:// in the run folder when it runs beside the frontend, else TCP to
+        node 0 (metrale/node_layout.py)."""
+        if node_of_replica(self.config, k) == 0 and self.config.node_rank == 0:
+            tag = "" if k == 0 else f"-{k}"
+            return self._ipc(f"engine-in{tag}"), self._ipc(f"engine-out{tag}")
+        return replica_addresses(self.config, k)
+
     def _frontend_argv(self) -> list[str]:
+        every = [self._engine_addresses(k) for k in range(self.config.engine.data_parallel_size)]
         fe = {
             "model_dir": self.model_dir,
-            "engine_input_address": self._ipc("engine-in"),
-            "engine_output_address": self._ipc("engine-out"),
+            "engine_input_address": every[0][0],
+            "engine_output_address": every[0][1],
+            "replica_addresses": [list(a) for a in every[1:]],
             "client_address": self.client_address,
             "max_model_len": self.max_model_len,
             "max_frame_bytes": self.config.max_frame_bytes,
@@ -205,49 +210,79 @@ class Supervisor:
             "stream_interval": self.config.stream_interval,
             "status_address": self._ipc("status"),
             "shutdown_timeout_s": self.config.shutdown_timeout_s,
+            "grammar_timeout_s": self.config.grammar_timeout_s,
+            "tool_call_parser": self.config.tool_call_parser,
         }
-        return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), str(self.health_path)]
+        return [sys.executable, "-m", "metrale.frontend_process", json.dumps(fe), str(self.health_path)]
 
-    def _engine_argv(self, token: str) -> list[str]:
+    def _engine_argv(self, rep: Replica, token: str) -> list[str]:
         from metrale.engine_core.core import EngineCoreArgs
         from metrale.model_facts import STATE_RECURRENT
 
         args = EngineCoreArgs(
             serve=self.config,
-            input_address=self._ipc("engine-in"),
-            output_address=self._ipc("engine-out"),
+            input_address=rep.input_address,
+            output_address=rep.output_address,
             ring_token=token,
             max_model_len=self.max_model_len,
+            vocab_size=self.facts.vocab_size,
             special_tokens=self.special_tokens,
-            served_path=str(self.served_path),
+            served_path=str(rep.served_path),
             status_address=self._ipc("status"),
+            replica=rep.index,
+            ring_ranks=self.layout.ring_ranks,
             logits_vocab=self.facts.vocab_size if self.facts.state_kind == STATE_RECURRENT else 0,
         )
         return [sys.executable, "-m", "metrale.engine_core.core", "--args", msgspec.json.encode(args).decode()]
 
-    def _worker_argv(self, ring: str) -> list[str]:
-        kwargs = self.config.engine.runner_kwargs(self.model_dir)
-        return [sys.executable, "-m", "metrale.gpu_worker.worker", "--ring", ring, "--runner-kwargs", json.dumps(kwargs)]
+    def _worker_argvs(self, rep: Replica, generation: int) -> list[list[str]]:
+        """One command line per worker rank of replica rep, for its generation-th start (a fresh rendezvous)."""
+        return worker_argvs(self.config, self.layout, self.model_dir, rep.ring_name, generation)
+
+    def _follower_argvs(self, generation: int) -> list[list[str]]:
+        """Command lines of this node's ranks (of a group spanning the nodes) for node 0's generation."""
+        return worker_argvs(self.config, self.layout, self.model_dir, None, generation)
 
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self, ready_timeout_s: float = 600.0) -> None:
-        """Start the three and wait until a request can be served; StartupError (one line) if one cannot run."""
-        self.frontend.start(self.env, self.clock())
-        self._start_engine()
-        self._write_health()
-        self._wait_until_serving(ready_timeout_s)
+        """Start every process and wait until a request can be served; StartupError (one line) if one cannot run.
 
-    def _start_engine(self) -> None:
-        """A fresh engine core and, on its ring, a fresh worker."""
+        Another node than node 0 starts its processes and returns (node 0's frontend says when the server serves)."""
+        if self.frontend is not None:
+            self.frontend.start(self.env, self.clock())
+        for rep in self.replicas:
+            self._start_engine(rep)
+        self._write_health()
+        if self.frontend is not None:
+            self._wait_until_serving(ready_timeout_s)
+
+    def _start_engine(self, rep: Replica) -> None:
+        """A fresh engine core for a replica and, on its ring, a fresh worker group."""
         token = secrets.token_hex(4)
         now = self.clock()
-        self.engine.argv = self._engine_argv(token)
-        self.engine.start(self.env, now)
-        self.engine_pids.add(self.engine.proc.pid)
-        self.ring_name = f"metrale-{self.engine.proc.pid}-{token}"
-        self.worker.argv = self._worker_argv(self.ring_name)
-        self.worker.start(self.env, now)
+        rep.engine.argv = self._engine_argv(rep, token)
+        rep.engine.start(self.env, now)
+        rep.engine_pids.add(rep.engine.proc.pid)
+        rep.ring_name = f"metrale-{rep.engine.proc.pid}-{token}"
+        self._start_workers(rep, now)
+
+    def _start_workers(self, rep: Replica, now: float) -> None:
+        """A replica's worker ranks, all at once."""
+        rep.workers.start(self.env, now)
+        if rep.workers.ranks:
+            self.worker_pids.add(rep.workers.ranks[0].pid)
+        if self.layout.spans_nodes:  # the other nodes start their ranks of this generation
+            self.node_store.publish_generation(rep.workers.generation)
+
+    def _children(self) -> list[Child]:
+        """Every process, the frontend first."""
+        out = [self.frontend] if self.frontend is not None else []
+        for rep in self.replicas:
+            out += [rep.engine, *rep.workers.ranks]
+        if self.follower is not None:
+            out += self.follower.ranks
+        return out
 
     def _wait_until_serving(self, timeout_s: float) -> None:
         """Wait for the frontend's SERVING on the status channel (a child's FAILED, or its death, ends it)."""
@@ -261,7 +296,7 @@ class Supervisor:
                     self.endpoints = status
                     return
                 self._note(status)
-            for child in (self.frontend, self.engine, self.worker):
+            for child in self._children():
                 if not child.alive:
                     late = self.inbox.receive(0.5)  # a child that failed says why just before it exits
                     if late is not None and late.state == FAILED:
@@ -275,15 +310,25 @@ class Supervisor:
 
     def watch(self) -> None:
         """Restart children that die, until stop() is called or a child is given up on (given_up says why)."""
+        from metrale.node_store import NodeStoreLost
+
         while not self._stop.wait(WATCH_INTERVAL_S):
-            self.check_children()
+            try:
+                self.check_children()
+                if self.frontend is None and self.node_store is not None and self.node_store.shutting_down():
+                    log.info("node 0 is shutting down; so is this node")
+                    return
+            except NodeStoreLost as e:  # only another node's supervisor talks to a store it does not host
+                log.warning("%s; this node stops too", e)
+                return
             if self.given_up is not None:
                 return
 
     def _note(self, status: ChildStatus) -> None:
         """An event a child reported while serving."""
         if status.state == WORKER_HUNG:
-            self._hung = status.detail
+            rep = next((r for r in self.replicas if status.pid in r.engine_pids), self.replicas[0])
+            rep.hung = status.detail
             log.error("gpu_worker: %s", status.detail)
         elif status.state == FAILED:
             log.error("%s (pid %d): %s", status.name, status.pid, status.detail)
@@ -294,43 +339,76 @@ class Supervisor:
         while (status := self.inbox.receive(0)) is not None:
             self._note(status)
         now = self.clock()
-        if self._died(self.engine, now):
-            self.worker.stop(grace_s=2.0)  # it served the dead engine's ring; a fresh one comes with the next
-            self.worker.restart_at = None
-            self._sweep()
-        elif not self.worker.alive and self.engine.alive:  # worker first: a worker gone with its engine is not its fault
-            self._died(self.worker, now)
-        self._died(self.frontend, now)
-        if self._due(self.engine, now):
-            self.engine.restarts += 1
-            self.worker.restarts += 1
-            self._start_engine()
-            log.warning("engine core restarted with a fresh worker (restart %d)", self.engine.restarts)
-        elif self.engine.alive and self._due(self.worker, now):
-            self.worker.restarts += 1
-            self.worker.start(self.env, now)
-            log.warning("worker restarted (restart %d)", self.worker.restarts)
-        if self._due(self.frontend, now):
+        if self.follower is not None:
+            self._follow(now)
+        for rep in self.replicas:
+            if self.layout.spans_nodes and rep.workers.alive and self.node_store.lost(rep.workers.generation):
+                self.last_fault = f"a rank of generation {rep.workers.generation} died on another node"
+                log.warning("%s; restarting the whole group", self.last_fault)
+                rep.workers.kill()  # its deaths are noted below, and the group restarts as one
+            if self._died(rep.engine, now, rep):
+                rep.workers.stop(grace_s=2.0)  # they served the dead engine's ring; fresh ones come with the next
+                rep.workers.restart_at = None
+                self._sweep()
+            elif not rep.workers.alive and rep.engine.alive:  # workers first: gone with their engine is not their fault
+                if self._died(rep.workers, now, rep) and rep.workers.size > 1:
+                    rep.workers.kill()  # the rest of a broken group waits in collectives that cannot finish
+                    self._sweep()
+        if self.frontend is not None:
+            self._died(self.frontend, now)
+        for rep in self.replicas:
+            if self._due(rep.engine, now):
+                rep.engine.restarts += 1
+                rep.workers.restarts += 1
+                self._start_engine(rep)
+                log.warning("engine core%s restarted with fresh workers (restart %d)", _of(rep), rep.engine.restarts)
+            elif rep.engine.alive and self._due(rep.workers, now):
+                rep.workers.restarts += 1
+                self._start_workers(rep, now)
+                log.warning("worker%s restarted (restart %d)", "s" + _of(rep) if rep.workers.size > 1 else _of(rep),
+                            rep.workers.restarts)
+        if self.frontend is not None and self._due(self.frontend, now):
             self.frontend.restarts += 1
             self.frontend.start(self.env, now)
             log.warning("frontend restarted on %s (restart %d)", self.client_address, self.frontend.restarts)
         self._write_health()
 
-    def _died(self, child: Child, now: float) -> bool:
+    def _follow(self, now: float) -> None:
+        """Another node's ranks of a group spanning the nodes: run node 0's current generation; when one of ours
+        dies, say so (node 0 restarts the whole group) and wait for the next generation."""
+        group, store = self.follower, self.node_store
+        current = store.generation()
+        if group.ranks and not group.alive and group.restart_at is None:
+            self.last_fault = f"{group.name} (pid {group.pid}) {_how_it_ended(group.proc.returncode)}"
+            log.warning("%s; waiting for node 0 to restart the group", self.last_fault)
+            store.report_lost(group.generation)
+            group.kill()
+            group.restart_at = NEVER  # until node 0 starts a new generation
+        if current > group.generation:
+            if group.ranks:
+                group.kill()
+                group.restarts += 1
+            group.generation = current - 1  # start() moves on to it
+            group.start(self.env, now)
+            log.info("node %d: ranks %s of generation %d started", self.config.node_rank, list(self.layout.ranks), current)
+
+    def _died(self, child: Child | WorkerGroup, now: float, rep: Replica | None = None) -> bool:
         """True when child has just been found dead: record the fault and schedule (or refuse) its restart."""
         if child.proc is None or child.alive or child.restart_at is not None:
             return False
-        worked = now - child.started >= self.policy.window_s or (child is self.worker and self._worker_served())
+        workers = isinstance(child, WorkerGroup)
+        worked = now - child.started >= self.policy.window_s or (workers and self._worker_served(rep))
         child.in_a_row = 1 if worked else child.in_a_row + 1
         ended = _how_it_ended(child.proc.returncode)
         delay = self.policy.delay(child.in_a_row)
-        if child is self.worker and self._hung is not None:  # the engine core killed it: say why
-            self.last_fault, self._hung = f"gpu_worker (pid {child.pid}) hung: {self._hung}", None
+        where = _of(rep) if rep is not None and len(self.replicas) > 1 else ""
+        if workers and rep.hung is not None:  # the engine core killed it: say why
+            self.last_fault, rep.hung = f"{child.name}{where} (pid {child.pid}) hung: {rep.hung}", None
         elif child.proc.returncode == EXIT_CONFIG:  # restarting it would fail the same way
             why = self._cannot_run.pop(child.name, ended)
-            self.last_fault, delay = f"{child.name} (pid {child.pid}) cannot run: {why}", None
+            self.last_fault, delay = f"{child.name}{where} (pid {child.pid}) cannot run: {why}", None
         else:
-            self.last_fault = f"{child.name} (pid {child.pid}) {ended}"
+            self.last_fault = f"{child.name}{where} (pid {child.pid}) {ended}"
             if delay is None:
                 self.last_fault += f"; it died {child.in_a_row} times in a row and is not restarted again"
         if delay is None:
@@ -344,14 +422,14 @@ class Supervisor:
         return True
 
     @staticmethod
-    def _due(child: Child, now: float) -> bool:
+    def _due(child: Child | WorkerGroup, now: float) -> bool:
         """Whether a dead child's restart time has come."""
         return child.restart_at is not None and now >= child.restart_at
 
-    def _worker_served(self) -> bool:
-        """Whether the dead worker had served a step (the engine core notes each worker that has)."""
+    def _worker_served(self, rep: Replica) -> bool:
+        """Whether the dead worker group had served a step (the engine core notes each rank 0 that has)."""
         try:
-            return int(self.served_path.read_text()) == self.worker.pid
+            return bool(rep.workers.ranks) and int(rep.served_path.read_text()) == rep.workers.ranks[0].pid
         except (OSError, ValueError):
             return False
 
@@ -359,42 +437,60 @@ class Supervisor:
         """Shut down in order and leave nothing behind. Idempotent.
 
         The frontend goes first and is given shutdown_timeout_s (plus a margin) to let live requests finish and
-        to send every one left its final message, while the engine core and the worker still run."""
+        to send every one left its final message, while the engine cores and the workers still run."""
         self._stop.set()
-        self.frontend.stop(grace_s=self.config.shutdown_timeout_s + 5.0)
-        self.engine.stop(grace_s=10.0)
-        self.worker.stop(grace_s=5.0)
-        self._sweep()
+        if self.node_store is not None and self.config.node_rank == 0:
+            self.node_store.announce_shutdown()
+        if self.frontend is not None:
+            self.frontend.stop(grace_s=self.config.shutdown_timeout_s + 5.0)
+        for rep in self.replicas:
+            rep.engine.stop(grace_s=10.0)
+        for rep in self.replicas:
+            rep.workers.stop(grace_s=5.0)
+        if self.follower is not None:
+            self.follower.stop(grace_s=5.0)
+        self._sweep(everything=True)
         self.inbox.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
-    def _sweep(self) -> None:
-        """Remove the shared memory of every engine core that is gone."""
+    def _sweep(self, everything: bool = False) -> None:
+        """Remove the shared memory of every engine core that is gone (and of dead workers' all-reduce)."""
         from metrale.ipc.tickets import sweep_segments
 
-        gone = {pid for pid in self.engine_pids if not (self.engine.alive and self.engine.pid == pid)}
-        for name in sweep_segments(gone):
+        gone: set[int] = set()
+        for rep in self.replicas:
+            dead = {pid for pid in rep.engine_pids if everything or not (rep.engine.alive and rep.engine.pid == pid)}
+            rep.engine_pids -= dead
+            gone |= dead
+        live = {c.pid for c in self._children() if c.alive and not everything}
+        workers = self.worker_pids - live
+        self.worker_pids -= workers
+        for name in sweep_segments(gone | workers):
             log.info("removed %s", name)
-        self.engine_pids -= gone
 
     def health(self) -> Health:
-        """Each process's pid, uptime and restarts, and the last fault."""
+        """Each process's pid, uptime and restarts (per replica and rank), and the last fault."""
         now = self.clock()
-        procs = [
-            ProcessHealth(
-                name=c.name,
-                pid=c.pid,
-                uptime_s=now - c.started if c.alive else 0.0,
-                restarts=c.restarts,
-                alive=c.alive,
-            )
-            for c in (self.frontend, self.engine, self.worker)
-        ]
+
+        def entry(c: Child, restarts: int, replica: int = 0, rank: int = 0) -> ProcessHealth:
+            return ProcessHealth(name=c.name, pid=c.pid, uptime_s=now - c.started if c.alive else 0.0,
+                                 restarts=restarts, alive=c.alive, replica=replica, rank=rank)
+
+        procs = [entry(self.frontend, self.frontend.restarts)] if self.frontend is not None else []
+        for rep in self.replicas:
+            procs.append(entry(rep.engine, rep.engine.restarts, rep.index))
+            ranks = rep.workers.ranks or [Child(rep.workers.role, [])]
+            procs += [entry(c, rep.workers.restarts, rep.index, r) for r, c in enumerate(ranks)]
         return Health(id="", healthy=self.healthy and all(p.alive for p in procs), processes=procs, last_fault=self.last_fault)
 
     def _write_health(self) -> None:
         """Publish health for the frontend (metrale/health_file.py: written only when it changes)."""
         self._health_file.publish(self.health())
+
+
+def _of(rep: Replica) -> str:
+    """" of replica K" for the logs of replicas past the first."""
+    return f" of replica {rep.index}" if rep.index else ""
 
 
 def _how_it_ended(code: int) -> str:
@@ -407,11 +503,12 @@ def _how_it_ended(code: int) -> str:
         return f"was killed by signal {-code}"
 
 
-def _worker_env(engine: EngineArgs) -> dict[str, str]:
-    """The worker's torch threads on a CPU: --worker-threads, else default_worker_threads()."""
+def _worker_env(engine: EngineArgs, ranks: int) -> dict[str, str]:
+    """Each worker rank's torch threads on a CPU: --worker-threads, else default_worker_threads() shared evenly by
+    the ranks that run on this node."""
     if engine.device not in (None, "cpu"):
         return {}
-    return {"OMP_NUM_THREADS": str(engine.worker_threads or default_worker_threads(os.cpu_count() or 1))}
+    return {"OMP_NUM_THREADS": str(engine.worker_threads or max(1, default_worker_threads(os.cpu_count() or 1) // ranks))}
 
 
 def default_worker_threads(cores: int) -> int:
@@ -420,45 +517,3 @@ def default_worker_threads(cores: int) -> int:
     per token beside the worker's 0.89) and a spare core would halve the model (measured on 2 cores, batch 32,
     float32: serve/offline 0.79 with one worker thread, 0.92 with two)."""
     return cores if cores <= 2 else cores - 1
-
-
-def _run_frontend(config_json: str, health_path: str) -> None:
-    """The frontend child: its config from JSON, health from the supervisor's file; exits with its parent."""
-    from metrale.frontend.server import FrontendConfig, main
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
-    config = msgspec.json.decode(config_json, type=FrontendConfig)
-    supervisor = int(os.environ.get("METRALE_SUPERVISOR_PID", os.getppid()))
-
-    def health() -> Health:
-        try:
-            return read_health(health_path)
-        except (OSError, msgspec.DecodeError):
-            return Health(id="", healthy=False, last_fault="the supervisor's health file is unreadable")
-
-    def watch_parent() -> None:
-        while True:
-            time.sleep(0.5)  # a poll interval, not synchronisation: nothing waits on it
-            if not _pid_alive(supervisor):
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-
-    threading.Thread(target=watch_parent, daemon=True).start()
-    main(config, health_source=health)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "frontend":
-        _run_frontend(sys.argv[2], sys.argv[3])
-    else:
-        sys.exit("usage: python -m metrale.supervisor frontend CONFIG_JSON HEALTH_PATH")

@@ -27,6 +27,7 @@ class Req:
     params: SamplingParams
     arrive_tick: int = 0
     abort_after: int | None = None
+    grammar: object = None  # a GrammarBlob, with params.structured_outputs (tests/fake_grammars.py)
 
 
 @dataclass
@@ -65,7 +66,11 @@ def run_workload(
     stream_interval: int = 1,
     max_burst: int = 1,
     contain_failures: bool = False,
+    grammar_vocab=None,
     deferred: bool = False,
+    speculative: str | None = None,
+    num_speculative_tokens: int = 3,
+    repetitive: bool = False,
     num_state_slots: int = 0,
 ) -> Run:
     """Run reqs to completion and return the token stream and finish reason of each.
@@ -75,7 +80,8 @@ def run_workload(
         policy = FedAheadPolicy.REPICK_ONLY
     dev = FakeDevice(
         num_kv_blocks=num_kv_blocks, block_size=block_size, policy=policy, faults=device_faults, max_model_len=max_model_len,
-        num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred, num_state_slots=num_state_slots,
+        num_swap_blocks=num_swap_blocks, max_burst=max_burst, deferred=deferred, repetitive=repetitive,
+        num_state_slots=num_state_slots,
     )
     eng = EngineCore(
         dev,
@@ -87,9 +93,13 @@ def run_workload(
             recover_from_device_loss=recover,
             preemption_mode=preemption_mode,
             stream_interval=stream_interval,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         ),
         special_tokens=TOKS,
     )
+    if grammar_vocab is not None:
+        eng.set_grammar_vocab(grammar_vocab)
     run = Run(engine=eng, device=dev)
     with _counting(run.effects) if count_effects else contextlib.nullcontext():
         _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures)
@@ -105,7 +115,7 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
         while pending and pending[0][1].arrive_tick <= tick:
             i, r = pending.pop(0)
             run.streams[str(i)] = []
-            eng.add_request(str(i), r.prompt, r.params)
+            eng.add_request(str(i), r.prompt, r.params, grammar=r.grammar)
         for i, r in enumerate(reqs):
             rid = str(i)
             if r.abort_after is not None and rid in run.streams and rid not in aborted and rid not in run.finish:

@@ -9,7 +9,7 @@ from metrale.engine_core.host_sampler import SamplingRow, gumbel_noise, host_sam
 from metrale.engine_core.pipeline import RowMask
 from metrale.engine_core.sequence import Sequence
 from metrale.gpu_worker.sampler import Sampler
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, StepPlan
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan
 from metrale.ipc.sampling import SamplingParams
 
 VOCAB = 512
@@ -73,6 +73,29 @@ def test_host_picks_equal_the_device_sampler_on_random_logits_and_parameters():
         device = sampler(logits, plan, torch.arange(rows)).tokens.numpy()
         host = [sample_row(logits[r].numpy(), SamplingRow.of_plan(plan, r)) for r in range(rows)]
         assert host == device.tolist()
+
+
+def test_host_picks_equal_the_device_sampler_with_grammar_rows():
+    """Grammar rows (a packed bitmask each, in row order) among rows of every other kind: the host applies the
+    bitmask where the device does (after penalties, before bans and the pick), so every pick is equal and every
+    grammar row's unforced pick is a token its bitmask allows."""
+    rng = np.random.default_rng(2025)
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    rows, words = 32, VOCAB // 32
+    for _ in range(20):
+        plan = _random_plan(rng, rows, VOCAB)
+        grammar = rng.random(rows) < 0.5
+        plan.mask_kind = np.where(grammar, (plan.mask_kind & np.uint8(0xFF ^ MASK_BAN)) | MASK_GRAMMAR, plan.mask_kind).astype(np.uint8)
+        allowed = rng.random((int(grammar.sum()), VOCAB)) < 0.2
+        allowed[:, rng.integers(0, VOCAB)] = True
+        plan.grammar_bitmask = np.packbits(allowed, axis=1, bitorder="little").view(np.int32).reshape(-1, words)
+        logits = _random_logits(rng, rows, VOCAB)
+        device = sampler(logits, plan, torch.arange(rows)).tokens.numpy()
+        host = [sample_row(logits[r].numpy(), SamplingRow.of_plan(plan, r)) for r in range(rows)]
+        assert host == device.tolist()
+        for g, r in enumerate(np.flatnonzero(grammar)):
+            if not plan.mask_kind[r] & MASK_FORCE:
+                assert allowed[g, host[r]]
 
 
 def test_host_noise_is_the_device_noise():

@@ -379,7 +379,7 @@ def test_recurrent_state_slots_are_reset_and_kept_apart(hf_model_dir, plans):
 
 
 def test_a_recurrent_model_refuses_plans_without_their_state_slots(hf_model_dir, plans):
-    """No slot, a slot outside the state, or two rows in one slot: a ValueError before anything runs."""
+    """No slot, a slot outside the state, two rows in one slot, or drafts: a ValueError before anything runs."""
     runner = ModelRunner(hf_model_dir("bamba"), device=DEVICE, num_kv_blocks=256, show_progress=False, max_num_seqs=4)
     blocks = [plans.blocks_for(i, MAX_LEN) for i in range(2)]
     for slots, why in (((-1, -1), "state slot"), ((0, 4), "state slot"), ((1, 1), "share a state slot")):
@@ -387,3 +387,9 @@ def test_a_recurrent_model_refuses_plans_without_their_state_slots(hf_model_dir,
         plan = plans.make_plan(rows)
         with pytest.raises(ValueError, match=why):
             runner.execute(plan)
+    # Drafts (a verify step) would run through the state, which cannot drop the rejected ones.
+    rows = [plans.Row([20, 21], 0, blocks[i], state_slot=i) for i in range(2)]
+    plan = plans.make_plan(rows)
+    plan.num_drafts = np.array([1, 0], dtype=np.int32)
+    with pytest.raises(ValueError, match="draft tokens for a recurrent model"):
+        runner.execute_verify(plan)

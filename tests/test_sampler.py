@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from metrale.gpu_worker.sampler import Sampler, row_keys
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GREEDY, MASK_NONE, StepPlan
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, StepPlan
 
 ROW_DEFAULTS = dict(
     temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
     frequency_penalty=0.0, seed=0, position=10, mask_kind=MASK_NONE, force_token=0, ban=(),
-    num_logprobs=-1, prompt=(), output=(),
+    num_logprobs=-1, prompt=(), output=(), allowed=None,
 )
 
 
@@ -29,7 +29,9 @@ def make_plan(rows: list[dict]) -> StepPlan:
     for i, r in enumerate(rows):
         ban_ids[i, : len(r["ban"])] = r["ban"]
     histories = [list(r["prompt"]) + list(r["output"]) for r in rows]
+    grammar = [r["allowed"] for r in rows if r["mask_kind"] & MASK_GRAMMAR]
     return StepPlan(
+        grammar_bitmask=_bitmask(grammar),
         input_ids=np.zeros(n, np.int32),
         positions=col("position", np.int32) - 1,
         slot_mapping=np.zeros(n, np.int64),
@@ -54,6 +56,18 @@ def make_plan(rows: list[dict]) -> StepPlan:
         hist_start=np.concatenate([[0], np.cumsum([len(h) for h in histories])]).astype(np.int32),
         hist_prompt_len=np.array([len(r["prompt"]) for r in rows], dtype=np.int32),
     )
+
+
+def _bitmask(allowed: list) -> np.ndarray:
+    """Packed int32 words (xgrammar's layout) of each row's allowed token ids; [0, 0] for none."""
+    if not allowed:
+        return np.zeros((0, 0), np.int32)
+    words = max(max(ids) for ids in allowed) // 32 + 1
+    out = np.zeros((len(allowed), words), np.uint32)
+    for g, ids in enumerate(allowed):
+        for t in ids:
+            out[g, t // 32] |= np.uint32(1 << (t % 32))
+    return out.view(np.int32)
 
 
 def sample(logits: torch.Tensor, rows: list[dict], sampler: Sampler | None = None):
@@ -392,6 +406,25 @@ def test_force_mask_picks_the_forced_token_whatever_the_logits():
     assert float(out.logprobs[0]) == pytest.approx(float(torch.log_softmax(logits, -1)[0, 7]), abs=1e-5)
     tokens = draws(logits[0], 100, temperature=1.0, mask_kind=MASK_FORCE | MASK_BAN, force_token=5, ban=[5])
     assert (tokens == 5).all()
+
+
+def test_grammar_mask_limits_greedy_and_sampled_picks_to_its_tokens():
+    """A MASK_GRAMMAR row picks only among its bitmask's tokens (greedy: the best of them); its neighbours are free."""
+    logits = rand_logits(1, 100, seed=3)[0]
+    allowed = [7, 31, 32, 64, 99]
+    best = max(allowed, key=lambda t: float(logits[t]))
+    rows = [dict(mask_kind=MASK_GRAMMAR, allowed=allowed), dict(), dict(mask_kind=MASK_GRAMMAR, allowed=[5])]
+    out = sample(logits[None].expand(3, -1).contiguous(), rows)
+    assert out.tokens.tolist() == [best, int(logits.argmax()), 5]
+    tokens = draws(logits, 400, temperature=2.0, top_k=50, mask_kind=MASK_GRAMMAR, allowed=allowed)
+    assert set(tokens.tolist()) <= set(allowed) and len(set(tokens.tolist())) > 2
+
+
+def test_grammar_rows_leave_the_greedy_fast_path():
+    """A greedy plan with a grammar row is not plain greedy (the argmax alone would ignore the bitmask)."""
+    plan = make_plan([dict(), dict(mask_kind=MASK_GRAMMAR, allowed=[1])])
+    assert not Sampler.plain_greedy(plan)
+    assert Sampler.plain_greedy(make_plan([dict(), dict()]))
 
 
 def test_greedy_mask_takes_the_argmax_whatever_the_temperature():

@@ -28,7 +28,7 @@ from shm_guard import no_segment_left_behind  # noqa: E402,F401 - an autouse fix
 
 GEOMETRY = RingGeometry(
     num_slots=3, max_tokens=64, max_rows=8, max_blocks_per_row=6, max_ban_ids=3, max_hist_tokens=40, max_logprobs=5,
-    error_msg_bytes=64,
+    error_msg_bytes=64, max_bitmask_words=4,
 )  # fmt: skip
 
 
@@ -49,10 +49,12 @@ PLAN_FIELDS = {name: (dtype, kind) for name, dtype, kind in ticket_layout.PLAN_F
 def random_plan(
     rng: np.random.Generator, t: int, r: int, b: int, k: int, h: int, so: int = 3, si: int = 2, state: bool = True
 ) -> StepPlan:
-    """A plan of the given counts whose every array holds random values of its dtype (state: with state slots)."""
+    """A plan of the given counts whose every array holds random values of its dtype (a random number of grammar
+    rows; state: with state slots)."""
+    g = int(rng.integers(0, r + 1))
     shapes = {
         "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
-        "S": (r if state else 0,),
+        "GW": (g, 4 if g else 0), "S": (r if state else 0,),
     }
     arrays = {}
     for name, (dtype, kind) in PLAN_FIELDS.items():
@@ -303,3 +305,48 @@ def test_logits_round_trip_through_the_logits_region_and_its_limits():
             ring.write_logits(1, np.zeros((2, 101), np.float32))
     with TicketRing.create(GEOMETRY) as plain, pytest.raises(ValueError, match="carries no logits"):
         plain.write_logits_request(0, of_seq=1)
+
+
+def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_header_keeps_the_geometry():
+    """Version 5 carries both the grammar bitmask / drafts and the state slots: a plan with all of them comes
+    back bit for bit through a second mapping, which reads both max_bitmask_words and max_logits_vocab back."""
+    geometry = dataclasses.replace(GEOMETRY, max_logits_vocab=100, max_burst=3)
+    rng = np.random.default_rng(12)
+    plan = random_plan(rng, 6, 4, 2, 1, 3)
+    plan.grammar_bitmask = rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int32)
+    plan.num_drafts = np.array([0, 2, 1, 0], dtype=np.int32)
+    plan.state_slots = np.array([3, 0, 2, 1], dtype=np.int32)
+    with TicketRing.create(geometry) as ring:
+        ring.write_plan(1, plan, steps=3)
+        other = TicketRing.attach(ring.name)
+        try:
+            assert other.geometry == geometry and ticket_layout.VERSION == 5
+            assert other.plan_steps(1) == 3
+            assert_plans_equal(other.read_plan(1), plan)
+            ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
+            assert_plans_equal(other.read_plan(1), plan)
+        finally:
+            other.close()
+
+
+def test_control_block_fields_are_distinct_and_in_the_engine_half():
+    """The engine-written counts (grammar rows and words, steps, state slots, a logits ticket's step) never
+    share an int64, and all sit before the worker-written half."""
+    engine = [getattr(ticket_layout, n) for n in ("C_PLAN_SEQ", "C_T", "C_R", "C_B", "C_K", "C_H", "C_SO", "C_SI",
+                                                   "C_G", "C_W", "C_STEPS", "C_S", "C_LOGITS_OF")]
+    assert len(set(engine)) == len(engine) and max(engine) < ticket_layout.C_RESULT_SEQ
+    assert ticket_layout.C_RESULT_SEQ * 8 >= ticket_layout.CTRL_BYTES // 2
+    assert ticket_layout.N_GEOMETRY == len(dataclasses.fields(RingGeometry))
+    assert ticket_layout.H_GEOMETRY + ticket_layout.N_GEOMETRY <= ticket_layout.H_WORKER
+
+
+def test_a_bitmask_wider_than_the_ring_or_state_slots_not_one_per_row_are_rejected(ring):
+    rng = np.random.default_rng(13)
+    wide = random_plan(rng, 2, 2, 1, 1, 0)
+    wide.grammar_bitmask = np.zeros((1, GEOMETRY.max_bitmask_words + 1), dtype=np.int32)
+    with pytest.raises(ValueError, match="grammar bitmask"):
+        ring.write_plan(0, wide)
+    short = random_plan(rng, 2, 2, 1, 1, 0)
+    short.state_slots = np.zeros(1, dtype=np.int32)
+    with pytest.raises(ValueError, match="state slots"):
+        ring.write_plan(0, short)

@@ -140,10 +140,11 @@ class SelfAttention(nn.Module):
             self.q_norm = norm.make(ctx, shape.head_dim, shape.rms_norm_eps)
             self.k_norm = norm.make(ctx, shape.head_dim, shape.rms_norm_eps)
         elif qk_norm == "full":
-            if group.size > 1:
-                raise ValueError("a q/k norm over the whole projection is not implemented under tensor parallelism")
-            self.q_norm = norm.make(ctx, self.q_size, shape.rms_norm_eps)
-            self.k_norm = norm.make(ctx, self.kv_size, shape.rms_norm_eps)
+            # Over the whole projection: under tensor parallelism each rank gathers the group's q and k, norms
+            # them whole (the checkpoint's full weights) and keeps its own heads (vLLM's OLMo 2 does the same).
+            self.group, self.kv_replicas = group, self.qkv_proj.kv_replicas
+            self.q_norm = norm.make(ctx, shape.num_heads * shape.head_dim, shape.rms_norm_eps)
+            self.k_norm = norm.make(ctx, shape.num_kv_heads * shape.head_dim, shape.rms_norm_eps)
         elif qk_norm is not None:
             raise ValueError(f"unknown qk_norm {qk_norm!r}")
         self.head_norm: HeadNorm | None = None  # q and k norms stacked (after loading)
@@ -170,8 +171,13 @@ class SelfAttention(nn.Module):
         rope = ropes[self.rope_index]
         v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
         if self.qk_norm == "full":
-            q = rope.apply(self.q_norm(qkv[:, :q_size]).view(t, heads, head_dim))
-            k = rope.apply(self.k_norm(qkv[:, q_size : q_size + kv_size]).view(t, kv_heads, head_dim))
+            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+            if self.group.size > 1:
+                q, k = self._norm_whole(q, k)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = rope.apply(q.reshape(t, heads, head_dim))
+            k = rope.apply(k.reshape(t, kv_heads, head_dim))
         else:
             qk = qkv[:, : q_size + kv_size].view(t, heads + kv_heads, head_dim)
             if self.head_norm is not None:
@@ -179,6 +185,19 @@ class SelfAttention(nn.Module):
             qk = rope.apply(qk)
             q, k = qk[:, :heads], qk[:, heads:]
         return self.o_proj(self.attn(q, k, v, cache, meta))
+
+
+    def _norm_whole(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's q and k [T, its size] normed over the whole group's projection (gathered, normed, cut)."""
+        group, t = self.group, q.shape[0]
+        q_all = self.q_norm(group.all_gather(q.contiguous(), dim=-1))
+        k_all = group.all_gather(k.contiguous(), dim=-1)
+        if self.kv_replicas > 1:  # each KV head is held by kv_replicas ranks: keep one copy of each
+            k_all = k_all.view(t, group.size, -1)[:, :: self.kv_replicas].reshape(t, -1)
+        k_all = self.k_norm(k_all)
+        kv_rank = group.rank // self.kv_replicas
+        return q_all[:, group.rank * self.q_size : (group.rank + 1) * self.q_size], \
+            k_all[:, kv_rank * self.kv_size : (kv_rank + 1) * self.kv_size]
 
 
 class GatedMLP(nn.Module):

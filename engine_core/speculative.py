@@ -1,0 +1,130 @@
+"""Speculative decoding: draft tokens proposed on the host, verified by the model in one step.
+
+A verify step runs each drafted row's last committed token and its d draft tokens (d + 1 positions) and samples at
+every one of them with the row's own rule, noise keyed by (seed, position) as always (gpu_worker/sampler.py): pick j
+is exactly what plain decoding would pick at that position if drafts 1..j were the committed tokens. The device
+keeps the picks up to the first that differs from the next draft (that one included: the correction, or after the
+last draft the bonus token) and returns them as the steps of a burst (`await_burst`), so greedy and seeded
+outputs equal decoding without drafts, for any batch. The host commits the picks in order (a stop ends a row's
+share) with `num_computed` stepping one position per commit, and gives back the KV reserved for rejected drafts
+through the lane's over-run effect (`Rollback`).
+
+Only plain rows are drafted (no penalties, masks or grammar, whose picks depend on the tokens before them on the
+host). Verify steps run synchronously (nothing is launched ahead of them: the next inputs are the accepted picks).
+Drafts come from a `Proposer`; `NgramProposer` is prompt lookup (the last n tokens found earlier in the prompt
+or output, and what followed them). A draft model (EAGLE-style) is another Proposer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from metrale.ipc.plan import DeviceError
+
+from .commit import commit_tokens
+from .decode_lane import fail_rows
+from .pipeline import row_mask
+from .sequence import Sequence
+from .step_io import ReserveKv, Rollback, StepIo
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens for the next positions of a sequence."""
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k draft tokens to follow seq's committed tokens ([] for none)."""
+        ...
+
+
+@dataclass(slots=True)
+class NgramProposer:
+    """Prompt lookup: match the last n tokens (n from max_n down to min_n) at their latest earlier occurrence in
+    the sequence's tokens and propose the k tokens that followed it."""
+
+    max_n: int = 3
+    min_n: int = 1
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        tokens = seq.tokens
+        length = len(tokens)
+        window = min(length, 4096)  # the recent context: a lookup stays cheap on long sequences
+        context = np.asarray(tokens[length - window :], dtype=np.int64)
+        for n in range(min(self.max_n, window - 1), self.min_n - 1, -1):
+            tail = context[window - n :]
+            # Every earlier start of an n-gram that leaves at least one token to propose.
+            grams = np.lib.stride_tricks.sliding_window_view(context[: window - 1], n)
+            hits = np.flatnonzero((grams == tail).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return context[start : start + k].tolist()
+        return []
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Drafted and accepted tokens since start (the acceptance rate's parts)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Speculator:
+    """Drafts for a decode step and runs it as a verify step."""
+
+    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.k = num_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+
+    def drafts(self, seqs: list[Sequence]) -> list[list[int]] | None:
+        """Each row's drafts for a decode step of these rows; None when no row has one."""
+        out = [self._draft(s) for s in seqs]
+        return out if any(out) else None
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """A plain row's drafts, within its max_tokens and the model's length (a draft past either is waste)."""
+        if not seq.plain or seq.finished:
+            return []
+        room = min(self.k, seq.params.max_tokens - seq.num_output - 1, self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.propose(seq, room) if room > 0 else []
+
+    def run(self, seqs: list[Sequence], drafts: list[list[int]], io: StepIo) -> None:
+        """One verify step of these decode rows, launched, awaited and committed; rows whose drafts' KV does not
+        fit run without them."""
+        pool = io.pool
+        for s, d in zip(seqs, drafts):
+            if d and pool.blocks_needed(s, s.num_computed + 1 + len(d)) and not io.apply(ReserveKv(s, 1 + len(d))):
+                d.clear()
+        # Undrafted rows decode as they would alone: with their own masks (min_tokens, a grammar, ...).
+        masks = [row_mask(s, io.toks, io.eos_ids) for s in seqs]
+        plan = io.builder.build(seqs, [1 + len(d) for d in drafts], masks, drafts=drafts)
+        try:
+            ticket = io.device.launch(plan)
+            # A verify step answers as a burst; one whose drafts all lost their KV is a plain decode step.
+            results = io.device.await_burst(ticket) if any(drafts) else [io.device.await_result(ticket)]
+        except DeviceError as e:
+            fail_rows(seqs, io, e)
+            return
+        self.stats.steps += 1
+        for result in results:  # pick j of every row that kept that many, in order
+            stopped = [s.finished or tok < 0 for s, tok in zip(seqs, result.tokens.tolist())]
+            for s, gone in zip(seqs, stopped):
+                if not gone:
+                    s.num_computed += 1
+            commit_tokens(io, seqs, result.tokens, result, stopped)
+        for s, d in zip(seqs, drafts):
+            if d:
+                self.stats.drafted += len(d)
+                io.apply(Rollback(s))  # the KV of rejected drafts (positions past num_computed) goes back
+        self.stats.accepted += self._accepted(results, drafts)
+
+    @staticmethod
+    def _accepted(results, drafts: list[list[int]]) -> int:
+        """Draft tokens the step kept: picks beyond each drafted row's first."""
+        kept = sum((r.tokens >= 0).astype(np.int64) for r in results)
+        return int(sum(int(kept[i]) - 1 for i, d in enumerate(drafts) if d and kept[i] > 0))

@@ -1,0 +1,61 @@
+"""The frontend child of `metrale serve`: `python -m metrale.frontend_process CONFIG_JSON HEALTH_PATH`.
+
+Its configuration comes as JSON from the supervisor, its health from the supervisor's health file; it ends itself
+when the supervisor is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import msgspec
+
+from metrale.health_file import read_health
+from metrale.ipc.messages import Health
+
+
+def _run_frontend(config_json: str, health_path: str) -> None:
+    """The frontend child: its config from JSON, health from the supervisor's file; exits with its parent."""
+    from metrale.frontend.server import FrontendConfig, main
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    config = msgspec.json.decode(config_json, type=FrontendConfig)
+    supervisor = int(os.environ.get("METRALE_SUPERVISOR_PID", os.getppid()))
+
+    def health() -> Health:
+        try:
+            return read_health(health_path)
+        except (OSError, msgspec.DecodeError):
+            return Health(id="", healthy=False, last_fault="the supervisor's health file is unreadable")
+
+    def watch_parent() -> None:
+        while True:
+            time.sleep(0.5)  # a poll interval, not synchronisation: nothing waits on it
+            if not _pid_alive(supervisor):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    main(config, health_source=health)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3:
+        _run_frontend(sys.argv[1], sys.argv[2])
+    else:
+        sys.exit("usage: python -m metrale.frontend_process CONFIG_JSON HEALTH_PATH")
