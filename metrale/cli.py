@@ -1,4 +1,4 @@
-"""The `metrale` command: serve, generate, status."""
+"""The `metrale` command: serve, generate, status; bench (from metrale/bench)."""
 
 from __future__ import annotations
 
@@ -189,6 +189,12 @@ def status(host: str, port: int, as_json: bool) -> None:
             f"{stats.kv_blocks_cached} cached / {stats.kv_blocks_total} total, {stats.generated_tokens} tokens generated"
             + (f", {stats.host_repicks} host repicks" if stats.host_repicks else "")
         )
+
+
+# Operator tools, each in its own package (their modules import their work only when run).
+from metrale.bench.cli import bench  # noqa: E402
+
+main.add_command(bench)
 
 
 if __name__ == "__main__":
