@@ -1,4 +1,4 @@
-"""The `metrale` command: serve, generate, status; bench (from metrale/bench)."""
+"""The `metrale` command: serve, generate, status; bench and top (from metrale/bench, metrale/top)."""
 
 from __future__ import annotations
 
@@ -193,8 +193,10 @@ def status(host: str, port: int, as_json: bool) -> None:
 
 # Operator tools, each in its own package (their modules import their work only when run).
 from metrale.bench.cli import bench  # noqa: E402
+from metrale.top.cli import top  # noqa: E402
 
 main.add_command(bench)
+main.add_command(top)
 
 
 if __name__ == "__main__":
