@@ -1,4 +1,4 @@
-"""The `metrale` command: serve, generate, status; bench and top (from metrale/bench, metrale/top)."""
+"""The `metrale` command: serve, generate, status."""
 
 from __future__ import annotations
 

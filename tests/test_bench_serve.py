@@ -160,3 +160,18 @@ def test_metrics_follow_vllms_definitions():
     assert m.output_throughput == pytest.approx(3.0) and m.total_token_throughput == pytest.approx(18.0)
     with pytest.raises(ValueError):
         metrics.parse_goodput(["ttft=5"])
+
+
+def test_a_sharegpt_run_asks_for_each_replys_length(tmp_path, tokenizer_dir):
+    tok = Tokenizer.from_dir(tokenizer_dir)
+    turns = [("def add(a, b): return a + b  # numbers", "It adds two numbers and returns the sum."),
+             ("class Stack: a list with push and pop methods", "Push appends; pop removes the last item.")]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+                                for q, a in turns]))
+    with fake_openai_server() as server:
+        result = bench(tmp_path, server.base_url, tokenizer_dir, "--dataset-name", "sharegpt", "--dataset-path",
+                       str(path), "--num-prompts", "2", "--disable-shuffle")
+    assert sorted(s.body["prompt"] for s in server.served) == sorted(q for q, _ in turns)  # sent at once: any order
+    assert result["total_output_tokens"] == sum(len(tok.encode(a)) for _, a in turns)
+    assert all("ignore_eos" not in s.body for s in server.served)  # only random prompts force it
