@@ -63,11 +63,12 @@ def test_bench_serve_chat_counts_exactly(tmp_path, server, model_dir):
     assert result["backend"] == "openai-chat"
 
 
-def test_top_renders_a_live_frame_with_real_pids_and_counters(server):
+def test_top_renders_a_live_frame_with_real_pids_and_counters(server, model_dir):
+    prompt = "def fibonacci(n):"
     with server.client() as client:
+        before = client.server_stats().frontend.prompt_tokens
         for _ in range(2):
-            done = client.complete("def fibonacci(n):", params=SamplingParams(max_tokens=5, ignore_eos=True,
-                                                                                temperature=0))
+            done = client.complete(prompt, params=SamplingParams(max_tokens=5, ignore_eos=True, temperature=0))
             assert len(done.token_ids) == 5
         sampler = Sampler(client, "127.0.0.1", server.port)
         sampler.sample()
@@ -77,7 +78,8 @@ def test_top_renders_a_live_frame_with_real_pids_and_counters(server):
     assert {p.pid for p in snap.processes} == set(pids.values())
     assert all(p.rss_bytes and p.cpu_percent is not None for p in snap.processes)
     assert snap.stats.generated_tokens == stats.generated_tokens >= 10
-    assert snap.frontend.ttft_samples >= 2 and snap.frontend.itl_samples >= 8 and snap.frontend.prompt_tokens > 0
+    assert snap.frontend.ttft_samples >= 2 and snap.frontend.itl_samples >= 2
+    assert snap.frontend.prompt_tokens - before == 2 * len(Tokenizer.from_dir(model_dir).encode(prompt))
     assert snap.tokens_out_per_s == 0.0  # nothing ran between the two looks
     console = Console(file=io.StringIO(), width=140, record=True, color_system=None)
     console.print(render(snap))
