@@ -64,9 +64,13 @@ def test_counts_against_the_fake_server_are_exact(tmp_path, tokenizer_dir, endpo
     assert result["total_input_tokens"] == sum(s.prompt_tokens for s in ok)
     assert result["model_id"] == MODEL  # asked of /v1/models: no --model given
     assert sum(1 for e in result["errors"] if e) == 1 and "500" in next(e for e in result["errors"] if e)
-    # Tokens come two to a chunk, so a request of n tokens has ceil(n / 2) - 1 inter-chunk gaps.
+    # Tokens come two to a chunk, so a request of n tokens has ceil(n / 2) - 1 inter-chunk gaps; a chat stream's
+    # role chunk counts as one more (the first), as in vLLM's bench.
     by_len = sorted(len(itl) for itl, e in zip(result["itls"], result["errors"]) if not e)
-    assert by_len == sorted(math.ceil(s.completion_tokens / 2) - 1 for s in ok)
+    opening = 1 if endpoint.endswith("chat/completions") else 0
+    assert by_len == sorted(math.ceil(s.completion_tokens / 2) - 1 + opening for s in ok)
+    texts = sorted(t for t, e in zip(result["generated_texts"], result["errors"]) if not e)
+    assert texts == sorted("tok " * s.completion_tokens for s in ok)
     assert all(s.body.get("ignore_eos") is True for s in server.served)  # random prompts: as vLLM does
     expected = VLLM_BASE_KEYS | VLLM_DETAILED_KEYS | vllm_metric_keys(["ttft", "tpot", "itl", "e2el"], ["50", "99"])
     assert set(result) == expected

@@ -2,8 +2,9 @@
 
 The timings mean what vLLM's bench means by them: TTFT from the send to the first chunk that carries a choice,
 one ITL per later such chunk (the gap since the one before), the latency from the send to the last such chunk.
-A chat stream's opening chunk that only names the role carries no token and is not counted. The output token
-count is the server's (`stream_options.include_usage`); a server that reports none is counted by the tokenizer.
+A chat stream's opening chunk that names the role counts too, as in vLLM's bench: metrale's and vLLM's servers
+send it with the first token. The output token count is the server's (`stream_options.include_usage`); a server
+that reports none is counted by the tokenizer.
 """
 
 from __future__ import annotations
@@ -97,8 +98,6 @@ async def send(session: aiohttp.ClientSession, target: Target, req: SampleReques
                 choices = data.get("choices")
                 if choices:
                     piece = _piece(choices[0], target.chat)
-                    if piece is None:
-                        continue
                     if got_token:
                         out.itl.append(now - last)
                     else:
@@ -119,12 +118,9 @@ async def send(session: aiohttp.ClientSession, target: Target, req: SampleReques
     return out
 
 
-def _piece(choice: dict, chat: bool) -> str | None:
-    """The text a choice chunk carries ("" for a token with no text), or None for a chat role-only chunk."""
+def _piece(choice: dict, chat: bool) -> str:
+    """The text a choice chunk carries ("" for a token with no text, or a chat chunk with only the role)."""
     if not chat:
         return choice.get("text") or ""
     delta = choice.get("delta") or {}
-    content = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
-    if not content and "role" in delta and choice.get("finish_reason") is None:
-        return None
-    return content
+    return (delta.get("reasoning_content") or delta.get("reasoning") or "") + (delta.get("content") or "")
