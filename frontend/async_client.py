@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from metrale.ipc.messages import Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, StatsQuery
+from metrale.ipc.messages import (Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, Stats,
+                                  StatsQuery)
 from metrale.ipc.sampling import SamplingParams
 
 from .client_protocol import (
@@ -150,8 +151,11 @@ class AsyncClient:
 
     async def stats(self) -> EngineStats:
         """The engine core's counters."""
-        reply = await self._ask(StatsQuery(id=new_id()))
-        return reply.stats
+        return (await self.server_stats()).stats
+
+    async def server_stats(self) -> Stats:
+        """The engine core's counters and what the frontend measured (`frontend`: recent latencies)."""
+        return await self._ask(StatsQuery(id=new_id()))
 
     async def health(self) -> Health:
         """Each server process's pid, uptime, restarts and the last fault."""

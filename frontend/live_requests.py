@@ -220,6 +220,7 @@ class LiveRequests:
             return
         req.prompt_ids = prompt_ids
         req.detok = IncrementalDetokenizer(req.decoder or self.tokenizer, prompt_ids, req.params)
+        self.metrics.window.admitted(len(prompt_ids))
         if self.replicas.any_up:
             self._submit(req)
 

@@ -11,13 +11,16 @@ families are the sums over the replicas and `metrale_replica_*` families give ea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from metrale.ipc.messages import EngineStats, Health
+
+from .latency_window import LatencyWindow
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -29,9 +32,11 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.
 
 
 class Metrics:
-    """One frontend's metrics, in a registry of its own (so two servers in one process do not collide)."""
+    """One frontend's metrics, in a registry of its own (so two servers in one process do not collide), and
+    its recent latencies (`window`, for the `stats` answer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = LatencyWindow(clock)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("metrale_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
@@ -53,10 +58,12 @@ class Metrics:
     def first_token(self, seconds: float) -> None:
         """A request's first tokens came `seconds` after it was admitted."""
         self.ttft.observe(seconds)
+        self.window.first_token(seconds)
 
     def next_tokens(self, seconds_per_token: float) -> None:
         """Later tokens of a request came, `seconds_per_token` apart on average."""
         self.itl.observe(seconds_per_token)
+        self.window.next_tokens(seconds_per_token)
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int, seconds: float) -> None:
         """A request ended (stop, length, abort or error)."""

@@ -130,7 +130,7 @@ class FrontendServer:
         self.bound = threading.Event()
         self.engine_ready = threading.Event()  # set once an engine core is up (for callers and tests)
         self.http_endpoint: str | None = None  # "http://host:port" once the HTTP API listens
-        self.metrics = Metrics()
+        self.metrics = Metrics(clock)
         self.replicas = ReplicaSet(1 + len(config.replica_addresses))
         self.facts = resolve_model(config.model_dir, config.max_model_len)
         max_model_len = self.facts.max_model_len
@@ -333,7 +333,8 @@ class FrontendServer:
             self._reject(client, envelope, msg.id, "busy", "the engine core is not ready")
             return
         self.replicas.ask_stats(
-            lambda stats: self._send(client, envelope, Stats(id=msg.id, stats=stats)),
+            lambda stats: self._send(client, envelope, Stats(id=msg.id, stats=stats,
+                                                             frontend=self.metrics.window.snapshot())),
             lambda why: self._reject(client, envelope, msg.id, "internal", why),
             self.config.engine_reply_timeout_s,
         )

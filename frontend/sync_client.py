@@ -135,9 +135,13 @@ class Client:
 
     def stats(self) -> EngineStats:
         """The engine core's counters."""
+        return self.server_stats().stats
+
+    def server_stats(self) -> Stats:
+        """The engine core's counters and what the frontend measured (`frontend`: recent latencies)."""
         reply = self._ask(lambda rid: StatsQuery(id=rid))
         assert isinstance(reply, Stats)
-        return reply.stats
+        return reply
 
     def health(self) -> Health:
         """Each server process's pid, uptime, restarts and the last fault."""

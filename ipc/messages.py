@@ -108,11 +108,25 @@ class EngineStats(msgspec.Struct, kw_only=True):
     replicas: list[EngineStats] = []
 
 
+class FrontendStats(msgspec.Struct, kw_only=True):
+    """What the frontend measured: latency percentiles over its recent window, and the prompt tokens it admitted."""
+
+    window_s: float = 0.0  # the span the percentiles cover (up to a minute)
+    ttft_samples: int = 0
+    itl_samples: int = 0
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    itl_p50_s: float = 0.0
+    itl_p99_s: float = 0.0
+    prompt_tokens: int = 0  # since the frontend started
+
+
 class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):
     """Answer to StatsQuery."""
 
     id: str
     stats: EngineStats
+    frontend: FrontendStats | None = None  # None from a frontend that measures none
 
 
 class ProcessHealth(msgspec.Struct, kw_only=True, omit_defaults=True):

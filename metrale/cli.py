@@ -231,5 +231,13 @@ def status(host: str, port: int, as_json: bool) -> None:
             )
 
 
+# Operator tools, each in its own package (their modules import their work only when run).
+from metrale.bench.cli import bench  # noqa: E402
+from metrale.top.cli import top  # noqa: E402
+
+main.add_command(bench)
+main.add_command(top)
+
+
 if __name__ == "__main__":
     main()
