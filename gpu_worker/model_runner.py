@@ -14,9 +14,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import logging
+
 import numpy as np
 import torch
 
+from metrale.gpu_worker.graph_runner import DecodeGraphs
 from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention_backends import select_backend
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
@@ -25,6 +28,7 @@ from metrale.gpu_worker.layers.recurrent_state import RecurrentState, StateStep,
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.sampler import Sampler, SamplerOutput
+from metrale.gpu_worker.step_staging import StepStaging
 from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
 from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 
@@ -32,6 +36,8 @@ CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests a
 GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
 GPU_RESERVED_BYTES = 1 << 30  # left for activations, logits and the sampler's scratch
 LOGITS_KEPT = 2  # steps whose logits read_logits can still return (the settled one and one ahead)
+
+log = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -57,26 +63,6 @@ class _Prepared:
     state: StateStep | None  # the rows' state slots (a model with recurrent layers)
 
 
-class _Staging:
-    """Device buffers for per-token and per-row arrays, grown on demand and reused every step."""
-
-    def __init__(self, device: torch.device):
-        """Start empty; the first steps size the buffers."""
-        self.device = device
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def put(self, name: str, array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """The array copied into buffer `name` (converted to dtype); a view valid until the next put."""
-        n = len(array)
-        buf = self._bufs.get(name)
-        if buf is None or buf.shape[0] < n:
-            buf = torch.empty(max(n, 2 * (0 if buf is None else buf.shape[0]), 64), dtype=dtype, device=self.device)
-            self._bufs[name] = buf
-        view = buf[:n]
-        view.copy_(torch.from_numpy(np.ascontiguousarray(array)), non_blocking=True)
-        return view
-
-
 class ModelRunner:
     """A loaded model, its paged KV cache and its sampler; executes StepPlans one at a time."""
 
@@ -94,9 +80,14 @@ class ModelRunner:
         show_progress: bool = True,
         swap_space: int = 0,
         max_model_len: int | None = None,
+        decode_graphs: bool | None = None,
     ):
         """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)
-        and swap_space bytes of host blocks for swap preemption."""
+        and swap_space bytes of host blocks for swap preemption.
+
+        decode_graphs: run decode steps through the bucketed persistent buffers (graph_runner.py), captured as
+        CUDA graphs on CUDA; None = on CUDA only (on a CPU the native fused step is faster uncaptured), False =
+        eager everywhere (`--enforce-eager`)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
         self.facts = resolve_model(model_dir, max_model_len)
@@ -122,10 +113,12 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         num_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory)
+        graphs = self._graphs_wanted(decode_graphs)
         # Keys head-dim-major only when some layer's decode runs the native kernel (its layout).
         self.kv_cache = PagedKVCache(
             kv.num_layers, num_blocks, block_size, kv.num_kv_heads, kv.head_dim,
-            dtype=self.model.dtype, device=self.device, transposed_keys=self.model.uses_native_decode,
+            dtype=self.model.dtype, device=self.device, transposed_keys=self.model.uses_transposed_keys,
+            scratch_block=graphs,
         )
         per_block = PagedKVCache.bytes_per_block(kv.num_layers, block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype)
         self.swap = KvSwapSpace(self.kv_cache, KvSwapSpace.blocks_for(swap_space, per_block))
@@ -142,7 +135,13 @@ class ModelRunner:
             num_state_slots=self.state.num_slots if self.state is not None else 0,
         )
         self.sampler = Sampler(self.facts.vocab_size, self.device)
-        self._staging = _Staging(self.device)
+        self._staging = StepStaging(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, self._staging, max_num_seqs=max_num_seqs,
+                max_model_len=self.facts.max_model_len, capture=self.device.type == "cuda",
+            )
         self._last_tokens = torch.full((max(max_num_seqs, 1),), -1, dtype=torch.int64, device=self.device)
         self._arange = np.arange(max(max_num_seqs, 1), dtype=np.int32)  # feed_from_row of an all-self-fed step
         self._last_sample: np.ndarray | None = None  # bool [R] of the last executed step; None = no source
@@ -182,9 +181,10 @@ class ModelRunner:
         """
         self._check(plan)
         with torch.inference_mode():
-            prepared = self._prepare(plan, self._staging.put("input_ids", plan.input_ids))
-            hidden = self._forward(prepared)
+            self._staging.begin()
+            hidden = self._run_model(plan, self._staging.put("input_ids", plan.input_ids))
             logits = self._logits_of(plan, hidden, np.flatnonzero(plan.sample))
+            self._staging.end()
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return logits
@@ -211,10 +211,11 @@ class ModelRunner:
         prev_sample, self._last_sample = self._last_sample, None  # a failure leaves no feed source
         with torch.inference_mode():
             self.swap.apply(plan)  # swapped-out blocks leave before this step may reuse them
-            prepared = self._prepare(plan, self._inputs(plan, prev_sample))
-            hidden = self._forward(prepared)
+            self._staging.begin()
+            hidden = self._run_model(plan, self._inputs(plan, prev_sample))
             rows = np.flatnonzero(plan.sample)
             if len(rows) == 0:
+                self._staging.end()
                 self._last_tokens[: plan.num_rows].fill_(-1)
                 self._last_sample = plan.sample.copy()
                 return StepResult(tokens=np.full(plan.num_rows, -1, dtype=np.int32), timings=_timings(start))
@@ -224,6 +225,7 @@ class ModelRunner:
             kept = self._kept(plan.num_rows) if len(rows) == plan.num_rows else None
             out = self.sampler(logits, plan, torch.from_numpy(rows), greedy, out=kept)
             self._keep_tokens(plan, rows, out.tokens)
+            self._staging.end()
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
             return self._result(plan, rows, out, start)
 
@@ -308,6 +310,12 @@ class ModelRunner:
         input_ids[token_idx] = self._last_tokens[self._staging.put("fed_src", src)]
         return input_ids
 
+    def _run_model(self, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step: a decode step through the decode graphs when they serve it."""
+        if self.graphs is not None and self.graphs.serves(plan):
+            return self.graphs.run(plan, input_ids)
+        return self._forward(self._prepare(plan, input_ids))
+
     def _forward(self, p: _Prepared) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens."""
         if p.state is None:
@@ -360,6 +368,20 @@ class ModelRunner:
         return result
 
     # ---- setup ---------------------------------------------------------------------------------
+
+    def _graphs_wanted(self, decode_graphs: bool | None) -> bool:
+        """Whether decode steps go through DecodeGraphs: as asked (default: on CUDA), where the model allows."""
+        want = self.device.type == "cuda" if decode_graphs is None else decode_graphs
+        if not want:
+            return False
+        if not self.model.graph_safe:
+            log.info("decode graphs off: %s's forward depends on host-side data", self.facts.architecture)
+            return False
+        if self.device.type == "cuda" and not self.model.graph_capturable:
+            log.info("decode graphs off: an attention backend here cannot be captured (%s)",
+                     ", ".join(sorted(self.model.attention_backends)))
+            return False
+        return True
 
     def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None) -> int:
         """Blocks as asked, or as many as the byte budget holds (default: a share of free memory,

@@ -30,6 +30,9 @@ class TorchAttention:
 
     name = "torch"
     native_decode = False  # reads DecodeRows.masks, not the native kernel's lengths
+    transposed_keys = False  # keys stored [block, block_size, kv_heads, head_dim]
+    # Not capturable in a CUDA graph: its decode gathers into the cache's shared scratch (regrown by eager steps).
+    graph_safe = False
 
     def supports(self, layer) -> bool:
         """Every layer."""
@@ -92,7 +95,8 @@ class NativeCpuAttention(TorchAttention):
     """Decode rows by the native paged CPU kernel; everything else as the torch path."""
 
     name = "cpu-native"
-    native_decode = True  # reads DecodeRows.seq_lens / first_keys, and keys stored head-dim-major
+    native_decode = True  # reads DecodeRows.seq_lens / first_keys
+    transposed_keys = True  # keys stored head-dim-major (the kernel's vector loads)
 
     def supports(self, layer) -> bool:
         """Layers without logit soft-capping (the kernel's softmax has none)."""
