@@ -272,6 +272,9 @@ class ModelRunner:
             dtype=self.model.dtype,
             native=self.model.uses_native_decode,
             masks=self.model.uses_masked_decode,
+            varlen=self.model.uses_varlen_prefill,
+            rows=self.model.uses_row_prefill,
+            put=self._staging.put,
         )
         token_seq_lens = None
         threshold = self.model.rope_seq_len_threshold

@@ -11,8 +11,9 @@ others their fast path.
   transformers' eager attention does.
 - `NativeCpuAttention`: decode rows by the native paged kernel (layers/cpu_kernels.py: reads each key and
   value once from its block, online softmax; keys stored head-dim-major); prefill as the torch path.
-- A GPU kernel backend (paged FlashAttention and the like) slots in as another class and a `select_backend`
-  branch; today a GPU runs the torch path (SDPA is fused there).
+- `TritonAttention` (layers/triton_attention.py): on CUDA when triton imports, decode rows and every prefill
+  chunk by Triton kernels that read K/V in place through the block table (windows, soft-caps, GQA); a GPU
+  without triton runs the torch path.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class TorchAttention:
     name = "torch"
     native_decode = False  # reads DecodeRows.masks, not the native kernel's lengths
     transposed_keys = False  # keys stored [block, block_size, kv_heads, head_dim]
+    varlen_prefill = False  # reads AttentionMetadata.prefills, one chunk at a time
     # Not capturable in a CUDA graph: its decode gathers into the cache's shared scratch (regrown by eager steps).
     graph_safe = False
 
@@ -115,10 +117,16 @@ NATIVE_CPU = NativeCpuAttention()
 
 
 def select_backend(device: torch.device, *, native: bool) -> TorchAttention:
-    """The device's attention backend: the native kernels on a CPU that has them loaded, else torch (GPUs too,
-    until a GPU kernel backend is added here)."""
+    """The device's attention backend: the native kernels on a CPU that has them loaded, the Triton kernels on
+    CUDA when triton imports, else torch."""
     if device.type == "cpu" and native:
         return NATIVE_CPU
+    if device.type == "cuda":
+        try:
+            from metrale.gpu_worker.layers.triton_attention import TRITON
+        except ImportError:
+            return TORCH
+        return TRITON
     return TORCH
 
 

@@ -272,6 +272,8 @@ class DecoderLM(nn.Module):
         self.uses_native_decode = any(a.backend.native_decode for a in attns)
         self.uses_masked_decode = any(not a.backend.native_decode for a in attns)
         self.uses_transposed_keys = any(a.backend.transposed_keys for a in attns)
+        self.uses_varlen_prefill = any(a.backend.varlen_prefill for a in attns)
+        self.uses_row_prefill = any(not a.backend.varlen_prefill for a in attns)
         self.attention_backends = {a.backend.name for a in attns}
         # Decode graphs (graph_runner.py) need a forward whose work depends on device tensors only: no
         # recurrent state slots, no layer that reads the step's data on the host (a mixture of experts' loop);
