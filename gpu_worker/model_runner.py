@@ -27,7 +27,8 @@ from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.layers.recurrent_state import RecurrentState, StateStep, build_state_step
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
-from metrale.gpu_worker.sampler import Sampler, SamplerOutput
+from metrale.gpu_worker.result_copy import PendingResult, ResultCopier
+from metrale.gpu_worker.sampler import Sampler
 from metrale.gpu_worker.step_staging import StepStaging
 from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
 from metrale.ipc.plan import FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
@@ -135,6 +136,7 @@ class ModelRunner:
             num_state_slots=self.state.num_slots if self.state is not None else 0,
         )
         self.sampler = Sampler(self.facts.vocab_size, self.device)
+        self._copier = ResultCopier(self.device)
         self._staging = StepStaging(self.device)
         self.graphs: DecodeGraphs | None = None
         if graphs:
@@ -152,10 +154,19 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step and sample; tokens[r] is -1 for rows that do not sample."""
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> PendingResult:
+        """Queue one step and its sampling on the device and start copying its tokens back: its result once
+        they land (at once on a CPU). The next step may be launched first — fed on the device from this one."""
         self._check(plan)
         return self._step(plan)
 
     def execute_burst(self, plan: StepPlan, steps: int) -> list[StepResult]:
+        """`steps` decode steps from one plan (see launch_burst)."""
+        return [pending.result() for pending in self.launch_burst(plan, steps)]
+
+    def launch_burst(self, plan: StepPlan, steps: int) -> list[PendingResult]:
         """`steps` decode steps from one plan: the plan's, then each row fed its own last token, one position on.
 
         The plan is a decode step (one token per row, every row sampling, no penalty history) whose block
@@ -171,7 +182,7 @@ class ModelRunner:
         if later:
             self._check(later[-1])
         greedy = self.sampler.plain_greedy(plan)  # the same rows and parameters in every step
-        return [self._step(p, greedy) for p in (plan, *later)]
+        return [self._step(p, greedy) for p in (plan, *later)]  # all queued before any result is waited for
 
     def forward_only(self, plan: StepPlan, *, sync: bool = True) -> torch.Tensor:
         """The same step without feeds or sampling: [S, V] logits of the sampling rows (the model's dtype).
@@ -203,8 +214,8 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, plan: StepPlan, greedy: bool | None = None) -> StepResult:
-        """Run one checked step and sample (greedy: the sampler's plain-greedy test, when already known)."""
+    def _step(self, plan: StepPlan, greedy: bool | None = None) -> PendingResult:
+        """Queue one checked step and its sampling (greedy: the sampler's plain-greedy test, when already known)."""
         start = time.perf_counter()
         step = self.steps_executed
         self.steps_executed += 1
@@ -218,7 +229,7 @@ class ModelRunner:
                 self._staging.end()
                 self._last_tokens[: plan.num_rows].fill_(-1)
                 self._last_sample = plan.sample.copy()
-                return StepResult(tokens=np.full(plan.num_rows, -1, dtype=np.int32), timings=_timings(start))
+                return self._copier.start(plan.num_rows, rows, None, start)
             logits = self._logits_of(plan, hidden, rows)
             # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync. When
             # every row samples, a greedy pick goes straight where the next step's feeds read it.
@@ -227,7 +238,7 @@ class ModelRunner:
             self._keep_tokens(plan, rows, out.tokens)
             self._staging.end()
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
-            return self._result(plan, rows, out, start)
+            return self._copier.start(plan.num_rows, rows, out, start)
 
     def _check(self, plan: StepPlan) -> None:
         """ValueError for a malformed plan or an index outside the model or the cache: caught here on
@@ -350,26 +361,6 @@ class ModelRunner:
             self._last_tokens[self._staging.put("rows", rows)] = tokens
         self._last_sample = plan.sample.copy()
 
-    def _result(self, plan: StepPlan, rows: np.ndarray, out: SamplerOutput, start: float) -> StepResult:
-        """The StepResult row for row: tokens, and logprobs when any row asked for them."""
-        if len(rows) == plan.num_rows:
-            tokens = out.tokens.cpu().numpy().astype(np.int32)
-        else:
-            tokens = np.full(plan.num_rows, -1, dtype=np.int32)
-            tokens[rows] = out.tokens.cpu().numpy()
-        result = StepResult(tokens=tokens)
-        if out.logprobs is not None:
-            result.logprobs = np.full(plan.num_rows, np.nan, dtype=np.float32)
-            result.logprobs[rows] = out.logprobs.float().cpu().numpy()
-        if out.top_ids is not None:
-            n = out.top_ids.shape[1]
-            result.top_ids = np.full((plan.num_rows, n), -1, dtype=np.int32)
-            result.top_ids[rows] = out.top_ids.cpu().numpy()
-            result.top_logprobs = np.full((plan.num_rows, n), np.nan, dtype=np.float32)
-            result.top_logprobs[rows] = out.top_logprobs.float().cpu().numpy()
-        result.timings = _timings(start)
-        return result
-
     # ---- setup ---------------------------------------------------------------------------------
 
     def _graphs_wanted(self, decode_graphs: bool | None) -> bool:
@@ -408,8 +399,3 @@ class ModelRunner:
 def _outside(values: np.ndarray, end: int) -> bool:
     """True when some value lies outside [0, end)."""
     return values.size > 0 and (int(values.min()) < 0 or int(values.max()) >= end)
-
-
-def _timings(start: float) -> dict[str, float]:
-    """The step's host wall time (it includes the device, since the result is on the host)."""
-    return {"execute_s": time.perf_counter() - start}

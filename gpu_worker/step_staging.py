@@ -34,7 +34,7 @@ class StepStaging:
         """Start a step: take the next set of host buffers, once the device has read what it last held."""
         self._set = (self._set + 1) % len(self._host_sets)
         event = self._events[self._set]
-        if event is not None:
+        if event is not None and not event.query():  # query first: it never blocks the host
             event.synchronize()
 
     def end(self) -> None:

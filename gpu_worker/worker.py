@@ -7,7 +7,11 @@ the doorbell), run it, write the result (or the error), publish, ring. It exits 
 engine core's end of the doorbell closes, or when its parent process dies.
 
 A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` (and `execute_burst(plan, steps)`
-for tickets of several steps); one that counts its steps (`steps_executed`) and keeps their logits
+for tickets of several steps). One that also has `launch(plan)` / `launch_burst(plan, steps)` (the model runner)
+queues a step and returns pending results (`ready()`, `result()`: result_copy.py): the worker then launches
+ticket t+1 as soon as it is published — fed on the device from t's tokens — before t's tokens have reached the
+host, and writes t's result when its copy has landed, so the device is never left waiting for the host's round
+trip (on a CPU a step's result is ready when launch returns, and the loop is the synchronous one). One that counts its steps (`steps_executed`) and keeps their logits
 (`read_logits(step)`) also answers logits tickets: the engine asks for a settled ticket's logits (a RepickOnly
 repair), and the worker writes that step's logits into the ring's logits region. The plan's arrays are views
 into the shared slot: a runner copies what it keeps past execute().
@@ -51,6 +55,36 @@ class WorkerConfig:
 
 
 @dataclass(slots=True)
+class _Done:
+    """A result a runner without launch() computed at once."""
+
+    value: Any
+
+    def ready(self) -> bool:
+        """Always."""
+        return True
+
+    def result(self):
+        """The result."""
+        return self.value
+
+
+@dataclass(slots=True)
+class _Started:
+    """A ticket the worker has launched: its pending results (None: already written, an error or logits)."""
+
+    slot: int
+    seq: int
+    steps: int
+    t0: int  # perf_counter_ns at its start (for exec_ns)
+    pending: list | None
+
+    def ready(self) -> bool:
+        """Whether its results can be written without waiting."""
+        return self.pending is None or all(p.ready() for p in self.pending)
+
+
+@dataclass(slots=True)
 class WorkerLoop:
     """The serving loop's state: the ring, the doorbell, the runner and the worker's clock."""
 
@@ -64,31 +98,103 @@ class WorkerLoop:
     steps: int = 0
     started_ns: int = 0
     runner_steps: dict[int, int] = field(default_factory=dict)  # ticket seq -> the runner's index of its last step
+    pid: int = 0
+    busy_since: int = 0  # monotonic ns since when the worker has had work (a step running or in flight)
 
     def serve(self, first_seq: int) -> None:
-        """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop."""
+        """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop.
+
+        With a step in flight (launched, its result not yet on the host) the worker watches both its copy and
+        the next ticket: a ticket published first is launched first (the device goes straight on), then the
+        step in flight is written; results are always published in ticket order.
+        """
         ring, n = self.ring, self.ring.num_slots
-        pid = os.getpid()
+        self.pid = os.getpid()
         self.started_ns = t0 = time.monotonic_ns()
         # Every store says whether a wait for a plan is in progress (since when), in the same call as the
         # counters: a reader then counts the wait from its first nanosecond, spin included, and never twice.
-        ring.store_worker_stats(pid, self.started_ns, 0, 0, 0, t0)
+        ring.store_worker_stats(self.pid, self.started_ns, 0, 0, 0, t0)
         seq = first_seq
+        inflight: _Started | None = None
         while True:
             slot = seq % n
-            if not self.wait_for_plan(slot, seq, t0):
-                return
-            t1 = time.monotonic_ns()
-            self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
-            ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
-            self.steps += self.run_step(slot, seq)
-            t0 = time.monotonic_ns()  # publishing the result counts as the next wait
-            self.busy_ns += t0 - t1
-            # The step is counted before its result is visible: whoever has the result sees the count.
-            ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, t0)
-            ring.publish_result(slot, seq)
-            self.bell.ring()
+            if inflight is None:
+                if not self.wait_for_plan(slot, seq, t0):
+                    return
+                t1 = time.monotonic_ns()
+                self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
+                self.busy_since = t1
+                ring.store_worker_stats(self.pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
+            elif not self.wait_for_plan_or_copy(slot, seq, inflight):
+                t0 = self.finish(inflight, waiting=True)  # its copy landed first: publish, then wait as usual
+                inflight = None
+                continue
+            started = self.start_step(slot, seq)
+            if inflight is not None:
+                self.finish(inflight, waiting=False)
+            inflight = started
             seq += 1
+            if inflight.ready():
+                t0 = self.finish(inflight, waiting=True)
+                inflight = None
+
+    def wait_for_plan_or_copy(self, slot: int, seq: int, inflight: _Started) -> bool:
+        """Spin until plan seq is published (True) or the step in flight's results are on the host (False)."""
+        ring = self.ring
+        while True:
+            if ring.plan_seq(slot) == seq:
+                return True
+            if inflight.ready():
+                return False
+            os.sched_yield()
+
+    def start_step(self, slot: int, seq: int) -> _Started:
+        """Launch ticket seq's plan in slot (one step, or a decode burst's), or answer a logits ticket, or write
+        the error; the worker keeps serving."""
+        ring = self.ring
+        t0 = time.perf_counter_ns()
+        steps = ring.plan_steps(slot)
+        try:
+            if steps == LOGITS_TICKET:
+                ring.write_logits(slot, self.logits_of(ring.logits_of(slot)), exec_ns=time.perf_counter_ns() - t0)
+                return _Started(slot, seq, 0, t0, None)
+            plan = ring.read_plan(slot)
+            pending = self._launch(plan, steps)
+            self._ran(seq)
+            return _Started(slot, seq, steps, t0, pending)
+        except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
+            traceback.print_exc(file=sys.stderr)
+            ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+            return _Started(slot, seq, steps, t0, None)
+
+    def _launch(self, plan, steps: int) -> list:
+        """The ticket's pending results: queued by a runner that launches, else run now and wrapped as done."""
+        runner = self.runner
+        if hasattr(runner, "launch"):
+            return runner.launch_burst(plan, steps) if steps > 1 else [runner.launch(plan)]
+        results = runner.execute_burst(plan, steps) if steps > 1 else [runner.execute(plan)]
+        return [_Done(r) for r in results]
+
+    def finish(self, started: _Started, *, waiting: bool) -> int:
+        """Write a started ticket's results (waiting for their copies), count it and publish it; the time it
+        was published (when waiting: the worker's next wait for a plan starts then)."""
+        ring = self.ring
+        if started.pending is not None:
+            try:
+                results = [p.result() for p in started.pending]
+                ring.write_results(started.slot, results, exec_ns=time.perf_counter_ns() - started.t0)
+            except Exception as exc:  # noqa: BLE001 - a step that fails on the device is that step's error
+                traceback.print_exc(file=sys.stderr)
+                ring.write_error(started.slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - started.t0)
+        self.steps += started.steps
+        now = time.monotonic_ns()
+        self.busy_ns += now - self.busy_since
+        self.busy_since = now
+        # The step is counted before its result is visible: whoever has the result sees the count.
+        ring.store_worker_stats(self.pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, now if waiting else 0)
+        ring.publish_result(started.slot, started.seq)
+        self.bell.ring()
+        return now
 
     def wait_for_plan(self, slot: int, seq: int, since_ns: int) -> bool:
         """Wait until plan seq is published in slot (True), or until the worker should exit (False)."""
@@ -102,25 +208,6 @@ class WorkerLoop:
                 return False
             self.bell.wait(WAIT_SLICE_S)
         return True
-
-    def run_step(self, slot: int, seq: int) -> int:
-        """Execute ticket seq's plan in slot (one step, or a decode burst's) and write its results, or answer a
-        logits ticket, or write the error (serve publishes it); the worker keeps serving. Returns the steps run."""
-        ring = self.ring
-        t0 = time.perf_counter_ns()
-        steps = ring.plan_steps(slot)
-        try:
-            if steps == LOGITS_TICKET:
-                ring.write_logits(slot, self.logits_of(ring.logits_of(slot)), exec_ns=time.perf_counter_ns() - t0)
-                return 0
-            plan = ring.read_plan(slot)
-            results = self.runner.execute_burst(plan, steps) if steps > 1 else [self.runner.execute(plan)]
-            ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
-            self._ran(seq)
-        except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
-            traceback.print_exc(file=sys.stderr)
-            ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
-        return steps
 
     def _ran(self, seq: int) -> None:
         """Remember which runner step ticket seq ended with (its logits are that step's)."""

@@ -233,3 +233,16 @@ def test_local_device_close_stops_its_thread(model_path):
     assert not thread.is_alive()
     with pytest.raises(DeviceError):
         device.launch(None)
+
+
+def test_launching_steps_before_reading_their_results_gives_the_same_tokens(model_path, plans):
+    # The worker launches step t+1 (fed on the device from t) before t's tokens reach the host; t's copy-back
+    # must hold t's tokens, not t+1's (which overwrite the kept tokens in place).
+    prompts = _prompts(2048)
+    want = _generate(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False), plans, prompts, 4, fed=True)
+    runner = ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False)
+    pending = [runner.launch(_prefill_plan(plans, prompts))]
+    for k in range(4):
+        pending.append(runner.launch(_decode_plan(plans, prompts, k)))
+    assert all(p.ready() for p in pending)  # a CPU's event has fired when launch returns
+    np.testing.assert_array_equal(np.stack([p.result().tokens for p in pending], axis=1), want)
