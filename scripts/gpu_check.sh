@@ -29,12 +29,22 @@ stages = {}
 for line in (out / "stages.tsv").read_text().splitlines():
     name, rc, secs = line.split("\t")
     stages[name] = {"rc": int(rc), "s": int(secs)}
-bench = None
+bench, figures = None, {}
 log = out / "bench.json"
 if log.exists():
     lines = [l for l in log.read_text().splitlines() if l.startswith("{")]
     bench = json.loads(lines[-1]) if lines else None
-print(json.dumps({"gpu_check": stages, "bench": bench}))
+for key, r in ((bench or {}).get("results") or {}).items():  # issue 21's targets, per batch
+    tps = {name: f.get("throughput_tok_s") for name, f in r.items() if name != "ratios"}
+    ratio = lambda a, b: round(tps[a] / tps[b], 3) if tps.get(a) and tps.get(b) else None
+    figures[key] = {
+        "tok_s": tps,
+        "offline_vs_floor": ratio("offline", "floor"),  # target >= 0.9
+        "offline_vs_transformers": ratio("offline", "transformers"),  # target >= 1.0
+        "floor_decode_step_ms": (r.get("floor") or {}).get("decode_step_ms_median"),  # target <= 1.5 at b32
+        "serve_worker_idle_decode": (r.get("serve") or {}).get("worker_idle_decode"),  # target < 0.02
+    }
+print(json.dumps({"gpu_check": stages, "figures": figures, "bench": bench}))
 EOF
 }
 trap summary EXIT
@@ -53,7 +63,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, log to $O
 if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site
 fi
-stage setup 120 bash -c '
+stage setup 90 bash -c '
   set -euo pipefail
   if [ -d .whl ]; then
     "$0" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -69,5 +79,5 @@ fi
 stage steps 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q -x tests/test_cuda_steps.py tests/test_triton_attention.py
 TAIL=30 stage bench 240 sh -c "'$PY' scripts/bench_compare.py --device cuda --preset bench-small --batch 1,32,128 \
   --max-num-seqs 128 --reps 1 --engines offline,serve,floor,transformers >'$OUT/bench.json'"
-stage parity 100 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_model_parity.py
+stage parity 120 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_model_parity.py
 stage e2e 150 "$PY" -m pytest -q -x tests/test_llm.py tests/test_serve_e2e.py tests/test_faults_e2e.py
