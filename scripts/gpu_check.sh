@@ -76,7 +76,7 @@ if [ "$(cut -f2 "$OUT/stages.tsv" | head -n1)" != "0" ]; then
   exit 1  # nothing else can run; the summary still says why
 fi
 
-stage steps 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q -x tests/test_cuda_steps.py tests/test_triton_attention.py
+stage steps 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_cuda_steps.py tests/test_triton_attention.py
 TAIL=30 stage bench 240 sh -c "'$PY' scripts/bench_compare.py --device cuda --preset bench-small --batch 1,32,128 \
   --max-num-seqs 128 --reps 1 --engines offline,serve,floor,transformers >'$OUT/bench.json'"
 stage parity 120 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_model_parity.py

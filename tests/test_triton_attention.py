@@ -149,11 +149,11 @@ def test_a_model_on_the_triton_backend_generates_the_torch_paths_tokens(triton_a
             out.append(runner.execute(plans.make_plan(rows)).tokens)
         return np.stack(out, axis=1)
 
-    def runner():
-        return model_runner.ModelRunner(path, device="cpu", num_kv_blocks=256, max_num_seqs=4, show_progress=False, decode_graphs=graphs)
+    def runner(backend):
+        monkeypatch.setattr(model_runner, "select_backend", lambda device, native: backend)
+        return model_runner.ModelRunner(path, device=DEVICE, num_kv_blocks=256, max_num_seqs=4, show_progress=False, decode_graphs=graphs)
 
-    want = generate(runner())
-    monkeypatch.setattr(model_runner, "select_backend", lambda device, native: triton_attention.TRITON)
-    on_triton = runner()
+    want = generate(runner(TORCH))
+    on_triton = runner(triton_attention.TRITON)
     assert on_triton.model.attention_backends == {"triton"} and not on_triton.model.uses_row_prefill
     np.testing.assert_array_equal(generate(on_triton), want)
