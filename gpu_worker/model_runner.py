@@ -140,10 +140,13 @@ class ModelRunner:
         self._staging = StepStaging(self.device)
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, self._staging, max_num_seqs=max_num_seqs,
-                max_model_len=self.facts.max_model_len, capture=self.device.type == "cuda",
-            )
+            try:
+                self.graphs = DecodeGraphs(
+                    self.model, self.kv_cache, self._staging, max_num_seqs=max_num_seqs,
+                    max_model_len=self.facts.max_model_len, capture=self.device.type == "cuda",
+                )
+            except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured here runs eager
+                log.warning("decode graphs off: building them failed (%s: %s)", type(exc).__name__, exc)
         self._last_tokens = torch.full((max(max_num_seqs, 1),), -1, dtype=torch.int64, device=self.device)
         self._arange = np.arange(max(max_num_seqs, 1), dtype=np.int32)  # feed_from_row of an all-self-fed step
         self._last_sample: np.ndarray | None = None  # bool [R] of the last executed step; None = no source

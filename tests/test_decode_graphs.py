@@ -140,3 +140,17 @@ def test_serve_enforce_eager_reaches_the_engine_args(monkeypatch):
     result = CliRunner().invoke(cli.main, ["serve", "--enforce-eager"])
     assert isinstance(result.exception, Stop), result.output
     assert seen["engine"].enforce_eager is True
+
+
+def test_graphs_that_cannot_be_built_leave_the_runner_eager(tiny_model_dir, plans, monkeypatch):
+    from metrale.gpu_worker import graph_runner
+
+    def fail(*a, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graph_runner.DecodeGraphs, "__init__", fail)
+    path = tiny_model_dir("llama")
+    runner = _runner(path, True)
+    assert runner.graphs is None
+    prompts = _prompts(3)
+    np.testing.assert_array_equal(_generate(runner, plans, prompts), _generate(_runner(path, False), plans, prompts))

@@ -112,16 +112,29 @@ def test_triton_decode_in_bfloat16_is_close_to_the_torch_path(triton_attention):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_cuda_gets_the_triton_backend_when_triton_imports(triton_attention, monkeypatch):
+def test_the_probe_passes_the_kernels_and_fails_broken_ones(triton_attention, monkeypatch):
+    assert triton_attention.works_on.__wrapped__(DEVICE)
+    real = triton_attention.paged_prefill
+    monkeypatch.setattr(triton_attention, "paged_prefill", lambda q, *a, **kw: real(q * 1.01, *a, **kw))
+    assert not triton_attention.works_on.__wrapped__(DEVICE)
+    monkeypatch.setattr(triton_attention, "paged_prefill", lambda *a, **kw: 1 / 0)
+    assert not triton_attention.works_on.__wrapped__(DEVICE)
+
+
+def test_cuda_gets_the_triton_backend_when_triton_imports_and_passes_its_probe(triton_attention, monkeypatch):
+    monkeypatch.setattr(triton_attention, "works_on", lambda device: True)
     assert select_backend(torch.device("cuda"), native=False) is triton_attention.TRITON
+    monkeypatch.setattr(triton_attention, "works_on", lambda device: False)
+    assert select_backend(torch.device("cuda"), native=False) is TORCH
+    monkeypatch.setattr(triton_attention, "works_on", lambda device: True)
     import builtins
 
     real_import = builtins.__import__
 
-    def no_triton(name, *a, **kw):
-        if name.endswith("triton_attention"):
+    def no_triton(name, globals=None, locals=None, fromlist=(), level=0):
+        if name.endswith("triton_attention") or "triton_attention" in (fromlist or ()):
             raise ImportError("no triton")
-        return real_import(name, *a, **kw)
+        return real_import(name, globals, locals, fromlist, level)
 
     monkeypatch.setattr(builtins, "__import__", no_triton)
     assert select_backend(torch.device("cuda"), native=False) is TORCH

@@ -118,15 +118,16 @@ NATIVE_CPU = NativeCpuAttention()
 
 def select_backend(device: torch.device, *, native: bool) -> TorchAttention:
     """The device's attention backend: the native kernels on a CPU that has them loaded, the Triton kernels on
-    CUDA when triton imports, else torch."""
+    CUDA when triton imports and they pass their probe, else torch."""
     if device.type == "cpu" and native:
         return NATIVE_CPU
     if device.type == "cuda":
         try:
-            from metrale.gpu_worker.layers.triton_attention import TRITON
+            from metrale.gpu_worker.layers import triton_attention
         except ImportError:
             return TORCH
-        return TRITON
+        # Checked once per device on a small step against this path (triton_attention.works_on).
+        return triton_attention.TRITON if triton_attention.works_on(device) else TORCH
     return TORCH
 
 

@@ -21,15 +21,22 @@ an fp32 model matches the torch path. The layout follows vLLM's and SGLang's Tri
 
 from __future__ import annotations
 
+import functools
+import logging
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from metrale.gpu_worker.layers.attention_backends import TorchAttention
-from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, DecodeRows, PrefillBatch
+from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
+from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, DecodeRows, PrefillBatch, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 
+log = logging.getLogger(__name__)
+
 _MIN_DOT = 16  # tl.dot's smallest M, N and K
+_PROBE_TOLERANCE = 1e-4  # float32, against the torch path
 
 
 @triton.jit
@@ -238,3 +245,48 @@ class TritonAttention(TorchAttention):
 
 
 TRITON = TritonAttention()
+
+
+@functools.cache
+def works_on(device: torch.device) -> bool:
+    """Whether both kernels compile and run on the device and match the torch path on a small mixed step
+    (decode rows, a window, a soft-cap, a chunk over cached context): the backend is only chosen if they do, so
+    a triton that cannot build them here costs speed, not the device. Logged when not."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        block, heads, kv_heads, dim = 16, 4, 2, 32
+        caches = [PagedKVCache(1, 8, block, kv_heads, dim, dtype=torch.float32, device=device) for _ in range(2)]
+        init = torch.randn(caches[0].k[0].shape, generator=g), torch.randn(caches[0].v[0].shape, generator=g)
+        for c in caches:
+            c.k[0].copy_(init[0])
+            c.v[0].copy_(init[1])
+        rows = [(20, 1), (3, 1), (13, 9)]  # (context, new tokens)
+        tables = np.array([[0, 1], [2, 0], [3, 4]], dtype=np.int32)
+        slots = [int(tables[i, p // block]) * block + p % block for i, (c, n) in enumerate(rows) for p in range(c, c + n)]
+        query_start = np.concatenate([[0], np.cumsum([n for _, n in rows])]).astype(np.int32)
+        seq_lens = np.array([c + n for c, n in rows], dtype=np.int32)
+        t = len(slots)
+        q, k, v = (torch.randn(t, h, dim, generator=g).to(device) for h in (heads, kv_heads, kv_heads))
+        for window, softcap in ((None, None), (7, 30.0)):
+            meta = build_metadata(query_start, seq_lens, tables, torch.tensor(slots, device=device), block_size=block,
+                                  windows={window}, device=device, native=True, masks=True, varlen=True, rows=True)
+            layer = _ProbeLayer(0, dim**-0.5, window, softcap)
+            got = TRITON.forward(layer, q, k, v, caches[0], meta)
+            want = TORCH.forward(layer, q, k, v, caches[1], meta)
+            err = float((got - want).abs().max())
+            if not err <= _PROBE_TOLERANCE:
+                log.warning("Triton attention off: its kernels differ from the torch path by %.3g here", err)
+                return False
+        return True
+    except Exception as exc:  # noqa: BLE001 - any failure to build or run them means: not here
+        log.warning("Triton attention off: its kernels cannot run here (%s: %s)", type(exc).__name__, exc)
+        return False
+
+
+class _ProbeLayer:
+    """What a backend reads of a layer, for the probe."""
+
+    __slots__ = ("layer", "scale", "window", "softcap")
+
+    def __init__(self, layer: int, scale: float, window, softcap):
+        self.layer, self.scale, self.window, self.softcap = layer, scale, window, softcap
