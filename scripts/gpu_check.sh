@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one short run (about 8 minutes at most; each stage is time-boxed):
+# The checks that need a GPU, as one short run, the most telling first. Each stage is time-boxed: 13 minutes if
+# every one ran to its limit, a few when they pass; with little device time run STAGES="steps bench" first (6.5
+# minutes at most) and the rest after. Stages:
 #   steps    decode steps queue with no host sync; captured decode graphs == eager tokens (runner and LLM,
 #            graphs on vs --enforce-eager); the Triton backend == the torch path (tests/test_cuda_steps.py), and
 #            the Triton kernels compiled against the torch path, bf16 included (tests/test_triton_attention.py)
@@ -12,7 +14,7 @@
 # transformers, or their wheels in .whl/ (installed with --no-deps into /tmp/site); nothing else is installed
 # beyond `pip install -e .` (no build isolation, no index). Logs and results land in $OUT (default
 # /tmp/gpu-check); the last line printed, also $OUT/summary.json, is one JSON object of every stage's rc and
-# seconds and the bench figures, written even when a stage fails or times out. STAGES="steps bench" runs a subset.
+# seconds and the bench figures, written even when a stage fails or times out; the exit status is 1 if any failed.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 STAGES=${STAGES:-"steps bench parity e2e"}
@@ -70,7 +72,7 @@ stage setup 90 bash -c '
   fi
   "$0" -m pip install -q --no-index --no-deps --no-build-isolation -e .
   nvidia-smi -L
-  "$0" -c "import torch, triton, metrale; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())"
+  "$0" -c "import importlib.util, torch, metrale; print(\"torch\", torch.__version__, torch.cuda.get_device_name(), \"triton\", importlib.util.find_spec(\"triton\") is not None)"
 ' "$PY"
 if [ "$(cut -f2 "$OUT/stages.tsv" | head -n1)" != "0" ]; then
   exit 1  # nothing else can run; the summary still says why
@@ -79,5 +81,8 @@ fi
 stage steps 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_cuda_steps.py tests/test_triton_attention.py
 TAIL=30 stage bench 240 sh -c "'$PY' scripts/bench_compare.py --device cuda --preset bench-small --batch 1,32,128 \
   --max-num-seqs 128 --reps 1 --engines offline,serve,floor,transformers >'$OUT/bench.json'"
-stage parity 120 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_model_parity.py
+stage parity 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_model_parity.py
 stage e2e 150 "$PY" -m pytest -q -x tests/test_llm.py tests/test_serve_e2e.py tests/test_faults_e2e.py
+if cut -f2 "$OUT/stages.tsv" | grep -qv '^0$'; then
+  exit 1
+fi
