@@ -2,7 +2,9 @@
 
 Steps run in launch order on one background thread; torch releases the GIL while it computes, so
 the engine core can commit step t on the calling thread while step t+1 runs — the same overlap the
-worker process gives, without the process. threaded=False runs each step inside launch().
+worker process gives, without the process. As the worker does, the thread launches step t+1 as soon as it is
+queued, before t's tokens have reached the host (ModelRunner.launch: on CUDA the copy runs behind an event),
+and publishes t when they have. threaded=False runs each step inside launch().
 """
 
 from __future__ import annotations
@@ -14,10 +16,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale.gpu_worker.model_runner import ModelRunner
+from metrale.gpu_worker.result_copy import launch_ticket
 from metrale.ipc.plan import DeviceError, ModelInfo, StepPlan, StepResult, Ticket
 
 _WAIT_SLICE_S = 0.1  # await_result wakes this often to notice a dead or closed device
+_AHEAD_POLL_S = 0.0002  # with a step in flight, the thread looks for the next one this often (the GIL released)
 _STOP = None  # the queue item that ends the thread
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step the thread has queued on the device: its pending results, or the error its launch raised."""
+
+    seq: int
+    pending: list | None
+    burst: bool
+    error: BaseException | None = None
+
+    def ready(self) -> bool:
+        """Whether its outcome can be published without waiting."""
+        return self.pending is None or all(p.ready() for p in self.pending)
 
 
 @dataclass(slots=True)
@@ -126,28 +144,56 @@ class LocalDevice:
         self.close()
 
     def _serve(self) -> None:
-        """The device thread: run queued steps in order until the stop item."""
+        """The device thread: launch queued steps in order until the stop item; with one in flight, launch the
+        next as soon as it comes, then publish the one in flight."""
+        inflight: _Launched | None = None
         while True:
-            item = self._queue.get()
+            if inflight is None:
+                item = self._queue.get()
+            else:
+                try:
+                    item = self._queue.get(timeout=_AHEAD_POLL_S)
+                except queue.Empty:
+                    if inflight.ready():
+                        self._finish(inflight)
+                        inflight = None
+                    continue
             if item is _STOP:
+                if inflight is not None:
+                    self._finish(inflight)
                 return
-            self._run(*item)
+            launched = self._start(*item)
+            if inflight is not None:
+                self._finish(inflight)
+            inflight = launched
+            if inflight.ready():
+                self._finish(inflight)
+                inflight = None
 
     def _run(self, seq: int, plan: StepPlan, steps: int) -> None:
         """Execute one step (or a burst of them) and publish its outcome."""
-        outcome = _Outcome()
+        self._finish(self._start(seq, plan, steps))
+
+    def _start(self, seq: int, plan: StepPlan, steps: int) -> _Launched:
+        """Queue one step (or a burst of them) on the runner."""
         try:
-            if steps > 1:
-                outcome.result = self.runner.execute_burst(plan, steps)
-            elif plan.num_drafts.any():  # a verify step: awaited with await_burst
-                outcome.result = self.runner.execute_verify(plan)
-            else:
-                outcome.result = self.runner.execute(plan)
+            pending = launch_ticket(self.runner, plan, steps)  # a verify step's picks are awaited with await_burst
             self._runner_step[seq] = self.runner.steps_executed - 1
             self._runner_step.pop(seq - 4, None)  # the runner keeps only the last few steps' logits
+            return _Launched(seq, pending, steps > 1 or bool(plan.num_drafts.any()))
         except Exception as exc:  # a failed step is reported to its awaiter, never kills the thread
-            outcome.error = exc
+            return _Launched(seq, None, steps > 1, exc)
+
+    def _finish(self, launched: _Launched) -> None:
+        """Wait for a launched step's results (their copies) and publish its outcome."""
+        outcome = _Outcome(error=launched.error)
+        if launched.pending is not None:
+            try:
+                results = [p.result() for p in launched.pending]
+                outcome.result = results if launched.burst else results[0]
+            except Exception as exc:  # noqa: BLE001 - as a failed launch
+                outcome.error = exc
         with self._done:
-            self._outcomes[seq] = outcome
-            self._finished = seq + 1
+            self._outcomes[launched.seq] = outcome
+            self._finished = launched.seq + 1
             self._done.notify_all()

@@ -14,10 +14,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import logging
+
 import numpy as np
 import torch
 
 from metrale.gpu_worker.errors import PlanError
+from metrale.gpu_worker.graph_runner import DecodeGraphs
 from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention_backends import select_backend
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
@@ -26,7 +29,9 @@ from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.layers.recurrent_state import RecurrentState, StateStep, build_state_step
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.kv_swap import KvSwapSpace
-from metrale.gpu_worker.sampler import Sampler, SamplerOutput
+from metrale.gpu_worker.result_copy import PendingResult, ResultCopier
+from metrale.gpu_worker.sampler import Sampler
+from metrale.gpu_worker.step_staging import StepStaging
 from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
 from metrale.ipc.plan import MASK_GRAMMAR, FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 
@@ -34,6 +39,8 @@ CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests a
 GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
 GPU_RESERVED_BYTES = 1 << 30  # left for activations, logits and the sampler's scratch
 LOGITS_KEPT = 2  # steps whose logits read_logits can still return (the settled one and one ahead)
+
+log = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -59,26 +66,6 @@ class _Prepared:
     state: StateStep | None  # the rows' state slots (a model with recurrent layers)
 
 
-class _Staging:
-    """Device buffers for per-token and per-row arrays, grown on demand and reused every step."""
-
-    def __init__(self, device: torch.device):
-        """Start empty; the first steps size the buffers."""
-        self.device = device
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def put(self, name: str, array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """The array copied into buffer `name` (converted to dtype); a view valid until the next put."""
-        n = len(array)
-        buf = self._bufs.get(name)
-        if buf is None or buf.shape[0] < n:
-            buf = torch.empty(max(n, 2 * (0 if buf is None else buf.shape[0]), 64), dtype=dtype, device=self.device)
-            self._bufs[name] = buf
-        view = buf[:n]
-        view.copy_(torch.from_numpy(np.ascontiguousarray(array)), non_blocking=True)
-        return view
-
-
 class ModelRunner:
     """A loaded model, its paged KV cache and its sampler; executes StepPlans one at a time."""
 
@@ -97,12 +84,16 @@ class ModelRunner:
         swap_space: int = 0,
         max_model_len: int | None = None,
         group: ParallelGroup = SINGLE,
+        decode_graphs: bool | None = None,
     ):
         """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)
         and swap_space bytes of host blocks for swap preemption.
 
         group: this rank's tensor-parallel group; the model holds this rank's shards and its KV cache this
-        rank's KV heads, and every rank of the group agrees on the number of blocks."""
+        rank's KV heads, and every rank of the group agrees on the number of blocks.
+        decode_graphs: run decode steps through the bucketed persistent buffers (graph_runner.py), captured as
+        CUDA graphs on CUDA; None = on CUDA only (on a CPU the native fused step is faster uncaptured), False =
+        eager everywhere (`--enforce-eager`)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
         self.facts = resolve_model(model_dir, max_model_len)
@@ -129,10 +120,12 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         num_blocks = group.min_int(self._choose_num_blocks(num_kv_blocks, kv_cache_memory))
+        graphs = self._graphs_wanted(decode_graphs)
         # Keys head-dim-major only when some layer's decode runs the native kernel (its layout).
         self.kv_cache = PagedKVCache(
             kv.num_layers, num_blocks, block_size, kv.num_kv_heads, kv.head_dim,
-            dtype=self.model.dtype, device=self.device, transposed_keys=self.model.uses_native_decode,
+            dtype=self.model.dtype, device=self.device, transposed_keys=self.model.uses_transposed_keys,
+            scratch_block=graphs,
         )
         per_block = PagedKVCache.bytes_per_block(kv.num_layers, block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype)
         self.swap = KvSwapSpace(self.kv_cache, KvSwapSpace.blocks_for(swap_space, per_block))
@@ -149,7 +142,17 @@ class ModelRunner:
             num_state_slots=self.state.num_slots if self.state is not None else 0,
         )
         self.sampler = Sampler(self.facts.vocab_size, self.device)
-        self._staging = _Staging(self.device)
+        self._copier = ResultCopier(self.device)
+        self._staging = StepStaging(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            try:
+                self.graphs = DecodeGraphs(
+                    self.model, self.kv_cache, self._staging, max_num_seqs=max_num_seqs,
+                    max_model_len=self.facts.max_model_len, capture=self.device.type == "cuda",
+                )
+            except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured here runs eager
+                log.warning("decode graphs off: building them failed (%s: %s)", type(exc).__name__, exc)
         self._last_tokens = torch.full((max(max_num_seqs, 1),), -1, dtype=torch.int64, device=self.device)
         self._arange = np.arange(max(max_num_seqs, 1), dtype=np.int32)  # feed_from_row of an all-self-fed step
         self._last_sample: np.ndarray | None = None  # bool [R] of the last executed step; None = no source
@@ -160,10 +163,19 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step and sample; tokens[r] is -1 for rows that do not sample."""
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> PendingResult:
+        """Queue one step and its sampling on the device and start copying its tokens back: its result once
+        they land (at once on a CPU). The next step may be launched first — fed on the device from this one."""
         self._check(plan)
         return self._step(plan)
 
     def execute_burst(self, plan: StepPlan, steps: int) -> list[StepResult]:
+        """`steps` decode steps from one plan (see launch_burst)."""
+        return [pending.result() for pending in self.launch_burst(plan, steps)]
+
+    def launch_burst(self, plan: StepPlan, steps: int) -> list[PendingResult]:
         """`steps` decode steps from one plan: the plan's, then each row fed its own last token, one position on.
 
         The plan is a decode step (one token per row, every row sampling, no penalty history) whose block
@@ -179,7 +191,7 @@ class ModelRunner:
         if later:
             self._check(later[-1])
         greedy = self.sampler.plain_greedy(plan)  # the same rows and parameters in every step
-        return [self._step(p, greedy) for p in (plan, *later)]
+        return [self._step(p, greedy) for p in (plan, *later)]  # all queued before any result is waited for
 
     def execute_verify(self, plan: StepPlan) -> list[StepResult]:
         """A verify step (speculative decoding): a row with d drafts runs its last token and the d drafts and
@@ -192,6 +204,7 @@ class ModelRunner:
         self._last_sample = None  # the host commits the picks: nothing is fed from a verify step
         with torch.inference_mode():
             self.swap.apply(plan)
+            self._staging.begin()
             prepared = self._prepare(plan, self._staging.put("input_ids", plan.input_ids))
             hidden = self._forward(prepared)
             rows = np.flatnonzero(plan.sample)
@@ -202,6 +215,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._staging.put("verify_tokens", token_at)])
             keys = plan.seq_lens[of_row] - np.repeat(counts, counts) + within + 1
             out = self.sampler(logits, plan, torch.from_numpy(of_row), keys=keys)
+            self._staging.end()
             picks = out.tokens.cpu().numpy()
         # A pick stands while every earlier pick of its row equals the draft that followed it.
         drafts = plan.input_ids[np.minimum(token_at + 1, plan.num_tokens - 1)]
@@ -213,7 +227,8 @@ class ModelRunner:
         j, row = within[keep], of_row[keep]
         tokens = np.full((steps, r), -1, dtype=np.int32)
         tokens[j, row] = picks[keep]
-        results = [StepResult(tokens=tokens[k], timings=_timings(start)) for k in range(steps)]
+        timings = {"execute_s": time.perf_counter() - start}
+        results = [StepResult(tokens=tokens[k], timings=timings) for k in range(steps)]
         if out.logprobs is not None:
             lp = np.full((steps, r), np.nan, dtype=np.float32)
             lp[j, row] = out.logprobs.float().cpu().numpy()[keep]
@@ -237,9 +252,10 @@ class ModelRunner:
         """
         self._check(plan)
         with torch.inference_mode():
-            prepared = self._prepare(plan, self._staging.put("input_ids", plan.input_ids))
-            hidden = self._forward(prepared)
+            self._staging.begin()
+            hidden = self._run_model(plan, self._staging.put("input_ids", plan.input_ids))
             logits = self._logits_of(plan, hidden, np.flatnonzero(plan.sample))
+            self._staging.end()
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return logits
@@ -258,29 +274,31 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, plan: StepPlan, greedy: bool | None = None) -> StepResult:
-        """Run one checked step and sample (greedy: the sampler's plain-greedy test, when already known)."""
+    def _step(self, plan: StepPlan, greedy: bool | None = None) -> PendingResult:
+        """Queue one checked step and its sampling (greedy: the sampler's plain-greedy test, when already known)."""
         start = time.perf_counter()
         step = self.steps_executed
         self.steps_executed += 1
         prev_sample, self._last_sample = self._last_sample, None  # a failure leaves no feed source
         with torch.inference_mode():
             self.swap.apply(plan)  # swapped-out blocks leave before this step may reuse them
-            prepared = self._prepare(plan, self._inputs(plan, prev_sample))
-            hidden = self._forward(prepared)
+            self._staging.begin()
+            hidden = self._run_model(plan, self._inputs(plan, prev_sample))
             rows = np.flatnonzero(plan.sample)
             if len(rows) == 0:
+                self._staging.end()
                 self._last_tokens[: plan.num_rows].fill_(-1)
                 self._last_sample = plan.sample.copy()
-                return StepResult(tokens=np.full(plan.num_rows, -1, dtype=np.int32), timings=_timings(start))
+                return self._copier.start(plan.num_rows, rows, None, start)
             logits = self._logits_of(plan, hidden, rows)
             # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync. When
             # every row samples, a greedy pick goes straight where the next step's feeds read it.
             kept = self._kept(plan.num_rows) if len(rows) == plan.num_rows else None
             out = self.sampler(logits, plan, torch.from_numpy(rows), greedy, out=kept)
             self._keep_tokens(plan, rows, out.tokens)
+            self._staging.end()
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
-            return self._result(plan, rows, out, start)
+            return self._copier.start(plan.num_rows, rows, out, start)
 
     def _check(self, plan: StepPlan) -> None:
         """PlanError for a malformed plan or an index outside the model or the cache: caught here on
@@ -332,6 +350,9 @@ class ModelRunner:
             dtype=self.model.dtype,
             native=self.model.uses_native_decode,
             masks=self.model.uses_masked_decode,
+            varlen=self.model.uses_varlen_prefill,
+            rows=self.model.uses_row_prefill,
+            put=self._staging.put,
         )
         token_seq_lens = None
         threshold = self.model.rope_seq_len_threshold
@@ -370,6 +391,12 @@ class ModelRunner:
         input_ids[token_idx] = self._last_tokens[self._staging.put("fed_src", src)]
         return input_ids
 
+    def _run_model(self, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step: a decode step through the decode graphs when they serve it."""
+        if self.graphs is not None and self.graphs.serves(plan):
+            return self.graphs.run(plan, input_ids)
+        return self._forward(self._prepare(plan, input_ids))
+
     def _forward(self, p: _Prepared) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens."""
         if p.state is None:
@@ -401,27 +428,21 @@ class ModelRunner:
             self._last_tokens[self._staging.put("rows", rows)] = tokens
         self._last_sample = plan.sample.copy()
 
-    def _result(self, plan: StepPlan, rows: np.ndarray, out: SamplerOutput, start: float) -> StepResult:
-        """The StepResult row for row: tokens, and logprobs when any row asked for them."""
-        if len(rows) == plan.num_rows:
-            tokens = out.tokens.cpu().numpy().astype(np.int32)
-        else:
-            tokens = np.full(plan.num_rows, -1, dtype=np.int32)
-            tokens[rows] = out.tokens.cpu().numpy()
-        result = StepResult(tokens=tokens)
-        if out.logprobs is not None:
-            result.logprobs = np.full(plan.num_rows, np.nan, dtype=np.float32)
-            result.logprobs[rows] = out.logprobs.float().cpu().numpy()
-        if out.top_ids is not None:
-            n = out.top_ids.shape[1]
-            result.top_ids = np.full((plan.num_rows, n), -1, dtype=np.int32)
-            result.top_ids[rows] = out.top_ids.cpu().numpy()
-            result.top_logprobs = np.full((plan.num_rows, n), np.nan, dtype=np.float32)
-            result.top_logprobs[rows] = out.top_logprobs.float().cpu().numpy()
-        result.timings = _timings(start)
-        return result
-
     # ---- setup ---------------------------------------------------------------------------------
+
+    def _graphs_wanted(self, decode_graphs: bool | None) -> bool:
+        """Whether decode steps go through DecodeGraphs: as asked (default: on CUDA), where the model allows."""
+        want = self.device.type == "cuda" if decode_graphs is None else decode_graphs
+        if not want:
+            return False
+        if not self.model.graph_safe:
+            log.info("decode graphs off: %s's forward depends on host-side data", self.facts.architecture)
+            return False
+        if self.device.type == "cuda" and not self.model.graph_capturable:
+            log.info("decode graphs off: an attention backend here cannot be captured (%s)",
+                     ", ".join(sorted(self.model.attention_backends)))
+            return False
+        return True
 
     def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None) -> int:
         """Blocks as asked, or as many as the byte budget holds (default: a share of free memory,
@@ -445,8 +466,3 @@ class ModelRunner:
 def _outside(values: np.ndarray, end: int) -> bool:
     """True when some value lies outside [0, end)."""
     return values.size > 0 and (int(values.min()) < 0 or int(values.max()) >= end)
-
-
-def _timings(start: float) -> dict[str, float]:
-    """The step's host wall time (it includes the device, since the result is on the host)."""
-    return {"execute_s": time.perf_counter() - start}

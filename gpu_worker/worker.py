@@ -7,7 +7,12 @@ the doorbell), run it, write the result (or the error), publish, ring. It exits 
 engine core's end of the doorbell closes, or when its parent process dies.
 
 A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` (and `execute_burst(plan, steps)`
-for tickets of several steps, `execute_verify(plan)` for a verify step's drafts); one that counts its steps
+for tickets of several steps, `execute_verify(plan)` for a verify step's drafts). One that also has
+`launch(plan)` / `launch_burst(plan, steps)` (the model runner) queues a step and returns pending results
+(`ready()`, `result()`: result_copy.py): the worker then launches ticket t+1 as soon as it is published — fed on
+the device from t's tokens — before t's tokens have reached the host, and writes t's result when its copy has
+landed, so the device is never left waiting for the host's round trip (on a CPU a step's result is ready when
+launch returns, and the loop is the synchronous one). One that counts its steps
 (`steps_executed`) and keeps their logits (`read_logits(step)`) also answers logits tickets: the engine asks for
 a settled ticket's logits (a RepickOnly repair), and the worker writes that step's logits into the ring's logits
 region. The plan's arrays are views into the shared slot: a runner copies what it keeps past execute().
@@ -46,6 +51,7 @@ from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
 from metrale.ipc.worker_group import KEEPALIVE_S, GroupSpec
 
 from .errors import GroupLost, PlanError
+from .result_copy import launch_ticket, run_ticket
 
 log = logging.getLogger("metrale.gpu_worker")
 
@@ -69,6 +75,21 @@ class WorkerConfig:
 
 
 @dataclass(slots=True)
+class _Started:
+    """A ticket the worker has launched: its pending results (None: already written, an error or logits)."""
+
+    slot: int
+    seq: int
+    steps: int
+    t0: int  # perf_counter_ns at its start (for exec_ns)
+    pending: list | None
+
+    def ready(self) -> bool:
+        """Whether its results can be written without waiting."""
+        return self.pending is None or all(p.ready() for p in self.pending)
+
+
+@dataclass(slots=True)
 class WorkerLoop:
     """The serving loop's state: the ring, the doorbell, the runner and the worker's clock."""
 
@@ -85,37 +106,108 @@ class WorkerLoop:
     steps: int = 0
     started_ns: int = 0
     runner_steps: dict[int, int] = field(default_factory=dict)  # ticket seq -> the runner's index of its last step
+    pid: int = 0
+    busy_since: int = 0  # monotonic ns since when the worker has had work (a step running or in flight)
 
     def serve(self, first_seq: int) -> None:
         """Run tickets first_seq, first_seq + 1, ... in order until told (or left) to stop; GroupLost when
-        this rank's group broke."""
+        this rank's group broke.
+
+        With a step in flight (launched, its result not yet on the host) the worker watches both its copy and
+        the next ticket: a ticket published first is launched first (the device goes straight on), then the
+        step in flight is written; results are always published in ticket order.
+        """
         if self.rank > 0:
             self._follow(first_seq)
             return
         ring, n = self.ring, self.ring.num_slots
-        pid = os.getpid()
+        self.pid = os.getpid()
         self.started_ns = t0 = time.monotonic_ns()
         # Every store says whether a wait for a plan is in progress (since when), in the same call as the
         # counters: a reader then counts the wait from its first nanosecond, spin included, and never twice.
-        ring.store_worker_stats(pid, self.started_ns, 0, 0, 0, t0)
+        ring.store_worker_stats(self.pid, self.started_ns, 0, 0, 0, t0)
         seq = first_seq
+        inflight: _Started | None = None
         while True:
             slot = seq % n
-            if not self.wait_for_plan(slot, seq, t0):
-                return
-            t1 = time.monotonic_ns()
-            self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
-            ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
-            if self.sender is not None and ring.plan_steps(slot) != LOGITS_TICKET:
-                self.sender.send(ring.read_plan(slot), ring.plan_steps(slot))
-            self.steps += self.run_step(slot, seq)
-            t0 = time.monotonic_ns()  # publishing the result counts as the next wait
-            self.busy_ns += t0 - t1
-            # The step is counted before its result is visible: whoever has the result sees the count.
-            ring.store_worker_stats(pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, t0)
-            ring.publish_result(slot, seq)
-            self.bell.ring()
+            if inflight is None:
+                if not self.wait_for_plan(slot, seq, t0):
+                    return
+                t1 = time.monotonic_ns()
+                self.idle_ns += t1 - t0  # published before the step, so a reader never loses this wait
+                self.busy_since = t1
+                ring.store_worker_stats(self.pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, 0)
+            elif not self.wait_for_plan_or_copy(slot, seq, inflight):
+                t0 = self.finish(inflight, waiting=True)  # its copy landed first: publish, then wait as usual
+                inflight = None
+                continue
+            started = self.start_step(slot, seq)
+            if inflight is not None:
+                self.finish(inflight, waiting=False)
+            inflight = started
             seq += 1
+            if inflight.ready():
+                t0 = self.finish(inflight, waiting=True)
+                inflight = None
+
+    def wait_for_plan_or_copy(self, slot: int, seq: int, inflight: _Started) -> bool:
+        """Spin until plan seq is published (True) or the step in flight's results are on the host (False)."""
+        ring = self.ring
+        while True:
+            if ring.plan_seq(slot) == seq:
+                return True
+            if inflight.ready():
+                return False
+            os.sched_yield()
+
+    def start_step(self, slot: int, seq: int) -> _Started:
+        """Launch ticket seq's plan in slot (one step, a decode burst's, or a verify step), or answer a logits
+        ticket, or write the step's error; the worker keeps serving (see _failed for tensor parallelism)."""
+        ring = self.ring
+        t0 = time.perf_counter_ns()
+        steps = ring.plan_steps(slot)
+        if steps == LOGITS_TICKET:
+            self._answer_logits(slot, t0)
+            return _Started(slot, seq, 0, t0, None)
+        if self.sender is not None:
+            self.sender.send(ring.read_plan(slot), steps)  # the off-host ranks run it too
+        try:
+            pending = launch_ticket(self.runner, ring.read_plan(slot), steps)
+            self._ran(seq)
+            return _Started(slot, seq, steps, t0, pending)
+        except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
+            self._failed(exc, slot, t0)
+            return _Started(slot, seq, steps, t0, None)
+
+    def finish(self, started: _Started, *, waiting: bool) -> int:
+        """Write a started ticket's results (waiting for their copies), count it and publish it; the time it
+        was published (when waiting: the worker's next wait for a plan starts then)."""
+        ring = self.ring
+        if started.pending is not None:
+            try:
+                results = [p.result() for p in started.pending]
+                ring.write_results(started.slot, results, exec_ns=time.perf_counter_ns() - started.t0)
+            except Exception as exc:  # noqa: BLE001 - a step that fails on the device is that step's error
+                self._failed(exc, started.slot, started.t0)
+        self.steps += started.steps
+        now = time.monotonic_ns()
+        self.busy_ns += now - self.busy_since
+        self.busy_since = now
+        # The step is counted before its result is visible: whoever has the result sees the count.
+        ring.store_worker_stats(self.pid, self.started_ns, self.idle_ns, self.busy_ns, self.steps, now if waiting else 0)
+        ring.publish_result(started.slot, started.seq)
+        self.bell.ring()
+        return now
+
+    def _failed(self, exc: Exception, slot: int, t0: int) -> None:
+        """A step failed: its error in the slot; GroupLost instead under tensor parallelism when it failed past
+        the plan's checks, or when a collective did (see the module docstring)."""
+        if isinstance(exc, GroupLost):
+            raise exc
+        traceback.print_exc(file=sys.stderr)
+        if self.tensor_parallel and not isinstance(exc, PlanError):
+            raise GroupLost(f"rank {self.rank}: a step failed past its checks: {exc!r}") from exc
+        self.ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
 
     def _follow(self, first_seq: int) -> None:
         """A rank > 0 beside the engine: run every plan rank 0 runs, write nothing."""
@@ -153,32 +245,21 @@ class WorkerLoop:
         return True
 
     def run_step(self, slot: int, seq: int) -> int:
-        """Execute ticket seq's plan in slot (one step, a decode burst's, or a verify step) and, on rank 0, write
-        its results or its error (serve publishes it), or answer a logits ticket; the worker keeps serving.
-        Returns the steps run.
-
-        GroupLost under tensor parallelism for a failure past the plan's checks (see the module docstring)."""
+        """A rank > 0's run of ticket seq's plan in slot: the steps rank 0 runs, nothing written (a logits
+        ticket is rank 0's alone); the steps run. GroupLost for a failure past the plan's checks."""
         ring = self.ring
-        t0 = time.perf_counter_ns()
         steps = ring.plan_steps(slot)
         if steps == LOGITS_TICKET:
-            if self.rank == 0:
-                self._answer_logits(slot, t0)
             return 0
         try:
-            plan = ring.read_plan(slot)
-            results = execute(self.runner, plan, steps)
-            if self.rank == 0:
-                ring.write_results(slot, results, exec_ns=time.perf_counter_ns() - t0)
+            run_ticket(self.runner, ring.read_plan(slot), steps)
             self._ran(seq)
         except GroupLost:
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
-            traceback.print_exc(file=sys.stderr)
-            if self.tensor_parallel and not isinstance(exc, PlanError):
-                raise GroupLost(f"rank {self.rank}: a step failed past its checks: {exc!r}") from exc
-            if self.rank == 0:
-                ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+        except PlanError:
+            traceback.print_exc(file=sys.stderr)  # rank 0 refused it too
+        except Exception as exc:  # noqa: BLE001 - past the checks: the group cannot follow
+            raise GroupLost(f"rank {self.rank}: a step failed past its checks: {exc!r}") from exc
         return steps
 
     def _answer_logits(self, slot: int, t0: int) -> None:
@@ -212,16 +293,6 @@ class WorkerLoop:
             if isinstance(self.bell.inbox.popleft(), Shutdown):
                 return True
         return False
-
-
-def execute(runner, plan, steps: int) -> list:
-    """Run one ticket's plan on the runner: a decode burst's steps, a verify step's picks, or one step; the
-    StepResults to write."""
-    if steps > 1:
-        return runner.execute_burst(plan, steps)
-    if plan.num_drafts.any():  # a verify step (speculative decoding): one result per pick
-        return runner.execute_verify(plan)
-    return [runner.execute(plan)]
 
 
 def load_factory(spec: str):
@@ -345,7 +416,7 @@ def _run_off_host(config: WorkerConfig) -> int:
                 return 0
             plan, steps = item
             try:
-                execute(runner, plan, steps)
+                run_ticket(runner, plan, steps)
             except PlanError:
                 continue  # rank 0 refused it too
             except GroupLost:

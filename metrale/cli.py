@@ -39,6 +39,7 @@ def main() -> None:
 @click.option("--preemption-mode", default="recompute", type=click.Choice(["recompute", "swap"]), show_default=True)
 @click.option("--swap-space", default=4.0, show_default=True, help="GiB of host memory for swapped-out KV.")
 @click.option("--no-pipeline", is_flag=True, help="run the synchronous loop instead of the pipelined decode lane.")
+@click.option("--enforce-eager", is_flag=True, help="no decode graphs (CUDA graphs on a GPU): every step runs eager.")
 @click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True)
 @click.option("--max-frame-bytes", default=1 << 20, show_default=True)
 @click.option("--stream-interval", default=1, type=click.IntRange(min=1), show_default=True,
@@ -93,6 +94,7 @@ def serve(**o) -> None:
         preemption_mode=o["preemption_mode"],
         swap_space_gb=o["swap_space"],
         pipeline=not o["no_pipeline"],
+        enforce_eager=o["enforce_eager"],
         seed=o["seed"],
         worker_threads=o["worker_threads"],
         tensor_parallel_size=o["tensor_parallel_size"],

@@ -31,6 +31,8 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     preemption_mode: str = "recompute"  # or "swap": preempted KV goes to host memory while it fits
     swap_space_gb: float = 4.0  # host memory for swapped KV, per worker
     pipeline: bool = True
+    # Decode steps run eager: no decode graphs (graph_runner.py; captured on CUDA, where they are on by default).
+    enforce_eager: bool = False
     # Most decode steps one tick runs for requests that report only at their finish (the offline LLM's),
     # where the model steps inline (LLM on a CPU): the host's tick is then paid once per burst. 1: off.
     decode_burst: int = 8
@@ -90,6 +92,7 @@ class EngineArgs(msgspec.Struct, kw_only=True):
             "show_progress": self.show_progress,
             "swap_space": int(self.swap_space_gb * 2**30) if self.preemption_mode == "swap" else 0,
             "max_model_len": self.max_model_len,
+            "decode_graphs": False if self.enforce_eager else None,
         }
 
 

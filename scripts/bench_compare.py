@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--worker-threads", type=int, default=None, help="`metrale serve --worker-threads` (default: the server's own choice)")
     ap.add_argument("--stream-interval", type=int, default=1, help="`metrale serve --stream-interval` (1: every token as it comes)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--enforce-eager", action="store_true", help="metrale without decode graphs (CUDA graphs on a GPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vllm-python", default=None, help="a Python that can import vllm (e.g. /work/venvs/vllm/bin/python)")
     ap.add_argument("--vllm-threads-bind", default="auto,0-1",
@@ -210,7 +211,8 @@ class OfflineEngine:
 
         self.bc = bc
         self.llm = LLM(str(model_dir), dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, show_progress=False)
+                       max_num_batched_tokens=args.max_num_batched_tokens, show_progress=False,
+                       enforce_eager=args.enforce_eager)
 
     def run(self, prompts, max_tokens) -> dict:
         """One LLM.generate call; per-token figures."""
@@ -236,6 +238,8 @@ class ServeEngine:
             flags += ["--device", args.device]
         if args.stream_interval != 1:
             flags += ["--stream-interval", str(args.stream_interval)]
+        if args.enforce_eager:
+            flags += ["--enforce-eager"]
         self.server = bc.ServeProcess(model_dir, *flags, env=bc.thread_env(args.threads))
         ring = self.server.ring_name()
         self.reader = bc.WorkerRingReader(ring) if ring else None
@@ -504,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max_tokens": args.max_tokens, "greedy": True, "ignore_eos": True, "mixed": args.mixed},
         "reps": args.reps,
         "threads": args.threads, "worker_threads": args.worker_threads, "stream_interval": args.stream_interval,
+        "enforce_eager": args.enforce_eager,
         "torch_threads": session["torch_threads"],
         "results": session["results"],
         "mixed": session["mixed"],

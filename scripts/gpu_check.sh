@@ -1,34 +1,88 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one short run on a machine with a CUDA build of torch:
+# The checks that need a GPU, as one short run, the most telling first. Each stage is time-boxed: 13 minutes if
+# every one ran to its limit, a few when they pass; with little device time run STAGES="steps bench" first (6.5
+# minutes at most) and the rest after. Stages:
+#   steps    decode steps queue with no host sync; captured decode graphs == eager tokens (runner and LLM,
+#            graphs on vs --enforce-eager); the Triton backend == the torch path (tests/test_cuda_steps.py), and
+#            the Triton kernels compiled against the torch path, bf16 included (tests/test_triton_attention.py)
+#   bench    bench_compare.py --device cuda on bench-small at batch 1, 32 and 128: offline, serve, the
+#            forward-only floor and transformers (its JSON line is copied into the summary)
 #   parity   greedy tokens and logits equal transformers' with both on the GPU (tests/test_model_parity.py)
-#   e2e      `metrale serve` and LLM end to end (their tests take cuda when it is present)
-#   faults   SIGKILL the worker under 32 live streams on the GPU (scripts/bench_faults.py)
-#   compare  offline / serve / floor / transformers throughput on the GPU (scripts/bench_compare.py)
-# Each step is time-boxed, so one hang costs one step; logs land in $OUT (default /tmp/gpu-check).
-# Packages the machine lacks (pyzmq, msgspec) may come as wheels in .whl/.
-set -u
+#   e2e      LLM and `metrale serve` end to end, and the worker SIGKILLed under live streams (their tests take
+#            cuda when it is present)
+# Assumes the machine has a CUDA build of torch (which ships triton) and metrale's other dependencies and
+# transformers, or their wheels in .whl/ (installed with --no-deps into /tmp/site); nothing else is installed
+# beyond `pip install -e .` (no build isolation, no index). Logs and results land in $OUT (default
+# /tmp/gpu-check); the last line printed, also $OUT/summary.json, is one JSON object of every stage's rc and
+# seconds and the bench figures, written even when a stage fails or times out; the exit status is 1 if any failed.
+set -euo pipefail
 OUT=${OUT:-/tmp/gpu-check}
+STAGES=${STAGES:-"steps bench parity e2e"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi -L
-python3 -c "import torch, metrale; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
+PY=${PYTHON:-python3}
+: >"$OUT/stages.tsv"
 
-step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAME.log, show its tail
-  local name=$1 limit=$2
+summary() {  # the one JSON line: each stage's rc and seconds, and bench_compare's JSON line when there is one
+  python3 - "$OUT" <<'EOF' | tee "$OUT/summary.json"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+stages = {}
+for line in (out / "stages.tsv").read_text().splitlines():
+    name, rc, secs = line.split("\t")
+    stages[name] = {"rc": int(rc), "s": int(secs)}
+bench, figures = None, {}
+log = out / "bench.json"
+if log.exists():
+    lines = [l for l in log.read_text().splitlines() if l.startswith("{")]
+    bench = json.loads(lines[-1]) if lines else None
+for key, r in ((bench or {}).get("results") or {}).items():  # issue 21's targets, per batch
+    tps = {name: f.get("throughput_tok_s") for name, f in r.items() if name != "ratios"}
+    ratio = lambda a, b: round(tps[a] / tps[b], 3) if tps.get(a) and tps.get(b) else None
+    figures[key] = {
+        "tok_s": tps,
+        "offline_vs_floor": ratio("offline", "floor"),  # target >= 0.9
+        "offline_vs_transformers": ratio("offline", "transformers"),  # target >= 1.0
+        "floor_decode_step_ms": (r.get("floor") or {}).get("decode_step_ms_median"),  # target <= 1.5 at b32
+        "serve_worker_idle_decode": (r.get("serve") or {}).get("worker_idle_decode"),  # target < 0.02
+    }
+print(json.dumps({"gpu_check": stages, "figures": figures, "bench": bench}))
+EOF
+}
+trap summary EXIT
+
+stage() {  # stage NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAME.log, show its tail
+  local name=$1 limit=$2 rc=0
   shift 2
+  case " setup $STAGES " in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: rc=$? in $((SECONDS - t0)) s"
-  tail -n "${TAIL:-12}" "$OUT/$name.log"
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >>"$OUT/stages.tsv"
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s" >&2
+  tail -n "${TAIL:-12}" "$OUT/$name.log" >&2
 }
 
-step parity 100 env METRALE_TEST_DEVICE=cuda python3 -m pytest -q tests/test_model_parity.py
-step e2e 150 python3 -m pytest -q -x tests/test_llm.py tests/test_serve_e2e.py tests/test_faults_e2e.py
-step faults 90 python3 scripts/bench_faults.py --device cuda --kills 3
-TAIL=30 step compare 220 python3 scripts/bench_compare.py --device cuda --preset bench-small --batch 32,128 --reps 2 \
-  --engines offline,serve,floor,transformers
+if [ -d .whl ]; then
+  export PYTHONPATH=/tmp/site
+fi
+stage setup 90 bash -c '
+  set -euo pipefail
+  if [ -d .whl ]; then
+    "$0" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  "$0" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+  nvidia-smi -L
+  "$0" -c "import importlib.util, torch, metrale; print(\"torch\", torch.__version__, torch.cuda.get_device_name(), \"triton\", importlib.util.find_spec(\"triton\") is not None)"
+' "$PY"
+if [ "$(cut -f2 "$OUT/stages.tsv" | head -n1)" != "0" ]; then
+  exit 1  # nothing else can run; the summary still says why
+fi
+
+stage steps 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_cuda_steps.py tests/test_triton_attention.py
+TAIL=30 stage bench 240 sh -c "'$PY' scripts/bench_compare.py --device cuda --preset bench-small --batch 1,32,128 \
+  --max-num-seqs 128 --reps 1 --engines offline,serve,floor,transformers >'$OUT/bench.json'"
+stage parity 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_model_parity.py
+stage e2e 150 "$PY" -m pytest -q -x tests/test_llm.py tests/test_serve_e2e.py tests/test_faults_e2e.py
+if cut -f2 "$OUT/stages.tsv" | grep -qv '^0$'; then
+  exit 1
+fi

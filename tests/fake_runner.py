@@ -16,6 +16,8 @@ from metrale.ipc.plan import ModelInfo, StepPlan, StepResult
 FAIL_TOKEN = -7
 HANG_TOKEN = -8
 FACTORY = "fake_runner:FakeRunner"
+AHEAD_FACTORY = "fake_runner:AheadRunner"
+HOLD_TOKEN = -9  # an AheadRunner step whose first input id is this lands only once a later step is launched
 BROKEN_FACTORY = "fake_runner:broken_runner"
 
 
@@ -67,6 +69,32 @@ class FakeRunner:
     def read_logits(self, step: int) -> np.ndarray:
         """The logits of step (counted from 0); KeyError once they are no longer kept."""
         return self._logits[step]
+
+
+class _Held:
+    """A step's pending result; a held one (HOLD_TOKEN) lands only once a later step is launched, as on a device
+    running behind the host. Its logprobs say how many steps had been launched when the worker wrote it."""
+
+    def __init__(self, runner: AheadRunner, result: StepResult, hold: bool) -> None:
+        self.runner, self.value, self.launched, self.hold = runner, result, runner.steps, hold
+
+    def ready(self) -> bool:
+        return not self.hold or self.runner.steps > self.launched
+
+    def result(self) -> StepResult:
+        self.value.logprobs = np.full(len(self.value.tokens), self.runner.steps, dtype=np.float32)
+        return self.value
+
+
+class AheadRunner(FakeRunner):
+    """A FakeRunner that launches: each step's result is held (_Held) until a later step is launched."""
+
+    def launch(self, plan: StepPlan) -> _Held:
+        hold = plan.num_tokens > 0 and int(plan.input_ids[0]) == HOLD_TOKEN
+        return _Held(self, self.execute(plan), hold)
+
+    def launch_burst(self, plan: StepPlan, steps: int) -> list[_Held]:
+        return [self.launch(plan) for _ in range(steps)]
 
 
 def broken_runner(**kwargs) -> FakeRunner:

@@ -209,6 +209,48 @@ def test_local_device_launching_ahead_matches_synchronous_steps(model_path, plan
     assert np.array_equal(np.stack(sync), np.stack(piped))
 
 
+class _HeldRunner:
+    """A ModelRunner whose launched steps look in flight (not ready) while `hold` is set, until a later step is
+    launched: a device running behind the host, on a CPU. Counts launches made while an earlier step was in flight."""
+
+    def __init__(self, runner):
+        self.runner, self.hold, self.launches, self.ahead, self._open = runner, False, 0, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def launch(self, plan):
+        self.ahead += self._open > 0
+        self.launches += 1
+        pending, held, launched = self.runner.launch(plan), self, self.launches
+        self._open += 1
+
+        class Held:
+            def ready(self):
+                return not held.hold or held.launches > launched
+
+            def result(self):
+                held._open -= 1
+                return pending.result()
+
+        return Held()
+
+
+def test_local_device_launches_the_next_step_while_the_last_is_in_flight(model_path, plans):
+    prompts = _prompts(2048)
+    want = _generate(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False), plans, prompts, 2, fed=True)
+    held = _HeldRunner(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False))
+    with LocalDevice(held) as device:
+        got = [device.await_result(device.launch(_prefill_plan(plans, prompts))).tokens]
+        held.hold = True
+        first, second = device.launch(_decode_plan(plans, prompts, 0)), device.launch(_decode_plan(plans, prompts, 1))
+        got.append(device.await_result(first).tokens)  # lands only once the second is launched
+        held.hold = False
+        got.append(device.await_result(second).tokens)
+    assert held.ahead >= 1
+    np.testing.assert_array_equal(np.stack(got, axis=1), want)
+
+
 def test_local_device_reports_a_failed_step_as_device_error_and_keeps_serving(model_path, plans):
     prompts = _prompts(2048)
     with LocalDevice(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False)) as device:
@@ -233,3 +275,16 @@ def test_local_device_close_stops_its_thread(model_path):
     assert not thread.is_alive()
     with pytest.raises(DeviceError):
         device.launch(None)
+
+
+def test_launching_steps_before_reading_their_results_gives_the_same_tokens(model_path, plans):
+    # The worker launches step t+1 (fed on the device from t) before t's tokens reach the host; t's copy-back
+    # must hold t's tokens, not t+1's (which overwrite the kept tokens in place).
+    prompts = _prompts(2048)
+    want = _generate(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False), plans, prompts, 4, fed=True)
+    runner = ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False)
+    pending = [runner.launch(_prefill_plan(plans, prompts))]
+    for k in range(4):
+        pending.append(runner.launch(_decode_plan(plans, prompts, k)))
+    assert all(p.ready() for p in pending)  # a CPU's event has fired when launch returns
+    np.testing.assert_array_equal(np.stack([p.result().tokens for p in pending], axis=1), want)

@@ -21,7 +21,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)  # fake_runner, as the worker subprocess imports it
 
-from fake_runner import BROKEN_FACTORY, FACTORY, FAIL_TOKEN, HANG_TOKEN  # noqa: E402
+from fake_runner import AHEAD_FACTORY, BROKEN_FACTORY, FACTORY, FAIL_TOKEN, HANG_TOKEN, HOLD_TOKEN  # noqa: E402
 
 from shm_guard import no_segment_left_behind  # noqa: E402,F401 - an autouse fixture
 
@@ -90,6 +90,30 @@ def test_steps_run_in_launch_order_across_ring_wrap_around(device):
         assert (a.tokens[0], b.tokens[0]) == (i, i + 1)
         assert (a.logprobs[0], b.logprobs[0]) == (ordinal + 1, ordinal + 2)
         ordinal += 2
+
+
+def test_a_launching_worker_starts_the_next_ticket_before_its_last_result_lands():
+    # A held step's result lands only once a later step is launched: the worker must launch ticket t+1 while t
+    # is still in flight (as the GPU worker does while t's tokens copy back), and still publish in order.
+    dev = WorkerDevice.spawn(GEOMETRY, factory=AHEAD_FACTORY, env=WORKER_ENV, ready_timeout_s=30)
+    try:
+        launched = 0
+        for i in range(2 * GEOMETRY.num_slots):
+            first = dev.launch(decode_plan([HOLD_TOKEN, i]))
+            second = dev.launch(decode_plan([i, 0]))
+            a, b = dev.await_result(first), dev.await_result(second)
+            launched += 2
+            assert a.tokens.tolist() == [HOLD_TOKEN, i] and b.tokens.tolist() == [i, 0]
+            assert a.logprobs[0] == launched  # t's result was written after t+1 was launched
+        first = dev.launch(decode_plan([HOLD_TOKEN, 1]))
+        second = dev.launch(decode_plan([FAIL_TOKEN, 2]))  # a step launched ahead that fails is its own error
+        assert dev.await_result(first).tokens.tolist() == [HOLD_TOKEN, 1]
+        with pytest.raises(DeviceError, match="injected failure"):
+            dev.await_result(second)
+        assert dev.await_result(dev.launch(decode_plan([7]))).tokens.tolist() == [7]
+    finally:
+        dev.close()
+        assert dev.process.poll() is not None
 
 
 def test_results_are_copies_that_outlive_the_slot(device):

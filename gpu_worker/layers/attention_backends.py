@@ -11,8 +11,9 @@ others their fast path.
   transformers' eager attention does.
 - `NativeCpuAttention`: decode rows by the native paged kernel (layers/cpu_kernels.py: reads each key and
   value once from its block, online softmax; keys stored head-dim-major); prefill as the torch path.
-- A GPU kernel backend (paged FlashAttention and the like) slots in as another class and a `select_backend`
-  branch; today a GPU runs the torch path (SDPA is fused there).
+- `TritonAttention` (layers/triton_attention.py): on CUDA when triton imports, decode rows and every prefill
+  chunk by Triton kernels that read K/V in place through the block table (windows, soft-caps, GQA); a GPU
+  without triton runs the torch path.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class TorchAttention:
 
     name = "torch"
     native_decode = False  # reads DecodeRows.masks, not the native kernel's lengths
+    transposed_keys = False  # keys stored [block, block_size, kv_heads, head_dim]
+    varlen_prefill = False  # reads AttentionMetadata.prefills, one chunk at a time
+    # Not capturable in a CUDA graph: its decode gathers into the cache's shared scratch (regrown by eager steps).
+    graph_safe = False
 
     def supports(self, layer) -> bool:
         """Every layer."""
@@ -92,7 +97,8 @@ class NativeCpuAttention(TorchAttention):
     """Decode rows by the native paged CPU kernel; everything else as the torch path."""
 
     name = "cpu-native"
-    native_decode = True  # reads DecodeRows.seq_lens / first_keys, and keys stored head-dim-major
+    native_decode = True  # reads DecodeRows.seq_lens / first_keys
+    transposed_keys = True  # keys stored head-dim-major (the kernel's vector loads)
 
     def supports(self, layer) -> bool:
         """Layers without logit soft-capping (the kernel's softmax has none)."""
@@ -111,10 +117,17 @@ NATIVE_CPU = NativeCpuAttention()
 
 
 def select_backend(device: torch.device, *, native: bool) -> TorchAttention:
-    """The device's attention backend: the native kernels on a CPU that has them loaded, else torch (GPUs too,
-    until a GPU kernel backend is added here)."""
+    """The device's attention backend: the native kernels on a CPU that has them loaded, the Triton kernels on
+    CUDA when triton imports and they pass their probe, else torch."""
     if device.type == "cpu" and native:
         return NATIVE_CPU
+    if device.type == "cuda":
+        try:
+            from metrale.gpu_worker.layers import triton_attention
+        except ImportError:
+            return TORCH
+        # Checked once per device on a small step against this path (triton_attention.works_on).
+        return triton_attention.TRITON if triton_attention.works_on(device) else TORCH
     return TORCH
 
 

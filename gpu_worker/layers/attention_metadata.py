@@ -6,11 +6,18 @@ with each row's length and first visible key (`native`), the torch path gathers 
 the longest, and masks (`masks`); a step builds what its layers' backends read (both, when some layers
 cannot use the native kernel). Rows with several tokens (prefill chunks) are attended one by one; a chunk
 whose row already has cached context (a later chunk, or a cached prefix) reads that context from the
-cache, with a causal mask offset by it. Masks are per sliding window (None = the whole context).
+cache, with a causal mask offset by it. Masks are per sliding window (None = the whole context). A backend
+that attends every chunk in one launch reading the cache in place (the Triton kernels) reads them all as one
+`PrefillBatch` of per-chunk tensors instead (`varlen`), and per-row chunks are built only for backends
+that read them (`rows`).
+
+Host arrays reach the device through `put(name, array)` when the caller gives one (the runner's pinned
+staging: on CUDA a copy from pageable memory would wait for the device's queue), else a plain copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +54,18 @@ class PrefillRow:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """Every multi-token chunk of a step, as tensors for one kernel launch (the chunk's K/V already written)."""
+
+    starts: torch.Tensor  # int64 [P]: each chunk's first token in T
+    q_lens: torch.Tensor  # int64 [P]
+    seq_lens: torch.Tensor  # int64 [P]: context + chunk
+    block_tables: torch.Tensor  # int64 [P, nb], nb covering the longest row
+    num_chunks: int
+    max_q_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """What every layer's attention needs to know about the step."""
 
@@ -54,6 +73,7 @@ class AttentionMetadata:
     num_tokens: int
     decode: DecodeRows | None
     prefills: list[PrefillRow] = field(default_factory=list)
+    prefill_batch: PrefillBatch | None = None  # the chunks at once (varlen backends)
 
 
 def build_metadata(
@@ -68,41 +88,64 @@ def build_metadata(
     dtype: torch.dtype = torch.float32,
     native: bool = False,
     masks: bool | None = None,
+    varlen: bool = False,
+    rows: bool = True,
+    put: Callable[[str, np.ndarray], torch.Tensor] | None = None,
 ) -> AttentionMetadata:
     """Sort the step's rows into decode rows and prefill chunks and precompute what their attention reads:
-    native, the native decode kernel's lengths; masks (default: not native), the torch path's masks."""
+    native, the decode rows' lengths (the native and Triton kernels); masks (default: not native), the torch
+    path's masks; varlen, the chunks as one PrefillBatch; rows, the chunks one by one."""
     if masks is None:
         masks = not native
+    if put is None:
+        put = lambda name, a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
     q_lens = np.diff(query_start)
     num_tokens = int(query_start[-1])
     decode_rows = np.flatnonzero(q_lens == 1)
     decode = None
     if len(decode_rows):
         decode = _decode_rows(
-            decode_rows, query_start, seq_lens, block_tables, num_tokens, block_size, windows, device, dtype, native, masks
+            decode_rows, query_start, seq_lens, block_tables, num_tokens, block_size, windows, device, dtype, native, masks, put
         )
+    chunks = np.flatnonzero(q_lens > 1)
     prefills = []
-    for r in np.flatnonzero(q_lens > 1):
-        start, end = int(query_start[r]), int(query_start[r + 1])
-        prefills.append(_prefill_row(start, end, int(seq_lens[r]), block_tables[r], block_size, windows, device))
-    return AttentionMetadata(slot_mapping=slot_mapping, num_tokens=num_tokens, decode=decode, prefills=prefills)
+    if rows:
+        for r in chunks:
+            start, end = int(query_start[r]), int(query_start[r + 1])
+            prefills.append(_prefill_row(start, end, int(seq_lens[r]), block_tables[r], block_size, windows, device))
+    batch = _prefill_batch(chunks, query_start, q_lens, seq_lens, block_tables, block_size, put) if varlen and len(chunks) else None
+    return AttentionMetadata(slot_mapping=slot_mapping, num_tokens=num_tokens, decode=decode, prefills=prefills, prefill_batch=batch)
+
+
+def _prefill_batch(chunks, query_start, q_lens, seq_lens, block_tables, block_size, put) -> PrefillBatch:
+    """The chunks' starts, lengths and block tables as tensors for one launch."""
+    lens = seq_lens[chunks]
+    nb = -(-int(lens.max()) // block_size)
+    return PrefillBatch(
+        starts=put("prefill_starts", query_start[chunks]),
+        q_lens=put("prefill_q_lens", q_lens[chunks]),
+        seq_lens=put("prefill_seq_lens", lens),
+        block_tables=put("prefill_blocks", block_tables[chunks, :nb].reshape(-1)).view(len(chunks), nb),
+        num_chunks=len(chunks),
+        max_q_len=int(q_lens[chunks].max()),
+    )
 
 
 def _decode_rows(
-    rows, query_start, seq_lens, block_tables, num_tokens, block_size, windows, device, dtype, native, masks
+    rows, query_start, seq_lens, block_tables, num_tokens, block_size, windows, device, dtype, native, masks, put
 ) -> DecodeRows:
     """Block ids and, per window, the keys each one-token row sees (built on the host: a few KB)."""
     lens = seq_lens[rows].astype(np.int64)
     num_keys = int(lens.max())
     nb = -(-num_keys // block_size)
-    block_ids = torch.from_numpy(np.ascontiguousarray(block_tables[rows, :nb], dtype=np.int64)).to(device)
+    block_ids = put("decode_blocks", block_tables[rows, :nb].reshape(-1)).view(len(rows), nb)
     all_in_order = len(rows) == num_tokens  # then token i is row i's, since each has exactly one
-    token_idx = None if all_in_order else torch.from_numpy(query_start[rows].astype(np.int64)).to(device)
+    token_idx = None if all_in_order else put("decode_tokens", query_start[rows])
     decode = DecodeRows(token_idx=token_idx, block_ids=block_ids, num_keys=num_keys)
     firsts = {w: np.zeros_like(lens) if w is None else np.maximum(lens - w, 0) for w in windows}
     if native:
-        decode.seq_lens = torch.from_numpy(lens).to(device)
-        decode.first_keys = {w: torch.from_numpy(first).to(device) for w, first in firsts.items()}
+        decode.seq_lens = put("decode_seq_lens", lens)
+        decode.first_keys = {w: put(f"decode_first_keys_{w}", first) for w, first in firsts.items()}
     if not masks:
         return decode
     keys = np.arange(num_keys)[None, :]

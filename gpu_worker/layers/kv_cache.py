@@ -43,17 +43,23 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         transposed_keys: bool = False,
+        scratch_block: bool = False,
     ):
         """Allocate every layer's blocks, zeroed: padded block-table entries are read (then masked
-        out), and masked garbage must still be finite or it would poison the softmax."""
+        out), and masked garbage must still be finite or it would poison the softmax.
+
+        scratch_block: one block more, at index num_blocks, that no plan may name: a decode graph's padding
+        rows write and read it (graph_runner.py), so they never touch a sequence's block."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # the blocks the engine core may hand out
+        self.scratch_block = num_blocks if scratch_block else None
         self.block_size = block_size
         self.transposed_keys = transposed_keys
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        allocated = num_blocks + int(scratch_block)
+        shape = (allocated, block_size, num_kv_heads, head_dim)
         if transposed_keys:
-            key_shape = (num_blocks, num_kv_heads, head_dim, block_size)
+            key_shape = (allocated, num_kv_heads, head_dim, block_size)
             self.k_blocks = [_zeros(key_shape, dtype, device) for _ in range(num_layers)]
             self.k = [kb.permute(0, 3, 1, 2) for kb in self.k_blocks]
         else:

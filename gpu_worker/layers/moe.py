@@ -62,6 +62,8 @@ def select_experts(
 class FusedMoE(nn.Module):
     """num_experts gated MLPs (act(x W1^T) * (x W3^T)) W2^T, each token through its top-k of them, weighted."""
 
+    host_dependent = True  # its loop over the experts hit reads the step's counts on the host (no decode graph)
+
     def __init__(
         self,
         num_experts: int,

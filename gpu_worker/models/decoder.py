@@ -290,6 +290,15 @@ class DecoderLM(nn.Module):
         attns = [layer.self_attn.attn for layer in self.model.layers if hasattr(layer, "self_attn")]
         self.uses_native_decode = any(a.backend.native_decode for a in attns)
         self.uses_masked_decode = any(not a.backend.native_decode for a in attns)
+        self.uses_transposed_keys = any(a.backend.transposed_keys for a in attns)
+        self.uses_varlen_prefill = any(a.backend.varlen_prefill for a in attns)
+        self.uses_row_prefill = any(not a.backend.varlen_prefill for a in attns)
+        self.attention_backends = {a.backend.name for a in attns}
+        # Decode graphs (graph_runner.py) need a forward whose work depends on device tensors only: no
+        # recurrent state slots, no layer that reads the step's data on the host (a mixture of experts' loop);
+        # a CUDA capture also needs every attention backend to read lengths from tensors (no host-built shapes).
+        self.graph_safe = self.state_shape is None and not any(getattr(m, "host_dependent", False) for m in self.modules())
+        self.graph_capturable = self.graph_safe and all(a.backend.graph_safe for a in attns)
         # A hybrid's recurrent layers keep no KV: the cache holds its attention layers only.
         self.kv_shape = KvShape(len(attns), attns[0].num_kv_heads, attns[0].head_dim) if attns else KvShape(0, 1, 1)
         self.fused_decode: FusedDecode | None = None  # the layers as one native call (after loading, where they allow)

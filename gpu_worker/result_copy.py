@@ -1,0 +1,122 @@
+"""A step's sampled tokens (and logprobs) copied back to the host behind an event, so the host need not wait.
+
+`ResultCopier.start` queues the copies of a step's outputs into host buffers (pinned on CUDA, so the copy is
+truly asynchronous) and records an event after them; the `PendingResult` it returns is `ready()` when the
+event has fired and `result()` waits for it and builds the StepResult. Meanwhile the host may queue the next
+step — fed from this one's tokens on the device — so the device never idles while a result crosses. On a CPU
+the copies are done when queued and the event is the completed no-op (device_event.py): the same path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from metrale.gpu_worker.device_event import new_event
+from metrale.gpu_worker.sampler import SamplerOutput
+from metrale.ipc.plan import StepResult
+
+
+@dataclass(slots=True)
+class PendingResult:
+    """One step's outputs on their way to the host; its StepResult once the event fires."""
+
+    num_rows: int  # R
+    rows: np.ndarray  # int64 [S]: the plan rows that sampled
+    tokens: torch.Tensor | None  # int64 [S] host (None: no row sampled)
+    logprobs: torch.Tensor | None  # float32 [S] host
+    top_ids: torch.Tensor | None  # int64 [S, N] host
+    top_logprobs: torch.Tensor | None  # float32 [S, N] host
+    event: object  # a torch.cuda.Event, or device_event.DONE
+    start: float  # perf_counter when the step began
+
+    def ready(self) -> bool:
+        """Whether the copies have landed (result() will not wait)."""
+        return self.event.query()
+
+    def result(self) -> StepResult:
+        """The StepResult row for row (tokens -1 where a row did not sample), waiting for the copies first."""
+        self.event.synchronize()
+        tokens = np.full(self.num_rows, -1, dtype=np.int32)
+        if self.tokens is not None:
+            tokens[self.rows] = self.tokens.numpy()
+        result = StepResult(tokens=tokens)
+        if self.logprobs is not None:
+            result.logprobs = np.full(self.num_rows, np.nan, dtype=np.float32)
+            result.logprobs[self.rows] = self.logprobs.numpy()
+        if self.top_ids is not None:
+            n = self.top_ids.shape[1]
+            result.top_ids = np.full((self.num_rows, n), -1, dtype=np.int32)
+            result.top_ids[self.rows] = self.top_ids.numpy()
+            result.top_logprobs = np.full((self.num_rows, n), np.nan, dtype=np.float32)
+            result.top_logprobs[self.rows] = self.top_logprobs.numpy()
+        # The host's wall time from the step's start: on a device that queues, it includes the wait here.
+        result.timings = {"execute_s": time.perf_counter() - self.start}
+        return result
+
+
+class ResultCopier:
+    """Starts the copies of steps' outputs to the host, each behind its own event."""
+
+    def __init__(self, device: torch.device):
+        """Host buffers pinned on CUDA (page-locked memory is what an asynchronous copy needs)."""
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+
+    def start(self, num_rows: int, rows: np.ndarray, out: SamplerOutput | None, start: float) -> PendingResult:
+        """Queue the copies of out (None: no row sampled) and mark their end with an event."""
+        event = new_event(self.device)
+        if out is None:
+            event.record()
+            return PendingResult(num_rows, rows, None, None, None, None, event, start)
+        pending = PendingResult(
+            num_rows, rows, self._copy(out.tokens), self._copy(out.logprobs, torch.float32), self._copy(out.top_ids),
+            self._copy(out.top_logprobs, torch.float32), event, start,
+        )
+        event.record()
+        return pending
+
+    def _copy(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """A host tensor the device tensor t is being copied into (converted to dtype first, on the device)."""
+        if t is None:
+            return None
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        # A fresh buffer per step: the pinned ones come from torch's caching host allocator, which reuses a
+        # block only once the copies recorded on it are done; the kept tokens may be overwritten by the next step.
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
+        return host.copy_(t, non_blocking=self.pinned)
+
+
+@dataclass(slots=True)
+class Ready:
+    """A result already on the host: a step a runner ran to completion."""
+
+    value: StepResult
+
+    def ready(self) -> bool:
+        """Always."""
+        return True
+
+    def result(self) -> StepResult:
+        """The result."""
+        return self.value
+
+
+def launch_ticket(runner, plan, steps: int) -> list:
+    """Queue one ticket's plan on the runner: a decode burst's steps, a verify step's picks, or one step; their
+    pending results in order. A verify step (speculative decoding) runs to completion: nothing is fed from it
+    (the host commits its picks). A runner without launch() (a test's) runs each kind at once."""
+    if steps == 1 and plan.num_drafts.any():
+        return [Ready(r) for r in runner.execute_verify(plan)]
+    if hasattr(runner, "launch"):
+        return runner.launch_burst(plan, steps) if steps > 1 else [runner.launch(plan)]
+    return [Ready(r) for r in (runner.execute_burst(plan, steps) if steps > 1 else [runner.execute(plan)])]
+
+
+def run_ticket(runner, plan, steps: int) -> list[StepResult]:
+    """One ticket's plan run to its results (launch_ticket, then wait for every copy)."""
+    return [pending.result() for pending in launch_ticket(runner, plan, steps)]
