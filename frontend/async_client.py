@@ -30,7 +30,7 @@ from .client_protocol import (
     abort_frame,
     check_new_id,
     decode_answer,
-    encode,
+    keyed,
     generate_frame,
     is_noise,
     log,
@@ -67,9 +67,11 @@ class AsyncClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         *,
         address: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.address = server_address(host, port, address)
         self.timeout = timeout
+        self.api_key = api_key  # sent in every message (docs/protocol.md §3); the server's --api-key
         self._sock = shared_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
@@ -105,7 +107,7 @@ class AsyncClient:
     ) -> AsyncIterator[Delta]:
         """Run a request, yielding its Deltas; leaving the loop early aborts it."""
         request_id = request_id or new_id()
-        frame = generate_frame(request_id, prompt, token_ids, params)
+        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key)
         q = self._register(request_id)
         finished = False
         try:
@@ -125,7 +127,7 @@ class AsyncClient:
             self._waiters.pop(request_id, None)
             if not finished and not self._closed:  # left early: the server should stop working on it
                 try:
-                    self._sock.send(abort_frame(request_id), flags=zmq.DONTWAIT)
+                    self._sock.send(abort_frame(request_id, self.api_key), flags=zmq.DONTWAIT)
                 except zmq.ZMQError as e:
                     log.warning("metrale client: could not send the abort of %r: %s", request_id, e)
                 self._look_again()
@@ -146,7 +148,7 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         """Ask the server to stop a request; its stream then ends with finish_reason "abort"."""
-        await self._send(abort_frame(request_id))
+        await self._send(abort_frame(request_id, self.api_key))
 
     async def stats(self) -> EngineStats:
         """The engine core's counters."""
@@ -165,7 +167,7 @@ class AsyncClient:
         """Send a one-answer query and wait for its answer."""
         q = self._register(msg.id)
         try:
-            await self._send(encode(msg))
+            await self._send(keyed(msg, self.api_key))
             reply = await self._wait(q, msg.id)
         finally:
             self._waiters.pop(msg.id, None)

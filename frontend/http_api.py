@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from .api_key import UNAUTHORIZED_MESSAGE
 from .http_chat import ChatCompletions
 from .http_completions import Completions
 from .http_errors import ApiError, errors_as_json, json_response
@@ -49,7 +50,7 @@ class HttpApi:
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)
         self.chat = ChatCompletions(server, self.model, texts)
-        self.app = web.Application(middlewares=[errors_as_json], client_max_size=cfg.max_frame_bytes)
+        self.app = web.Application(middlewares=[errors_as_json, self._require_key], client_max_size=cfg.max_frame_bytes)
         self.app.add_routes([
             web.post("/v1/completions", self.completions.handle),
             web.post("/v1/chat/completions", self.chat.handle),
@@ -58,6 +59,13 @@ class HttpApi:
             web.get("/metrics", self.metrics),
         ])
         self._runner: web.AppRunner | None = None
+
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler) -> web.StreamResponse:
+        """--api-key: /v1/* answers 401 without `Authorization: Bearer KEY`; /health and /metrics stay open."""
+        if request.path.startswith("/v1/") and not self.server.api_key.allows_header(request.headers.get("Authorization")):
+            raise ApiError(401, UNAUTHORIZED_MESSAGE, code="invalid_api_key")
+        return await handler(request)
 
     async def start(self, host: str, port: int) -> str:
         """Listen on host:port (0: any free port); return the base URL."""

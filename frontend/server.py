@@ -58,6 +58,7 @@ from metrale.ipc.sampling import SamplingParams
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, StatusSender
 from metrale.model_facts import resolve_model
 
+from .api_key import UNAUTHORIZED_MESSAGE, ApiKey
 from .detokenizer import Decoder
 from .engine_link import EngineLink
 from .frame_checks import Rejected, read_client_frame, source_fd
@@ -97,6 +98,9 @@ class FrontendConfig:
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
     shutdown_timeout_s: float = 0.0  # on SIGTERM, live requests get this long to finish before they are ended
     stall_s: float = 30.0  # /health is unhealthy when requests are live and the engine was silent this long
+    # --api-key: every request but health must carry it (frontend/api_key.py). The supervisor hands it over in
+    # the environment (METRALE_API_KEY), never on a command line that `ps` shows.
+    api_key: str | None = None
 
 
 class BindError(OSError):
@@ -143,6 +147,7 @@ class FrontendServer:
         self._draining = False  # shutting down: new requests are refused, live ones get shutdown_timeout_s
         self._engine_heard_at = clock()  # the engine core's last message (its heartbeat while it works)
         self._rejections_logged: set[str] = set()  # codes whose rejections were logged at INFO once
+        self.api_key = ApiKey(config.api_key)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -282,6 +287,9 @@ class FrontendServer:
             msg = read_client_frame(self._client_decoder, payload.buffer, cfg.max_frame_bytes, cfg.max_id_chars)
         except Rejected as exc:
             self._reject(client, envelope, exc.request_id, exc.code.value, exc.message)
+            return
+        if not isinstance(msg, HealthQuery) and not self.api_key.allows(msg.api_key):
+            self._reject(client, envelope, msg.id, ErrorCode.UNAUTHORIZED.value, UNAUTHORIZED_MESSAGE)
             return
         if isinstance(msg, Generate):
             self._on_generate(client, envelope, source_fd(payload), msg)

@@ -22,7 +22,13 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top_logprobs: list[float] = []
 
 
-class Generate(msgspec.Struct, tag="generate", kw_only=True):
+class _Keyed(msgspec.Struct, kw_only=True):
+    """A client message: it carries the server's API key when the server was started with --api-key."""
+
+    api_key: str | None = None
+
+
+class Generate(_Keyed, tag="generate", kw_only=True):
     """Start a request. Exactly one of prompt (text) and token_ids is given."""
 
     id: str
@@ -32,25 +38,25 @@ class Generate(msgspec.Struct, tag="generate", kw_only=True):
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV blocks
 
 
-class Abort(msgspec.Struct, tag="abort", kw_only=True):
+class Abort(_Keyed, tag="abort", kw_only=True):
     """Stop a request; its stream ends with finish_reason "abort"."""
 
     id: str
 
 
-class StatsQuery(msgspec.Struct, tag="stats", kw_only=True):
+class StatsQuery(_Keyed, tag="stats", kw_only=True):
     """Ask for the engine's counters."""
 
     id: str
 
 
-class HealthQuery(msgspec.Struct, tag="health", kw_only=True):
+class HealthQuery(_Keyed, tag="health", kw_only=True):
     """Ask for each process's pid, uptime, restarts and the last fault."""
 
     id: str
 
 
-class ModelInfoQuery(msgspec.Struct, tag="model_info", kw_only=True):
+class ModelInfoQuery(_Keyed, tag="model_info", kw_only=True):
     """Ask what model is served: enough to validate requests and render chats on the client side."""
 
     id: str

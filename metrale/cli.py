@@ -50,6 +50,9 @@ def main() -> None:
               help="on Ctrl-C / SIGTERM, let live requests finish for up to this many seconds (new ones get 503 / shutdown).")
 @click.option("--worker-hang-timeout", default=10.0, type=click.FloatRange(min=0.1), show_default=True,
               help="a worker whose step runs this long (and far longer than its recent steps) is killed as hung and restarted.")
+@click.option("--api-key", default=None, envvar=["METRALE_API_KEY", "VLLM_API_KEY"], show_envvar=True,
+              help="clients must send this key (HTTP: Authorization: Bearer KEY on /v1/*; ZMQ: api_key in each "
+                   "message); /health stays open.")
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
     from metrale.supervisor import StartupError, Supervisor
@@ -82,7 +85,7 @@ def serve(**o) -> None:
     config = ServeConfig(
         engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"],
         stream_interval=o["stream_interval"], shutdown_timeout_s=o["shutdown_timeout"],
-        worker_hang_timeout_s=o["worker_hang_timeout"],
+        worker_hang_timeout_s=o["worker_hang_timeout"], api_key=o["api_key"] or None,
     )
     try:
         sup = Supervisor(config)
@@ -127,6 +130,10 @@ def _check_device(device: str | None) -> None:
         _fail(f"--device {device}: CUDA is not available (torch {torch.__version__} is {build}); use --device cpu")
 
 
+_api_key_option = click.option("--api-key", default=None, envvar=["METRALE_API_KEY", "VLLM_API_KEY"], show_envvar=True,
+                               help="the server's --api-key.")
+
+
 @main.command()
 @click.argument("prompt")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -136,12 +143,14 @@ def _check_device(device: str | None) -> None:
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @click.option("--json", "as_json", is_flag=True, help="print each delta as a JSON line.")
-def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: float, top_p: float, seed: int | None, as_json: bool) -> None:
+@_api_key_option
+def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: float, top_p: float, seed: int | None,
+             as_json: bool, api_key: str | None) -> None:
     """Stream a completion of PROMPT from a running server."""
     from metrale.frontend.client import Client, RequestError
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    with Client(host, port) as client:
+    with Client(host, port, api_key=api_key) as client:
         try:
             for delta in client.generate(prompt, params=params):
                 if as_json:
@@ -160,11 +169,12 @@ def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: fl
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7410, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print health and stats as one JSON object.")
-def status(host: str, port: int, as_json: bool) -> None:
+@_api_key_option
+def status(host: str, port: int, as_json: bool, api_key: str | None) -> None:
     """Print each process's pid, uptime and restarts, the last fault, and the engine's counters."""
     from metrale.frontend.client import Client, RequestError
 
-    with Client(host, port, timeout=5.0) as client:
+    with Client(host, port, timeout=5.0, api_key=api_key) as client:
         try:
             health = client.health()
         except TimeoutError as e:

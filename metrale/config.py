@@ -87,3 +87,6 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
     shutdown_timeout_s: float = 0.0  # on SIGTERM / Ctrl-C, live requests get this long to finish
     worker_hang_timeout_s: float = 10.0  # the least time a step may take before its worker counts as hung
+    # Clients must send it (frontend/api_key.py). Only the frontend learns it, through its environment: the
+    # supervisor leaves it out of the engine core's command line (ServeConfig travels there as JSON).
+    api_key: str | None = None

@@ -49,6 +49,7 @@ from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, WORKER_HUNG
 log = logging.getLogger("metrale.supervisor")
 
 WATCH_INTERVAL_S = 0.05
+API_KEY_ENV = ("METRALE_API_KEY", "VLLM_API_KEY")  # where `metrale serve --api-key` also looks, as vLLM does
 NEVER = float("inf")
 
 
@@ -158,8 +159,10 @@ class Supervisor:
             log.warning("binding %s: clients from other machines can reach this server", config.host)
         self.run_dir = Path(tempfile.mkdtemp(prefix="metrale-run-"))
         config.run_dir = str(self.run_dir)
-        self.env = {**os.environ, "METRALE_SUPERVISOR_PID": str(os.getpid())}
-        self.frontend = Child("frontend", self._frontend_argv())
+        self.env = {k: v for k, v in os.environ.items() if k not in API_KEY_ENV}  # the key goes to the frontend alone
+        self.env["METRALE_SUPERVISOR_PID"] = str(os.getpid())
+        self.frontend = Child("frontend", self._frontend_argv(),
+                              env_extra={API_KEY_ENV[0]: config.api_key} if config.api_key else {})
         self.engine = Child("engine_core", [])
         self.worker = Child("gpu_worker", [], env_extra=_worker_env(config.engine))
         self.ring_name = ""  # the current engine core's ticket ring (the worker serves it)
@@ -213,7 +216,7 @@ class Supervisor:
         from metrale.model_facts import STATE_RECURRENT
 
         args = EngineCoreArgs(
-            serve=self.config,
+            serve=msgspec.structs.replace(self.config, api_key=None),  # a command line is no place for a key
             input_address=self._ipc("engine-in"),
             output_address=self._ipc("engine-out"),
             ring_token=token,
@@ -428,6 +431,7 @@ def _run_frontend(config_json: str, health_path: str) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
     config = msgspec.json.decode(config_json, type=FrontendConfig)
+    config.api_key = os.environ.get(API_KEY_ENV[0]) or None
     supervisor = int(os.environ.get("METRALE_SUPERVISOR_PID", os.getppid()))
 
     def health() -> Health:
