@@ -34,6 +34,7 @@ from metrale.ipc.messages import (
     RequestOutputDelta,
     StatsRequest,
     StatsResponse,
+    WorkerRecovery,
 )
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.plan import DeviceError
@@ -104,6 +105,9 @@ class EngineCoreProcess:
         self.stopping = False
         self.waiting_for_worker = False  # SIGTERM then exits at once (nothing is running)
         self._recovered_at: float | None = None  # when the last replacement worker was ready (for its log line)
+        self.recoveries = 0
+        self.recovery: WorkerRecovery | None = None  # the last lost worker's replacement and its cost
+        self._fault_began: float | None = None  # monotonic; set until a resumed request's first token
         self._unproven = True  # the current worker has not served a step yet
         self._sent_at = time.monotonic()  # the last frame to the frontend (outputs or a heartbeat)
         self.status = StatusSender(args.status_address, "engine_core") if args.status_address else None
@@ -138,6 +142,8 @@ class EngineCoreProcess:
                 self._send(EngineOutputs(outputs=outputs))  # an empty one is the heartbeat: work goes on
             if outputs and (self._unproven or self._recovered_at is not None):
                 self._note_worker_progress()
+            if self._fault_began is not None and any(o.new_token_ids for o in outputs):
+                self._note_resumed()
             if self.engine.device_lost:
                 self._replace_worker(self.engine.device_lost)
 
@@ -179,6 +185,7 @@ class EngineCoreProcess:
             stats = self.engine.stats()
             worker = self.device.worker_stats()
             stats.worker_busy_s, stats.worker_idle_s = worker.busy_ns / 1e9, worker.idle_ns / 1e9
+            stats.worker_recoveries, stats.last_worker_recovery = self.recoveries, self.recovery
             self._send(StatsResponse(id=msg.id, stats=stats))
 
     def _refuse(self, request_id: str, code: ErrorCode, message: str) -> None:
@@ -186,7 +193,11 @@ class EngineCoreProcess:
 
     def _replace_worker(self, lost: str) -> None:
         """The worker died: settle its requests by the policy, wait for the supervisor's new one, serve on."""
-        t_lost = time.monotonic()
+        t_lost = (self.device.fault_began_ns or time.monotonic_ns()) / 1e9  # a hang began with its stuck step
+        sched = self.engine.scheduler
+        live = len(sched.running) + len(sched.swapped)
+        self.recoveries += 1
+        self.recovery = WorkerRecovery(cause=lost, lost_at=time.time() - (time.monotonic() - t_lost), requests=live)
         if self.args.serve.on_worker_fault == "fail":
             for seq in self.engine.scheduler.running:
                 seq.finish("error", f"the GPU worker died ({lost}); the request was stopped", ErrorCode.WORKER_FAULT)
@@ -210,6 +221,9 @@ class EngineCoreProcess:
             return
         self._unproven = True
         self._recovered_at = time.monotonic()
+        self.recovery.ready_s = self._recovered_at - t_lost
+        # Requeued requests resume on the new worker: the cost of the restart is the wait for their first token.
+        self._fault_began = t_lost if live and self.args.serve.on_worker_fault == "recover" else None
         log.info("new worker ready %.3f s after the loss (ready at monotonic %.6f)", self._recovered_at - t_lost,
                  self._recovered_at)
 
@@ -227,6 +241,13 @@ class EngineCoreProcess:
                 with open(tmp, "w") as f:
                     f.write(str(stats.worker_pid))
                 os.replace(tmp, self.args.served_path)
+
+    def _note_resumed(self) -> None:
+        """The first token after a worker's replacement: the restart's cost, from the fault to this token."""
+        self.recovery.resumed_s = time.monotonic() - self._fault_began
+        self._fault_began = None
+        log.info("worker restart: the first resumed token came %.3f s after the fault (%s)", self.recovery.resumed_s,
+                 self.recovery.cause)
 
     def _report_hang(self, why: str) -> None:
         """The device killed a hung worker: the supervisor names it as the fault (then restarts it)."""

@@ -73,6 +73,8 @@ class WorkerDevice:
         self._proc: subprocess.Popen | None = None  # only when we spawned the worker
         self._spawn_args: tuple[list[str], dict[str, str] | None] | None = None
         self._gone: str | None = "no worker has attached to the ring yet"
+        # When the current worker's fault began (monotonic ns): its death noticed, or its hung step's start.
+        self.fault_began_ns: int | None = None
         self._inflight = [0] * self._ring.num_slots  # seq in flight per slot, 0 when free
         self._next_seq = 1
         self._first_seq = 1  # tickets below this were launched to a previous worker
@@ -146,6 +148,7 @@ class WorkerDevice:
                 raise
             bell.close()
         self._bell, self._info, self._pid, self._gone = bell, ready.info, ready.pid, None
+        self.fault_began_ns = None
         self._first_seq = self._next_seq
         self._inflight = [0] * self._ring.num_slots
         self.hang.reset()
@@ -316,6 +319,7 @@ class WorkerDevice:
                     return  # published just before the worker went
                 raise DeviceLost(f"step {seq} lost: {gone}")
             if now > deadline:
+                self.fault_began_ns = started
                 raise DeviceLost(f"step {seq} lost: {self._kill_hung(now - started)}")
             bell.wait(self._slice_s)
         self._progressed(slot, started)
@@ -354,6 +358,8 @@ class WorkerDevice:
                 self._gone = f"the worker process (pid {self._pid}) died"
             if check_pid:
                 self._pid_checked_ns = now_ns
+            if self._gone is not None and self.fault_began_ns is None:
+                self.fault_began_ns = now_ns
             if self._gone is not None and self._proc is not None:
                 code = self._reap(timeout_s=0.05)
                 if code is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -45,7 +44,8 @@ class HttpApi:
     def __init__(self, server: FrontendServer) -> None:
         self.server = server
         cfg = server.config
-        self.model = ServedModel(id=cfg.served_model_name or Path(cfg.model_dir).name, dir=cfg.model_dir)
+        self.model = ServedModel(names=tuple(server.model_names), dir=cfg.model_dir,
+                                 dir_named=not cfg.served_model_names, sampling_defaults=server.sampling_defaults)
         self.created = int(time.time())
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)
@@ -90,9 +90,10 @@ class HttpApi:
         health = self.server.health()
         if not health.ready:
             raise ApiError(503, f"not ready: waiting for {health.waiting_for}", type="server_error", code="not_ready")
-        model = {"id": self.model.id, "object": "model", "created": self.created, "owned_by": "metrale",
-                 "root": str(self.model.dir), "parent": None, "max_model_len": self.server.max_model_len}
-        return json_response({"object": "list", "data": [model]})
+        models = [{"id": name, "object": "model", "created": self.created, "owned_by": "metrale",
+                   "root": str(self.model.dir), "parent": None, "max_model_len": self.server.max_model_len}
+                  for name in self.model.names]
+        return json_response({"object": "list", "data": models})
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 when every process is up, else 503; the body says which."""

@@ -67,7 +67,7 @@ class ChatCompletions:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size)
+        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, self.model.sampling_defaults)
         check_count(body.n)
         decoder = self.decoder if params.skip_special_tokens else None
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)

@@ -48,7 +48,7 @@ class Completions:
         prompts = _prompts(body.prompt)
         # Given, max_tokens must fit beside the prompt (400 otherwise); null: the rest of the context.
         max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
-        params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size)
+        params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size, self.model.sampling_defaults)
         check_count(len(prompts) * body.n)
         run = Run(self.server, self.texts)
         try:

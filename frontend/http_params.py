@@ -4,7 +4,7 @@ and the SamplingParams each choice runs with. Every refusal is a 400 (404 for a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
@@ -59,15 +59,24 @@ _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """The one model the HTTP API serves: the id clients name it by, and its folder (accepted as a name too)."""
+    """The one model the HTTP API serves: the names clients give it (--served-model-name, else its folder's name,
+    with the folder's path accepted too), and the sampling defaults for what a request leaves out."""
 
-    id: str
+    names: tuple[str, ...]
     dir: str
+    dir_named: bool = True  # no --served-model-name: the folder's path names it too
+    sampling_defaults: dict = field(default_factory=dict)  # model_facts.generation_defaults
+
+    @property
+    def id(self) -> str:
+        """The name replies carry."""
+        return self.names[0]
 
     def check(self, model: str | None) -> None:
         """404 unless model names this server's model (or is left out)."""
-        if model is not None and model not in (self.id, str(self.dir)):
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.id!r}",
+        if model is not None and model not in self.names and not (self.dir_named and model == str(self.dir)):
+            served = ", ".join(repr(n) for n in self.names)
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
 
@@ -84,9 +93,11 @@ async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-    """The request's SamplingParams; 400 naming the field when one is out of range."""
-    kw = {name: getattr(body, name) for name in _PASSTHROUGH if getattr(body, name) is not None}
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int,
+                    defaults: dict | None = None) -> SamplingParams:
+    """The request's SamplingParams (defaults, the model's generation config, for what it leaves out); 400
+    naming the field when one is out of range."""
+    kw = {**(defaults or {}), **{name: getattr(body, name) for name in _PASSTHROUGH if getattr(body, name) is not None}}
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop,
                             stop_token_ids=list(body.stop_token_ids or []), **kw)

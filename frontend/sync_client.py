@@ -12,7 +12,7 @@ import threading
 import zmq
 
 from metrale.ipc.messages import (
-    Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, Stats, StatsQuery,
+    Admin, AdminReply, Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, Stats, StatsQuery,
 )
 from metrale.ipc.sampling import SamplingParams
 
@@ -153,7 +153,19 @@ class Client:
         assert isinstance(reply, ModelInfoReply)
         return reply
 
-    def _ask(self, make) -> Stats | Health | ModelInfoReply:
+    def kill_worker(self, signal: str = "KILL", *, rank: int = 0, replica: int = 0) -> AdminReply:
+        """Admin (a server with --enable-admin): send a GPU worker SIGKILL, SIGTERM or SIGSTOP (KILL, TERM, STOP)."""
+        reply = self._ask(lambda rid: Admin(id=rid, action="kill", signal=signal, rank=rank, replica=replica))
+        assert isinstance(reply, AdminReply)
+        return reply
+
+    def restart_worker(self, *, rank: int = 0, replica: int = 0) -> AdminReply:
+        """Admin (a server with --enable-admin): stop a GPU worker (TERM, then KILL); a new one takes over."""
+        reply = self._ask(lambda rid: Admin(id=rid, action="restart", rank=rank, replica=replica))
+        assert isinstance(reply, AdminReply)
+        return reply
+
+    def _ask(self, make) -> Stats | Health | ModelInfoReply | AdminReply:
         """Send a one-answer query and wait for its answer."""
         request_id = new_id()
         q = self._register(request_id)

@@ -62,7 +62,22 @@ class ModelInfoQuery(_Keyed, tag="model_info", kw_only=True):
     id: str
 
 
-ClientMessage = Generate | Abort | StatsQuery | HealthQuery | ModelInfoQuery
+class Admin(_Keyed, tag="admin", kw_only=True):
+    """Worker control for fault tests (`metrale serve --enable-admin`): kill or restart a GPU worker.
+
+    action "kill" sends the worker `signal` (KILL, TERM or STOP: STOP exercises the hung-worker detection);
+    "restart" stops it (TERM, then KILL) and lets the supervisor start a new one. rank and replica name the worker
+    (tensor- and data-parallel position); a server of one worker has rank 0 of replica 0 only.
+    """
+
+    id: str
+    action: str  # "kill" | "restart"
+    signal: str = "KILL"  # with "kill": KILL | TERM | STOP
+    rank: int = 0
+    replica: int = 0
+
+
+ClientMessage = Generate | Abort | StatsQuery | HealthQuery | ModelInfoQuery | Admin
 
 
 class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
@@ -83,6 +98,16 @@ class Error(msgspec.Struct, tag="error", kw_only=True):
     id: str
     code: str  # an ErrorCode value (ipc/errors.py; docs/protocol.md §4.1)
     message: str
+
+
+class WorkerRecovery(msgspec.Struct, kw_only=True):
+    """The engine core's last replacement of a lost worker, and what it cost the requests it was running."""
+
+    cause: str  # why the worker was lost
+    lost_at: float  # unix time the fault began (for a hung worker: when its stuck step started)
+    requests: int = 0  # requests it was running, requeued (--on-worker-fault recover) or failed
+    ready_s: float | None = None  # from the fault to the new worker's readiness
+    resumed_s: float | None = None  # from the fault to the first token of a resumed request (None: none yet)
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -106,6 +131,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # RepickOnly repairs: tokens the host picked again from a step's logits (a recurrent model's step
     # launched ahead whose mask went stale).
     host_repicks: int = 0
+    worker_recoveries: int = 0  # workers this engine core lost and replaced
+    last_worker_recovery: WorkerRecovery | None = None
 
 
 class Stats(msgspec.Struct, tag="stats_reply", kw_only=True):
@@ -148,7 +175,15 @@ class ModelInfoReply(msgspec.Struct, tag="model_info_reply", kw_only=True):
     chat_template: str | None = None  # Jinja, as the model ships it (None: the model has none)
 
 
-ServerMessage = Delta | Error | Stats | Health | ModelInfoReply
+class AdminReply(msgspec.Struct, tag="admin_reply", kw_only=True):
+    """Answer to Admin: what was done (the supervisor's words) and to which process."""
+
+    id: str
+    pid: int  # the worker process that was signalled
+    detail: str
+
+
+ServerMessage = Delta | Error | Stats | Health | ModelInfoReply | AdminReply
 
 # ---- frontend ↔ engine core ----------------------------------------------------------
 

@@ -43,8 +43,10 @@ import psutil
 
 from metrale.config import EngineArgs, ServeConfig
 from metrale.health_file import HealthFile, read_health
+from metrale.ipc.admin_channel import AdminInbox
 from metrale.ipc.messages import Health, ProcessHealth
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, WORKER_HUNG, ChildStatus, StatusInbox
+from metrale.worker_control import WorkerControl
 
 log = logging.getLogger("metrale.supervisor")
 
@@ -138,7 +140,8 @@ class Supervisor:
     ):
         from metrale.frontend.tokenizer import Tokenizer
         from metrale.llm import resolve_model_dir, special_tokens_of
-        from metrale.model_facts import ModelError, resolve_model
+        from metrale.frontend.chat import ChatTemplateError, chat_template_source
+        from metrale.model_facts import ModelError, generation_defaults, resolve_model
 
         self.config = config
         self.policy = policy or RestartPolicy()
@@ -151,6 +154,11 @@ class Supervisor:
             raise StartupError(str(e)) from None
         except (OSError, ValueError) as e:
             raise StartupError(f"--model {self.model_dir}: its tokenizer cannot be loaded ({e})") from None
+        try:  # the operator's template and generation config fail here, with one line, not per request
+            self.chat_template = chat_template_source(config.chat_template) if config.chat_template else None
+            generation_defaults(self.model_dir, config.generation_config)
+        except (ChatTemplateError, ModelError) as e:
+            raise StartupError(str(e)) from None
         self.special_tokens = dataclasses.asdict(special_tokens_of(tokenizer))
         self.max_model_len = self.facts.max_model_len
         if config.port == 0:
@@ -161,6 +169,8 @@ class Supervisor:
         config.run_dir = str(self.run_dir)
         self.env = {k: v for k, v in os.environ.items() if k not in API_KEY_ENV}  # the key goes to the frontend alone
         self.env["METRALE_SUPERVISOR_PID"] = str(os.getpid())
+        if self.chat_template is not None:  # handed over as a file: a template can outgrow a command-line argument
+            (self.run_dir / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
         self.frontend = Child("frontend", self._frontend_argv(),
                               env_extra={API_KEY_ENV[0]: config.api_key} if config.api_key else {})
         self.engine = Child("engine_core", [])
@@ -176,6 +186,8 @@ class Supervisor:
         self._stop = threading.Event()
         self._health_file = HealthFile(self.health_path, self.clock)
         self.inbox = StatusInbox(self._ipc("status"))
+        self.control = WorkerControl()  # admin requests (metrale/worker_control.py), with --enable-admin only
+        self.admin = AdminInbox(self._ipc("admin")) if config.enable_admin else None
 
     # ---- addresses and command lines ------------------------------------------------
 
@@ -208,6 +220,12 @@ class Supervisor:
             "stream_interval": self.config.stream_interval,
             "status_address": self._ipc("status"),
             "shutdown_timeout_s": self.config.shutdown_timeout_s,
+            "admin_address": self._ipc("admin") if self.config.enable_admin else None,
+            "admin_allow_remote": self.config.admin_allow_remote,
+            "served_model_names": self.config.served_model_names,
+            "chat_template": str(self.run_dir / "chat_template.jinja") if self.chat_template is not None else None,
+            "generation_config": self.config.generation_config,
+            "log_requests": not self.config.disable_log_requests,
         }
         return [sys.executable, "-m", "metrale.supervisor", "frontend", json.dumps(fe), str(self.health_path)]
 
@@ -297,6 +315,9 @@ class Supervisor:
         while (status := self.inbox.receive(0)) is not None:
             self._note(status)
         now = self.clock()
+        if self.admin is not None:
+            self.admin.serve(lambda msg: self.control.handle(msg, self.worker.pid, self.worker.alive, now))
+            self.control.escalate(self.worker.pid, self.worker.alive, now)
         if self._died(self.engine, now):
             self.worker.stop(grace_s=2.0)  # it served the dead engine's ring; a fresh one comes with the next
             self.worker.restart_at = None
@@ -323,12 +344,15 @@ class Supervisor:
         """True when child has just been found dead: record the fault and schedule (or refuse) its restart."""
         if child.proc is None or child.alive or child.restart_at is not None:
             return False
-        worked = now - child.started >= self.policy.window_s or (child is self.worker and self._worker_served())
+        admin = self.control.took(child.pid) if child is self.worker else None  # an operator's kill is no crash
+        worked = (now - child.started >= self.policy.window_s or admin is not None
+                  or (child is self.worker and self._worker_served()))
         child.in_a_row = 1 if worked else child.in_a_row + 1
-        ended = _how_it_ended(child.proc.returncode)
+        ended = _how_it_ended(child.proc.returncode) + (f" ({admin.describe()})" if admin is not None else "")
         delay = self.policy.delay(child.in_a_row)
         if child is self.worker and self._hung is not None:  # the engine core killed it: say why
-            self.last_fault, self._hung = f"gpu_worker (pid {child.pid}) hung: {self._hung}", None
+            after = f" (after {admin.describe()})" if admin is not None else ""
+            self.last_fault, self._hung = f"gpu_worker (pid {child.pid}) hung{after}: {self._hung}", None
         elif child.proc.returncode == EXIT_CONFIG:  # restarting it would fail the same way
             why = self._cannot_run.pop(child.name, ended)
             self.last_fault, delay = f"{child.name} (pid {child.pid}) cannot run: {why}", None
@@ -369,6 +393,8 @@ class Supervisor:
         self.worker.stop(grace_s=5.0)
         self._sweep()
         self.inbox.close()
+        if self.admin is not None:
+            self.admin.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _sweep(self) -> None:
