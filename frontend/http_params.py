@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
-from metrale.ipc.sampling import SamplingParams
+from metrale.ipc.sampling import SamplingParams, seeded_for_choice
 
 from .http_errors import ApiError
 
@@ -109,11 +109,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
     return params
 
 
-def seeded(params: SamplingParams, j: int) -> SamplingParams:
-    """The params of a request's j-th choice: with a seed, seed + j (so n choices differ yet repeat)."""
-    if j == 0 or params.seed is None:
-        return params
-    return msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
+seeded = seeded_for_choice  # a request's j-th choice: seed + j when seeded (ipc/sampling.py)
 
 
 def check_count(count: int) -> None:
