@@ -24,6 +24,7 @@ from aiohttp import web
 from .api_key import UNAUTHORIZED_MESSAGE
 from .http_chat import ChatCompletions
 from .http_completions import Completions
+from .http_access_log import access_log
 from .http_errors import ApiError, errors_as_json, json_response
 from .http_params import ServedModel
 from .http_reply import TokenTexts
@@ -50,7 +51,9 @@ class HttpApi:
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)
         self.chat = ChatCompletions(server, self.model, texts)
-        self.app = web.Application(middlewares=[errors_as_json, self._require_key], client_max_size=cfg.max_frame_bytes)
+        middlewares = [access_log] if cfg.log_requests else []  # outermost: it sees the status errors_as_json sends
+        self.app = web.Application(middlewares=[*middlewares, errors_as_json, self._require_key],
+                                   client_max_size=cfg.max_frame_bytes)
         self.app.add_routes([
             web.post("/v1/completions", self.completions.handle),
             web.post("/v1/chat/completions", self.chat.handle),

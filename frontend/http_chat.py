@@ -12,6 +12,7 @@ from metrale.ipc.messages import Delta, TokenLogprob
 
 from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningTags, tag_keeping_decoder
 from .http_errors import ApiError, json_response
+from .http_access_log import CHOICES
 from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
 from .http_reply import Reply, TokenTexts, stream
 from .http_run import Choice, Run
@@ -73,7 +74,7 @@ class ChatCompletions:
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)
         run = Run(self.server, self.texts)
         try:
-            choices = []
+            choices = request[CHOICES] = []  # the access log counts their tokens
             for j in range(body.n):
                 splitter = ReasoningSplitter(self.reasoning, opens_reasoning) if self.reasoning else None
                 choices.append(Choice(index=j, prompt_index=0, splitter=splitter))

@@ -11,6 +11,7 @@ from aiohttp import web
 from metrale.ipc.messages import Delta, TokenLogprob
 
 from .http_errors import ApiError, json_response
+from .http_access_log import CHOICES
 from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
 from .http_reply import Reply, TokenTexts, stream
 from .http_run import Choice, Run
@@ -52,7 +53,7 @@ class Completions:
         check_count(len(prompts) * body.n)
         run = Run(self.server, self.texts)
         try:
-            choices = []
+            choices = request[CHOICES] = []  # the access log counts their tokens
             for p, (text, ids) in enumerate(prompts):
                 for j in range(body.n):
                     choices.append(Choice(index=len(choices), prompt_index=p))

@@ -165,6 +165,7 @@ class FrontendServer:
         self._batch: list[list[bytes]] | None = None  # frames queued while one engine message is handled
         self._status = StatusSender(config.status_address, "frontend") if config.status_address else None
         self._draining = False  # shutting down: new requests are refused, live ones get shutdown_timeout_s
+        self._live_at_shutdown = 0
         self._engine_heard_at = clock()  # the engine core's last message (its heartbeat while it works)
         self._rejections_logged: set[str] = set()  # codes whose rejections were logged at INFO once
         self.api_key = ApiKey(config.api_key)
@@ -221,8 +222,11 @@ class FrontendServer:
     def shutdown(self) -> None:
         """Ask run() to return; safe from any thread and before run() starts."""
         self._stop_requested = True
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # run() ended and its loop closed meanwhile: nothing left to stop
+                pass
 
     def begin_shutdown(self) -> None:
         """SIGTERM: refuse new requests, give live ones shutdown_timeout_s to finish, end the rest with Error
@@ -232,6 +236,7 @@ class FrontendServer:
             return
         self._draining = True
         self.requests.refusing = (ErrorCode.SHUTDOWN, "the server is shutting down")
+        self._live_at_shutdown = self.requests.num_live
         log.info("frontend: shutting down; %d live requests get %.1f s to finish", self.requests.num_live,
                  self.config.shutdown_timeout_s)
         task = self._loop.create_task(self._drain_then_stop(), name="frontend-drain")
@@ -243,6 +248,10 @@ class FrontendServer:
             await asyncio.wait_for(self.requests.idle.wait(), self.config.shutdown_timeout_s)
         except asyncio.TimeoutError:
             pass
+        left = self.requests.num_live
+        log.info("frontend: shut down: of %d requests live at the signal, %d finished within the %.1f s drain, %d "
+                 "were ended with Error shutdown", self._live_at_shutdown, max(0, self._live_at_shutdown - left),
+                 self.config.shutdown_timeout_s, left)
         self.requests.end_all(ErrorCode.SHUTDOWN, "the server is shutting down; the request was stopped")
         await asyncio.sleep(0)  # let in-process sinks (HTTP streams) take their final messages
         self.shutdown()

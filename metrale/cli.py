@@ -171,7 +171,7 @@ def _restart_cost(r) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(r.lost_at))
     ready = "no new worker yet" if r.ready_s is None else f"new worker ready after {r.ready_s:.2f} s"
     if r.resumed_s is not None:
-        cost = f"first resumed token after {r.resumed_s:.2f} s ({r.requests} requests resumed)"
+        cost = f"first resumed token after {r.resumed_s:.2f} s ({r.requests} request{'s' * (r.requests != 1)} resumed)"
     elif r.requests:
         cost = f"no resumed token yet ({r.requests} requests were running)"
     else:
