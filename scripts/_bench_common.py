@@ -139,6 +139,7 @@ class Timeline:
 
     start: float = 0.0
     sent: dict[str, float] = field(default_factory=dict)
+    send_lag_s: float = 0.0  # the latest a scheduled send went out after its time (Poisson arrivals)
     arrivals: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # (time, tokens in that delta)
 
     def arrived(self, rid: str, at: float, ntokens: int) -> None:
@@ -410,8 +411,10 @@ class RingWatch:
         }
 
 
-async def _drive(port: int, prompts, params_list, num_clients: int, watch: RingWatch | None) -> Timeline:
-    """Run every prompt through num_clients AsyncClients at once; per-token timeline, watch filled in."""
+async def _drive(port: int, prompts, params_list, num_clients: int, watch: RingWatch | None,
+                 offsets: list[float] | None) -> Timeline:
+    """Run every prompt through num_clients AsyncClients, all at once or request i at start + offsets[i];
+    per-token timeline, watch filled in."""
     from metrale import AsyncClient
 
     clients = [AsyncClient(port=port, timeout=600.0) for _ in range(num_clients)]
@@ -420,10 +423,16 @@ async def _drive(port: int, prompts, params_list, num_clients: int, watch: RingW
     started, finished = [0], [0]
 
     async def one(i: int) -> None:
+        if offsets is not None:
+            delay = timeline.start + offsets[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
         client = clients[i % num_clients]
         rid = f"bench-{i}"
         got_first = False
-        timeline.sent[rid] = time.perf_counter()
+        sent = timeline.sent[rid] = time.perf_counter()
+        if offsets is not None:
+            timeline.send_lag_s = max(timeline.send_lag_s, sent - timeline.start - offsets[i])
         async for delta in client.generate(token_ids=prompts[i], params=params_list[i], request_id=rid):
             now = time.perf_counter()
             timeline.arrived(rid, now, len(delta.token_ids))
@@ -453,11 +462,12 @@ async def _drive(port: int, prompts, params_list, num_clients: int, watch: RingW
     return timeline
 
 
-def run_clients(port: int, prompts, params, num_clients: int | None = None, watch: RingWatch | None = None) -> Timeline:
-    """All prompts at once through `metrale serve` on port (uvloop when available), one client per request
-    by default; params is one SamplingParams or one per prompt."""
+def run_clients(port: int, prompts, params, num_clients: int | None = None, watch: RingWatch | None = None,
+                offsets: list[float] | None = None) -> Timeline:
+    """The prompts through `metrale serve` on port (uvloop when available), one client per request by default;
+    params is one SamplingParams or one per prompt; offsets, when given, are each request's send time (s)."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
-    coro = _drive(port, prompts, params_list, num_clients or len(prompts), watch)
+    coro = _drive(port, prompts, params_list, min(num_clients or len(prompts), len(prompts)), watch, offsets)
     try:
         import uvloop
 
@@ -465,6 +475,15 @@ def run_clients(port: int, prompts, params, num_clients: int | None = None, watc
             return runner.run(coro)
     except ImportError:
         return asyncio.run(coro)
+
+
+def close_all(readers: dict, servers: dict) -> None:
+    """Close the ring readers, then stop the servers (a benchmark's finally)."""
+    for reader in readers.values():
+        if reader is not None:
+            reader.close()
+    for server in servers.values():
+        server.stop()
 
 
 def thread_env(threads: int | None) -> dict[str, str]:

@@ -34,6 +34,7 @@ from _bench_common import (  # noqa: E402
     ServeProcess,
     WorkerRingReader,
     build_model,
+    close_all,
     emit,
     git_commit,
     greedy_params,
@@ -103,11 +104,7 @@ def measure(args: argparse.Namespace, model_dir: Path, meter: LoadMeter) -> dict
             }
         return results
     finally:
-        for reader in readers.values():
-            if reader is not None:
-                reader.close()
-        for server in servers.values():
-            server.stop()
+        close_all(readers, servers)
 
 
 def main(argv: list[str] | None = None) -> int:

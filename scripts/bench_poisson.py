@@ -34,11 +34,9 @@ the pipelined server's worker idle < 2 % and pipelined_vs_no_pipeline >= 1.05.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -50,9 +48,9 @@ from _bench_common import (  # noqa: E402
     LoadMeter,
     RingWatch,
     ServeProcess,
-    Timeline,
     WorkerRingReader,
     build_model,
+    close_all,
     emit,
     git_commit,
     greedy_params,
@@ -60,6 +58,7 @@ from _bench_common import (  # noqa: E402
     note,
     paired_ratio,
     plain_vocab_end,
+    run_clients,
     settle,
     table,
     thread_env,
@@ -113,55 +112,12 @@ def poisson_workload(seed: int, n: int, rate: float, prompt_range: tuple[int, in
     return offsets, prompts, [int(o) for o in outs]
 
 
-async def _drive(port: int, offsets: list[float], prompts, params_list, num_clients: int, watch: RingWatch | None
-                 ) -> tuple[Timeline, float]:
-    """Send request i at start + offsets[i] over num_clients shared AsyncClients; (timeline, worst send lag s)."""
-    from metrale import AsyncClient
-
-    clients = [AsyncClient(port=port, timeout=600.0) for _ in range(num_clients)]
-    timeline = Timeline()
-    lag = [0.0]
-
-    async def one(i: int) -> None:
-        delay = timeline.start + offsets[i] - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        rid = f"poisson-{i}"
-        sent = timeline.sent[rid] = time.perf_counter()
-        lag[0] = max(lag[0], sent - timeline.start - offsets[i])
-        async for delta in clients[i % num_clients].generate(token_ids=prompts[i], params=params_list[i], request_id=rid):
-            timeline.arrived(rid, time.perf_counter(), len(delta.token_ids))
-            if delta.finish_reason is not None and delta.finish_reason not in ("length", "stop"):
-                raise RuntimeError(f"request {rid} ended with {delta.finish_reason!r}")
-
-    try:
-        await asyncio.gather(*(c.health() for c in clients))  # every DEALER connected before the clock starts
-        if watch is not None:
-            watch.at_start = watch.take()
-        timeline.start = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(len(prompts))))
-        if watch is not None:
-            watch.at_end = watch.take()
-    finally:
-        for c in clients:
-            await c.close()
-    return timeline, lag[0]
-
-
 def run_poisson(port: int, offsets, prompts, max_tokens: list[int], num_clients: int, watch: RingWatch | None = None) -> dict:
-    """One Poisson run against the server on port (uvloop when available); its figures."""
-    params_list = [greedy_params(k) for k in max_tokens]
-    coro = _drive(port, offsets, prompts, params_list, min(num_clients, len(prompts)), watch)
-    try:
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            timeline, lag = runner.run(coro)
-    except ImportError:
-        timeline, lag = asyncio.run(coro)
+    """One Poisson run against the server on port; its figures."""
+    timeline = run_clients(port, prompts, [greedy_params(k) for k in max_tokens], num_clients, watch, offsets)
     figures = timeline.figures()
     del figures["decode_tok_s"]  # no window where every request decodes: arrivals are spread over the run
-    figures["send_lag_ms_max"] = round(lag * 1e3, 3)
+    figures["send_lag_ms_max"] = round(timeline.send_lag_s * 1e3, 3)
     if watch is not None:
         ring = watch.figures()
         figures["worker_idle_run"] = ring["worker_idle_run"]
@@ -202,11 +158,7 @@ def measure(args: argparse.Namespace, model_dir: Path, meter: LoadMeter) -> dict
                 f"idle {runs[m][-1].get('worker_idle_run')}" for m in MODES))
         return runs
     finally:
-        for reader in readers.values():
-            if reader is not None:
-                reader.close()
-        for server in servers.values():
-            server.stop()
+        close_all(readers, servers)
 
 
 def main(argv: list[str] | None = None) -> int:
