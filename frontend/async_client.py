@@ -18,7 +18,9 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from metrale.ipc.messages import Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, StatsQuery
+from metrale.ipc.messages import (
+    Admin, AdminReply, Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, StatsQuery,
+)
 from metrale.ipc.sampling import SamplingParams
 
 from .client_protocol import (
@@ -163,7 +165,15 @@ class AsyncClient:
         """The served model: name, vocabulary size, max_model_len, eos ids and chat template."""
         return await self._ask(ModelInfoQuery(id=new_id()))
 
-    async def _ask(self, msg: StatsQuery | HealthQuery | ModelInfoQuery):
+    async def kill_worker(self, signal: str = "KILL", *, rank: int = 0, replica: int = 0) -> AdminReply:
+        """Admin (a server with --enable-admin): send a GPU worker SIGKILL, SIGTERM or SIGSTOP (KILL, TERM, STOP)."""
+        return await self._ask(Admin(id=new_id(), action="kill", signal=signal, rank=rank, replica=replica))
+
+    async def restart_worker(self, *, rank: int = 0, replica: int = 0) -> AdminReply:
+        """Admin (a server with --enable-admin): stop a GPU worker (TERM, then KILL); a new one takes over."""
+        return await self._ask(Admin(id=new_id(), action="restart", rank=rank, replica=replica))
+
+    async def _ask(self, msg: StatsQuery | HealthQuery | ModelInfoQuery | Admin):
         """Send a one-answer query and wait for its answer."""
         q = self._register(msg.id)
         try:

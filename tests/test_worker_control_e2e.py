@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from metrale.cli import main
 from metrale.frontend.admin_access import admin_refusal
-from metrale.frontend.client import Client, RequestError
+from metrale.frontend.client import AsyncClient, Client, RequestError
 
 from serve_fixture import running_server
 from test_faults_e2e import N, _run_with_fault, expected, model_dir, wait_idle, wait_recovered  # noqa: F401 - fixtures
@@ -92,11 +92,18 @@ def test_admin_needs_the_key(server):
 
 
 def test_admin_is_refused_when_off(tiny_model_dir):
+    async def restart(endpoint: str):
+        async with AsyncClient(address=endpoint, timeout=WAIT_S) as c:
+            await c.restart_worker()
+
     with running_stack(tiny_model_dir("llama")) as s:
         with Client(address=s.endpoint, timeout=WAIT_S) as c:
             with pytest.raises(RequestError) as err:
                 c.kill_worker("KILL")
+        with pytest.raises(RequestError) as async_err:
+            asyncio.run(restart(s.endpoint))
     assert err.value.code == "admin_disabled" and "--enable-admin" in err.value.message
+    assert async_err.value.code == "admin_disabled"
 
 
 def test_admin_is_loopback_only_unless_allowed():
