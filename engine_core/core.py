@@ -108,6 +108,8 @@ class EngineCoreProcess:
         self.recoveries = 0
         self.recovery: WorkerRecovery | None = None  # the last lost worker's replacement and its cost
         self._fault_began: float | None = None  # monotonic; set until a resumed request's first token
+        self._idle_loss: str | None = None  # the worker died while nothing ran (found by the idle poll)
+        self._idle_checked_at = time.monotonic()
         self._unproven = True  # the current worker has not served a step yet
         self._sent_at = time.monotonic()  # the last frame to the frontend (outputs or a heartbeat)
         self.status = StatusSender(args.status_address, "engine_core") if args.status_address else None
@@ -131,6 +133,10 @@ class EngineCoreProcess:
         while not self.stopping:
             busy = self.engine.has_unfinished()
             self._take_inputs(block=not busy)
+            if self._idle_loss is not None:  # the worker died between requests: replace it now
+                lost, self._idle_loss = self._idle_loss, None
+                self._replace_worker(lost)
+                continue
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -151,7 +157,14 @@ class EngineCoreProcess:
         """Handle every message waiting; when idle, wait (in slices) for the first."""
         while True:
             if block:
-                if not self.inbox.poll(IDLE_POLL_MS):
+                ready = self.inbox.poll(IDLE_POLL_MS)
+                now = time.monotonic()
+                if now - self._idle_checked_at >= IDLE_POLL_MS / 1000:  # by the clock: queries may keep it busy
+                    self._idle_checked_at = now
+                    self._idle_loss = self.device.lost_while_idle()
+                    if self._idle_loss is not None:
+                        return
+                if not ready:
                     if not psutil.pid_exists(self.parent) or os.getppid() != self.parent:
                         self.stopping = True
                     return

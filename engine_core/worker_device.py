@@ -276,6 +276,15 @@ class WorkerDevice:
         """The doorbell socket the worker connects to (derived from the ring name)."""
         return self._listener.path
 
+    def lost_while_idle(self) -> str | None:
+        """Why the attached worker is gone (None while it lives), for a caller with nothing in flight: a death
+        between steps is then noticed now (and its cost measured from now), not at the next launch."""
+        if self._bell is None or self._pid is None:
+            return None
+        self._bell.wait(0)  # takes in the end-of-file a dead worker's socket left (and any stale dings)
+        self._pid_checked_ns = 0  # read the process table now
+        return self._why_gone(time.monotonic_ns())
+
     @property
     def pid(self) -> int | None:
         """The attached worker's pid (None before wait_ready)."""

@@ -6,6 +6,7 @@ does not exist. The commands run in-process (click's runner) so a kill lands whi
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -15,7 +16,7 @@ from metrale.frontend.admin_access import admin_refusal
 from metrale.frontend.client import AsyncClient, Client, RequestError
 
 from serve_fixture import running_server
-from test_faults_e2e import N, _run_with_fault, expected, model_dir, wait_idle, wait_recovered  # noqa: F401 - fixtures
+from test_faults_e2e import N, _run_with_fault, expected, model_dir, one_request_works, wait_idle, wait_recovered  # noqa: F401 - fixtures
 from test_frontend_server import WAIT_S, running_stack
 
 KEY = "sk-admin-test"
@@ -63,16 +64,31 @@ def test_worker_kill_under_32_streams_changes_no_token(server, expected, sig):  
     wait_idle(server)
 
 
-def test_worker_restart_and_status_shows_its_cost(server):
+def wait_replaced(server, pid: int, timeout: float = 60.0):
+    """The engine core's record of replacing worker pid, once the new worker is ready."""
+    deadline = time.monotonic() + timeout
+    with server.client() as c:
+        while True:
+            r = c.stats().last_worker_recovery
+            if r is not None and f"pid {pid})" in r.cause and r.ready_s is not None:
+                return r
+            assert time.monotonic() < deadline, f"worker {pid} was not replaced: {r}"
+            time.sleep(0.05)  # polling the engine's counters: the replacement happens in other processes
+
+
+def test_an_idle_worker_restart_is_noticed_at_once_and_status_shows_it(server):
     old = server.children()
     out = cli(server, "worker", "restart")
     assert out.exit_code == 0 and f"pid {old['gpu_worker']}" in out.output, out.output
     wait_recovered(server, "gpu_worker", old["gpu_worker"])
+    record = wait_replaced(server, old["gpu_worker"])
+    assert record.requests == 0 and record.resumed_s is None, "nothing ran: nothing resumed"
     status = cli(server, "status")
     assert status.exit_code == 0, status.output
     assert "killed by SIGTERM (metrale worker restart)" in status.output
     line = next(line for line in status.output.splitlines() if line.startswith("last worker restart: "))
-    assert "new worker ready after" in line
+    assert f"pid {old['gpu_worker']})" in line and "new worker ready after" in line and "no request was running" in line
+    one_request_works(server)
 
 
 @pytest.mark.parametrize("args, words", [
