@@ -38,6 +38,7 @@ from metrale.ipc.messages import (
     StatsResponse,
     WorkerBack,
     WorkerLost,
+    WorkerRecovery,
 )
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.plan import DeviceError
@@ -120,6 +121,11 @@ class EngineCoreProcess:
         self.stopping = False
         self.waiting_for_worker = False  # SIGTERM then exits at once (nothing is running)
         self._recovered_at: float | None = None  # when the last replacement worker was ready (for its log line)
+        self.recoveries = 0
+        self.recovery: WorkerRecovery | None = None  # the last lost worker's replacement and its cost
+        self._fault_began: float | None = None  # monotonic; set until a resumed request's first token
+        self._idle_loss: str | None = None  # the worker died while nothing ran (found by the idle poll)
+        self._idle_checked_at = time.monotonic()
         self._unproven = True  # the current worker has not served a step yet
         self._sent_at = time.monotonic()  # the last frame to the frontend (outputs or a heartbeat)
         self.status = StatusSender(args.status_address, "engine_core") if args.status_address else None
@@ -144,6 +150,10 @@ class EngineCoreProcess:
         while not self.stopping:
             busy = self.engine.has_unfinished()
             self._take_inputs(block=not busy)
+            if self._idle_loss is not None:  # the worker died between requests: replace it now
+                lost, self._idle_loss = self._idle_loss, None
+                self._replace_worker(lost)
+                continue
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -156,6 +166,8 @@ class EngineCoreProcess:
                 self._send(EngineOutputs(outputs=outputs, load=self._load() if self._replicated else None))
             if outputs and (self._unproven or self._recovered_at is not None):
                 self._note_worker_progress()
+            if self._fault_began is not None and any(o.new_token_ids for o in outputs):
+                self._note_resumed()
             if self.engine.device_lost:
                 self._replace_worker(self.engine.device_lost)
 
@@ -163,7 +175,14 @@ class EngineCoreProcess:
         """Handle every message waiting; when idle, wait (in slices) for the first."""
         while True:
             if block:
-                if not self.inbox.poll(IDLE_POLL_MS):
+                ready = self.inbox.poll(IDLE_POLL_MS)
+                now = time.monotonic()
+                if now - self._idle_checked_at >= IDLE_POLL_MS / 1000:  # by the clock: queries may keep it busy
+                    self._idle_checked_at = now
+                    self._idle_loss = self.device.lost_while_idle()
+                    if self._idle_loss is not None:
+                        return
+                if not ready:
                     if not psutil.pid_exists(self.parent) or os.getppid() != self.parent:
                         self.stopping = True
                     return
@@ -201,6 +220,7 @@ class EngineCoreProcess:
             stats.worker_busy_s, stats.worker_idle_s = worker.busy_ns / 1e9, worker.idle_ns / 1e9
             cache = self.engine.pool.stats  # the hit rate's two counts, so that replicas' rates can be summed
             stats.prefix_cache_hit_tokens, stats.prefix_cache_queried_tokens = cache.hit_tokens, cache.queried_tokens
+            stats.worker_recoveries, stats.last_worker_recovery = self.recoveries, self.recovery
             self._send(StatsResponse(id=msg.id, stats=stats))
 
     def _load(self) -> EngineLoad:
@@ -213,7 +233,11 @@ class EngineCoreProcess:
 
     def _replace_worker(self, lost: str) -> None:
         """The worker died: settle its requests by the policy, wait for the supervisor's new one, serve on."""
-        t_lost = time.monotonic()
+        t_lost = (self.device.fault_began_ns or time.monotonic_ns()) / 1e9  # a hang began with its stuck step
+        sched = self.engine.scheduler
+        live = len(sched.running) + len(sched.swapped)
+        self.recoveries += 1
+        self.recovery = WorkerRecovery(cause=lost, lost_at=time.time() - (time.monotonic() - t_lost), requests=live)
         if self.args.serve.on_worker_fault == "fail":
             for seq in self.engine.scheduler.running:
                 seq.finish("error", f"the GPU worker died ({lost}); the request was stopped", ErrorCode.WORKER_FAULT)
@@ -238,6 +262,9 @@ class EngineCoreProcess:
             return
         self._unproven = True
         self._recovered_at = time.monotonic()
+        self.recovery.ready_s = self._recovered_at - t_lost
+        # Requeued requests resume on the new worker: the cost of the restart is the wait for their first token.
+        self._fault_began = t_lost if live and self.args.serve.on_worker_fault == "recover" else None
         self._send(WorkerBack())
         log.info("new worker ready %.3f s after the loss (ready at monotonic %.6f)", self._recovered_at - t_lost,
                  self._recovered_at)
@@ -256,6 +283,13 @@ class EngineCoreProcess:
                 with open(tmp, "w") as f:
                     f.write(str(stats.worker_pid))
                 os.replace(tmp, self.args.served_path)
+
+    def _note_resumed(self) -> None:
+        """The first token after a worker's replacement: the restart's cost, from the fault to this token."""
+        self.recovery.resumed_s = time.monotonic() - self._fault_began
+        self._fault_began = None
+        log.info("worker restart: the first resumed token came %.3f s after the fault (%s)", self.recovery.resumed_s,
+                 self.recovery.cause)
 
     def _report_hang(self, why: str) -> None:
         """The device killed a hung worker: the supervisor names it as the fault (then restarts it)."""

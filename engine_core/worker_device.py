@@ -85,6 +85,8 @@ class WorkerDevice:
         self._spawn_group = None  # callable(generation) -> one argv per rank, for a spawned group
         self._generation = 0  # starts of a spawned group (each meets at a fresh port)
         self._gone: str | None = "no worker has attached to the ring yet"
+        # When the current worker's fault began (monotonic ns): its death noticed, or its hung step's start.
+        self.fault_began_ns: int | None = None
         self._inflight = [0] * self._ring.num_slots  # seq in flight per slot, 0 when free
         self._next_seq = 1
         self._first_seq = 1  # tickets below this were launched to a previous worker
@@ -190,6 +192,7 @@ class WorkerDevice:
         self._bells = [ready[r][0] for r in range(self.num_ranks)]
         self._pids = [ready[r][1].pid for r in range(self.num_ranks)]
         self._bell, self._pid, self._info, self._gone = self._bells[0], self._pids[0], ready[0][1].info, None
+        self.fault_began_ns = None
         self._first_seq = self._next_seq
         self._inflight = [0] * self._ring.num_slots
         self.hang.reset()
@@ -330,6 +333,15 @@ class WorkerDevice:
         """The doorbell socket the worker connects to (derived from the ring name)."""
         return self._listener.path
 
+    def lost_while_idle(self) -> str | None:
+        """Why the attached worker is gone (None while it lives), for a caller with nothing in flight: a death
+        between steps is then noticed now (and its cost measured from now), not at the next launch."""
+        if self._bell is None or self._pid is None:
+            return None
+        self._bell.wait(0)  # takes in the end-of-file a dead worker's socket left (and any stale dings)
+        self._pid_checked_ns = 0  # read the process table now
+        return self._why_gone(time.monotonic_ns())
+
     @property
     def pid(self) -> int | None:
         """The attached worker's pid (rank 0's; None before wait_ready)."""
@@ -383,6 +395,7 @@ class WorkerDevice:
                     return  # published just before the worker went
                 raise DeviceLost(f"step {seq} lost: {gone}")
             if now > deadline:
+                self.fault_began_ns = started
                 raise DeviceLost(f"step {seq} lost: {self._kill_hung(now - started)}")
             bell.wait(self._slice_s)
         self._progressed(slot, started)
@@ -430,6 +443,8 @@ class WorkerDevice:
                     break
             if check_pid:
                 self._pid_checked_ns = now_ns
+            if self._gone is not None and self.fault_began_ns is None:
+                self.fault_began_ns = now_ns
             if self._gone is not None and self._procs:
                 code = self._reap(timeout_s=0.05)
                 if code is not None:

@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from metrale.ipc.messages import (Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, Stats,
-                                  StatsQuery)
+from metrale.ipc.messages import (
+    Admin, AdminReply, Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, Stats, StatsQuery,
+)
 from metrale.ipc.sampling import SamplingParams
 
 from .client_protocol import (
@@ -31,7 +32,7 @@ from .client_protocol import (
     abort_frame,
     check_new_id,
     decode_answer,
-    encode,
+    keyed,
     generate_frame,
     is_noise,
     log,
@@ -68,9 +69,11 @@ class AsyncClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         *,
         address: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.address = server_address(host, port, address)
         self.timeout = timeout
+        self.api_key = api_key  # sent in every message (docs/protocol.md §3); the server's --api-key
         self._sock = shared_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
@@ -106,7 +109,7 @@ class AsyncClient:
     ) -> AsyncIterator[Delta]:
         """Run a request, yielding its Deltas; leaving the loop early aborts it."""
         request_id = request_id or new_id()
-        frame = generate_frame(request_id, prompt, token_ids, params)
+        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key)
         q = self._register(request_id)
         finished = False
         try:
@@ -126,7 +129,7 @@ class AsyncClient:
             self._waiters.pop(request_id, None)
             if not finished and not self._closed:  # left early: the server should stop working on it
                 try:
-                    self._sock.send(abort_frame(request_id), flags=zmq.DONTWAIT)
+                    self._sock.send(abort_frame(request_id, self.api_key), flags=zmq.DONTWAIT)
                 except zmq.ZMQError as e:
                     log.warning("metrale client: could not send the abort of %r: %s", request_id, e)
                 self._look_again()
@@ -147,7 +150,7 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         """Ask the server to stop a request; its stream then ends with finish_reason "abort"."""
-        await self._send(abort_frame(request_id))
+        await self._send(abort_frame(request_id, self.api_key))
 
     async def stats(self) -> EngineStats:
         """The engine core's counters."""
@@ -165,11 +168,19 @@ class AsyncClient:
         """The served model: name, vocabulary size, max_model_len, eos ids and chat template."""
         return await self._ask(ModelInfoQuery(id=new_id()))
 
-    async def _ask(self, msg: StatsQuery | HealthQuery | ModelInfoQuery):
+    async def kill_worker(self, signal: str = "KILL", *, rank: int = 0, replica: int = 0) -> AdminReply:
+        """Admin (a server with --enable-admin): send a GPU worker SIGKILL, SIGTERM or SIGSTOP (KILL, TERM, STOP)."""
+        return await self._ask(Admin(id=new_id(), action="kill", signal=signal, rank=rank, replica=replica))
+
+    async def restart_worker(self, *, rank: int = 0, replica: int = 0) -> AdminReply:
+        """Admin (a server with --enable-admin): stop a GPU worker (TERM, then KILL); a new one takes over."""
+        return await self._ask(Admin(id=new_id(), action="restart", rank=rank, replica=replica))
+
+    async def _ask(self, msg: StatsQuery | HealthQuery | ModelInfoQuery | Admin):
         """Send a one-answer query and wait for its answer."""
         q = self._register(msg.id)
         try:
-            await self._send(encode(msg))
+            await self._send(keyed(msg, self.api_key))
             reply = await self._wait(q, msg.id)
         finally:
             self._waiters.pop(msg.id, None)

@@ -91,6 +91,27 @@ class ChatTemplate:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
+def chat_template_source(value: str) -> str:
+    """`--chat-template`: the Jinja of a file when value names one, else value itself when it is a template
+    (as vLLM takes it); ChatTemplateError when it is neither, or does not compile."""
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except OSError:  # a long inline template is no path
+        is_file = False
+    if is_file:
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"--chat-template {value}: unreadable ({exc})") from None
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ChatTemplateError(f"--chat-template {value!r}: no such file, and not an inline Jinja template")
+    ChatTemplate.from_source(source)  # compiles now: a broken template is a start-up error, not a 400 per chat
+    return source
+
+
 def normalize_messages(messages: object) -> list[dict]:
     """OpenAI chat messages as templates expect them: text parts joined into one string, tool arguments as objects."""
     if not isinstance(messages, list) or not messages:

@@ -83,18 +83,26 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def generate_frame(
-    request_id: str, prompt: str | None, token_ids: list[int] | None, params: SamplingParams | None
+    request_id: str, prompt: str | None, token_ids: list[int] | None, params: SamplingParams | None,
+    api_key: str | None = None,
 ) -> bytes:
     """The Generate frame for one request."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt and token_ids")
-    msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params or SamplingParams())
+    msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params or SamplingParams(),
+                   api_key=api_key)
     return _encoder.encode(msg)
 
 
-def abort_frame(request_id: str) -> bytes:
+def abort_frame(request_id: str, api_key: str | None = None) -> bytes:
     """The Abort frame for one request."""
-    return _encoder.encode(Abort(id=request_id))
+    return _encoder.encode(Abort(id=request_id, api_key=api_key))
+
+
+def keyed(msg: msgspec.Struct, api_key: str | None) -> bytes:
+    """A query's frame, carrying the client's API key."""
+    msg.api_key = api_key
+    return _encoder.encode(msg)
 
 
 def decode_answer(data: bytes) -> ServerMessage | None:

@@ -62,6 +62,9 @@ def check_generate(msg: Generate, vocab_size: int) -> None:
         msg.sampling.validate(vocab_size)
     except ValueError as exc:
         raise Rejected("bad_request", f"sampling.{exc}") from None
+    if msg.sampling.n != 1:
+        raise Rejected("bad_request", f"sampling.n must be 1 over ZMQ (got {msg.sampling.n}): send n requests, "
+                                      "seed + j for the j-th when seeded")
 
 
 def salvage_id(data: memoryview | bytes) -> str:

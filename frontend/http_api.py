@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
+from .api_key import UNAUTHORIZED_MESSAGE
 from .http_chat import ChatCompletions
 from .http_completions import Completions
+from .http_access_log import access_log
 from .http_errors import ApiError, errors_as_json, json_response
 from .http_params import ServedModel
 from .http_reply import TokenTexts
@@ -44,12 +45,15 @@ class HttpApi:
     def __init__(self, server: FrontendServer) -> None:
         self.server = server
         cfg = server.config
-        self.model = ServedModel(id=cfg.served_model_name or Path(cfg.model_dir).name, dir=cfg.model_dir)
+        self.model = ServedModel(names=tuple(server.model_names), dir=cfg.model_dir,
+                                 dir_named=not cfg.served_model_names, sampling_defaults=server.sampling_defaults)
         self.created = int(time.time())
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)
         self.chat = ChatCompletions(server, self.model, texts)
-        self.app = web.Application(middlewares=[errors_as_json], client_max_size=cfg.max_frame_bytes)
+        middlewares = [access_log] if cfg.log_requests else []  # outermost: it sees the status errors_as_json sends
+        self.app = web.Application(middlewares=[*middlewares, errors_as_json, self._require_key],
+                                   client_max_size=cfg.max_frame_bytes)
         self.app.add_routes([
             web.post("/v1/completions", self.completions.handle),
             web.post("/v1/chat/completions", self.chat.handle),
@@ -58,6 +62,13 @@ class HttpApi:
             web.get("/metrics", self.metrics),
         ])
         self._runner: web.AppRunner | None = None
+
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler) -> web.StreamResponse:
+        """--api-key: /v1/* answers 401 without `Authorization: Bearer KEY`; /health and /metrics stay open."""
+        if request.path.startswith("/v1/") and not self.server.api_key.allows_header(request.headers.get("Authorization")):
+            raise ApiError(401, UNAUTHORIZED_MESSAGE, code="invalid_api_key")
+        return await handler(request)
 
     async def start(self, host: str, port: int) -> str:
         """Listen on host:port (0: any free port); return the base URL."""
@@ -82,9 +93,10 @@ class HttpApi:
         health = self.server.health()
         if not health.ready:
             raise ApiError(503, f"not ready: waiting for {health.waiting_for}", type="server_error", code="not_ready")
-        model = {"id": self.model.id, "object": "model", "created": self.created, "owned_by": "metrale",
-                 "root": str(self.model.dir), "parent": None, "max_model_len": self.server.max_model_len}
-        return json_response({"object": "list", "data": [model]})
+        models = [{"id": name, "object": "model", "created": self.created, "owned_by": "metrale",
+                   "root": str(self.model.dir), "parent": None, "max_model_len": self.server.max_model_len}
+                  for name in self.model.names]
+        return json_response({"object": "list", "data": models})
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 when every process is up, else 503; the body says which."""

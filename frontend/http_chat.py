@@ -13,6 +13,7 @@ from metrale.ipc.sampling import StructuredOutputs
 
 from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningTags, tag_keeping_decoder
 from .http_errors import ApiError, json_response
+from .http_access_log import CHOICES
 from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
 from .http_reply import Reply, TokenTexts, stream
 from .http_run import Choice, Run
@@ -74,13 +75,13 @@ class ChatCompletions:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         forced = StructuredOutputs(json=tools.schema) if tools.schema is not None else None  # the call must parse
-        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced)
+        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced, defaults=self.model.sampling_defaults)
         check_count(body.n)
         decoder = self.decoder if params.skip_special_tokens else None
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)
         run = Run(self.server, self.texts)
         try:
-            choices = []
+            choices = request[CHOICES] = []  # the access log counts their tokens
             for j in range(body.n):
                 splitter = ReasoningSplitter(self.reasoning, opens_reasoning) if self.reasoning else None
                 choices.append(Choice(index=j, prompt_index=0, splitter=splitter,

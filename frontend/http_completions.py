@@ -11,6 +11,7 @@ from aiohttp import web
 from metrale.ipc.messages import Delta, TokenLogprob
 
 from .http_errors import ApiError, json_response
+from .http_access_log import CHOICES
 from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
 from .http_reply import Reply, TokenTexts, stream
 from .http_run import Choice, Run
@@ -48,11 +49,11 @@ class Completions:
         prompts = _prompts(body.prompt)
         # Given, max_tokens must fit beside the prompt (400 otherwise); null: the rest of the context.
         max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
-        params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size)
+        params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size, defaults=self.model.sampling_defaults)
         check_count(len(prompts) * body.n)
         run = Run(self.server, self.texts)
         try:
-            choices = []
+            choices = request[CHOICES] = []  # the access log counts their tokens
             for p, (text, ids) in enumerate(prompts):
                 for j in range(body.n):
                     choices.append(Choice(index=len(choices), prompt_index=p))

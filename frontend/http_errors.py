@@ -18,6 +18,8 @@ log = logging.getLogger("metrale.frontend.http_api")
 _ENGINE_ERRORS = {
     "bad_request": (400, "invalid_request_error", "invalid_value"),
     "too_long": (400, "invalid_request_error", "context_length_exceeded"),
+    "unauthorized": (401, "invalid_request_error", "invalid_api_key"),
+    "admin_disabled": (403, "invalid_request_error", "admin_disabled"),
     "busy": (503, "server_error", "server_busy"),
     "shutdown": (503, "server_error", "shutting_down"),
     "worker_fault": (500, "server_error", "worker_fault"),

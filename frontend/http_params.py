@@ -4,12 +4,12 @@ and the SamplingParams each choice runs with. Every refusal is a 400 (404 for a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
 
-from metrale.ipc.sampling import SamplingParams, StructuredOutputs
+from metrale.ipc.sampling import SamplingParams, StructuredOutputs, seeded_for_choice
 
 from .http_errors import ApiError
 
@@ -63,15 +63,24 @@ _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """The one model the HTTP API serves: the id clients name it by, and its folder (accepted as a name too)."""
+    """The one model the HTTP API serves: the names clients give it (--served-model-name, else its folder's name,
+    with the folder's path accepted too), and the sampling defaults for what a request leaves out."""
 
-    id: str
+    names: tuple[str, ...]
     dir: str
+    dir_named: bool = True  # no --served-model-name: the folder's path names it too
+    sampling_defaults: dict = field(default_factory=dict)  # model_facts.generation_defaults
+
+    @property
+    def id(self) -> str:
+        """The name replies carry."""
+        return self.names[0]
 
     def check(self, model: str | None) -> None:
         """404 unless model names this server's model (or is left out)."""
-        if model is not None and model not in (self.id, str(self.dir)):
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.id!r}",
+        if model is not None and model not in self.names and not (self.dir_named and model == str(self.dir)):
+            served = ", ".join(repr(n) for n in self.names)
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
 
@@ -89,10 +98,11 @@ async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int,
-                    structured: StructuredOutputs | None = None) -> SamplingParams:
-    """The request's SamplingParams; 400 naming the field when one is out of range. structured: a constraint the
-    route adds (a forced tool call's schema) where the body asks for none."""
-    kw = {name: getattr(body, name) for name in _PASSTHROUGH if getattr(body, name) is not None}
+                    structured: StructuredOutputs | None = None, defaults: dict | None = None) -> SamplingParams:
+    """The request's SamplingParams (defaults, the model's generation config, for what it leaves out); 400
+    naming the field when one is out of range. structured: a constraint the route adds (a forced tool call's
+    schema) where the body asks for none."""
+    kw = {**(defaults or {}), **{name: getattr(body, name) for name in _PASSTHROUGH if getattr(body, name) is not None}}
     asked = structured_outputs(body)
     if asked is not None and structured is not None:
         raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with response_format or "
@@ -139,11 +149,7 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
     return out
 
 
-def seeded(params: SamplingParams, j: int) -> SamplingParams:
-    """The params of a request's j-th choice: with a seed, seed + j (so n choices differ yet repeat)."""
-    if j == 0 or params.seed is None:
-        return params
-    return msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
+seeded = seeded_for_choice  # a request's j-th choice: seed + j when seeded (ipc/sampling.py)
 
 
 def check_count(count: int) -> None:

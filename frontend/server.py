@@ -36,8 +36,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from metrale.ipc.admin_channel import AdminLink
 from metrale.ipc.messages import (
     Abort,
+    Admin,
     ClientMessage,
     Delta,
     EngineOutput,
@@ -60,8 +62,11 @@ from metrale.ipc.messages import (
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.sampling import SamplingParams
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, StatusSender
-from metrale.model_facts import resolve_model
+from metrale.model_facts import generation_defaults, resolve_model
 
+from .admin_access import admin_refusal, peer_address
+from .api_key import UNAUTHORIZED_MESSAGE, ApiKey
+from .chat import chat_template_source
 from .detokenizer import Decoder
 from .engine_link import EngineLink
 from .replicas import ReplicaSet
@@ -99,13 +104,24 @@ class FrontendConfig:
     ready_probe_s: float = 2.0
     http_host: str = "127.0.0.1"
     http_port: int | None = None  # serve the OpenAI-compatible HTTP API here too (0: any free port)
-    served_model_name: str | None = None  # the HTTP API's model id; default the model folder's name
+    # --served-model-name: the names /v1/models lists and requests must give (the first is the one replies
+    # carry); none: the model folder's name (its path is accepted too).
+    served_model_names: list[str] = field(default_factory=list)
+    chat_template: str | None = None  # --chat-template: a file, or inline Jinja; None: the model's own
+    generation_config: str = "auto"  # HTTP requests' sampling defaults: model_facts.generation_defaults
+    log_requests: bool = True  # an access-log line per HTTP request (--disable-log-requests turns it off)
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
     shutdown_timeout_s: float = 0.0  # on SIGTERM, live requests get this long to finish before they are ended
     stall_s: float = 30.0  # /health is unhealthy when requests are live and the engine was silent this long
     grammar_timeout_s: float = 10.0  # structured_outputs grammars that take longer to compile are refused
     tool_call_parser: str = "hermes"  # the chat route's tool-call format (frontend/tool_parsers.py)
+    # --api-key: every request but health must carry it (frontend/api_key.py). The supervisor hands it over in
+    # the environment (METRALE_API_KEY), never on a command line that `ps` shows.
+    api_key: str | None = None
+    admin_address: str | None = None  # the supervisor's admin inbox (ipc/admin_channel.py); None: admin is off
+    admin_allow_remote: bool = False  # take admin requests from non-loopback peers too
+    admin_timeout_s: float = 5.0
 
 
 class BindError(OSError):
@@ -124,6 +140,8 @@ class FrontendServer:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or Tokenizer.from_dir(config.model_dir)
+        if config.chat_template is not None:  # every chat, and model_info, sees the operator's template
+            self.tokenizer.chat_template = chat_template_source(config.chat_template)
         self.health_source = health_source
         self.clock = clock
         self.client_endpoint: str | None = None  # the bound client address, once `bound` is set
@@ -133,6 +151,12 @@ class FrontendServer:
         self.metrics = Metrics(clock)
         self.replicas = ReplicaSet(1 + len(config.replica_addresses))
         self.facts = resolve_model(config.model_dir, config.max_model_len)
+        self.model_names = list(config.served_model_names) or [self.facts.name]
+        self.sampling_defaults = generation_defaults(config.model_dir, config.generation_config)
+        if self.sampling_defaults:
+            log.info("frontend: HTTP requests' sampling defaults from %s: %s (--generation-config vllm: none)",
+                     "the model's generation_config.json" if config.generation_config == "auto"
+                     else config.generation_config, self.sampling_defaults)
         max_model_len = self.facts.max_model_len
         self.requests = LiveRequests(self.tokenizer, self.replicas, self.metrics, clock, self._send,
                                      self.tokenizer.vocab_size, max_model_len, config.stream_interval,
@@ -151,8 +175,11 @@ class FrontendServer:
         self._batch: list[list[bytes]] | None = None  # frames queued while one engine message is handled
         self._status = StatusSender(config.status_address, "frontend") if config.status_address else None
         self._draining = False  # shutting down: new requests are refused, live ones get shutdown_timeout_s
+        self._live_at_shutdown = 0
         self._engine_heard_at = clock()  # the engine core's last message (its heartbeat while it works)
         self._rejections_logged: set[str] = set()  # codes whose rejections were logged at INFO once
+        self.api_key = ApiKey(config.api_key)
+        self._admin: AdminLink | None = None  # to the supervisor, with --enable-admin
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -209,8 +236,11 @@ class FrontendServer:
     def shutdown(self) -> None:
         """Ask run() to return; safe from any thread and before run() starts."""
         self._stop_requested = True
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # run() ended and its loop closed meanwhile: nothing left to stop
+                pass
 
     def begin_shutdown(self) -> None:
         """SIGTERM: refuse new requests, give live ones shutdown_timeout_s to finish, end the rest with Error
@@ -220,6 +250,7 @@ class FrontendServer:
             return
         self._draining = True
         self.requests.refusing = (ErrorCode.SHUTDOWN, "the server is shutting down")
+        self._live_at_shutdown = self.requests.num_live
         log.info("frontend: shutting down; %d live requests get %.1f s to finish", self.requests.num_live,
                  self.config.shutdown_timeout_s)
         task = self._loop.create_task(self._drain_then_stop(), name="frontend-drain")
@@ -231,6 +262,10 @@ class FrontendServer:
             await asyncio.wait_for(self.requests.idle.wait(), self.config.shutdown_timeout_s)
         except asyncio.TimeoutError:
             pass
+        left = self.requests.num_live
+        log.info("frontend: shut down: of %d requests live at the signal, %d finished within the %.1f s drain, %d "
+                 "were ended with Error shutdown", self._live_at_shutdown, max(0, self._live_at_shutdown - left),
+                 self.config.shutdown_timeout_s, left)
         self.requests.end_all(ErrorCode.SHUTDOWN, "the server is shutting down; the request was stopped")
         await asyncio.sleep(0)  # let in-process sinks (HTTP streams) take their final messages
         self.shutdown()
@@ -257,6 +292,8 @@ class FrontendServer:
         self.client_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replicas.open(ctx, [(cfg.engine_input_address, cfg.engine_output_address),
                                  *((a, b) for a, b in cfg.replica_addresses)])
+        if cfg.admin_address is not None:
+            self._admin = AdminLink(ctx, cfg.admin_address)
         log.info("frontend listening on %s; engine core at %s / %s", self.client_endpoint,
                  cfg.engine_input_address, cfg.engine_output_address)
 
@@ -274,6 +311,8 @@ class FrontendServer:
         self._router_sync = None
         self.replicas.close()
         self.requests.close()  # the grammar compiler's helper process
+        if self._admin is not None:
+            self._admin.close()
 
     # ---- clients → server ------------------------------------------------------------
 
@@ -299,6 +338,9 @@ class FrontendServer:
         except Rejected as exc:
             self._reject(client, envelope, exc.request_id, exc.code.value, exc.message)
             return
+        if not isinstance(msg, HealthQuery) and not self.api_key.allows(msg.api_key):
+            self._reject(client, envelope, msg.id, ErrorCode.UNAUTHORIZED.value, UNAUTHORIZED_MESSAGE)
+            return
         if isinstance(msg, Generate):
             self._on_generate(client, envelope, source_fd(payload), msg)
         elif isinstance(msg, Abort):
@@ -309,6 +351,27 @@ class FrontendServer:
             self._send(client, envelope, self._health(msg.id))
         elif isinstance(msg, ModelInfoQuery):
             self._send(client, envelope, self._model_info(msg.id))
+        elif isinstance(msg, Admin):
+            self._on_admin(client, envelope, msg, peer_address(payload))
+
+    def _on_admin(self, client: bytes, envelope: tuple[bytes, ...], msg: Admin, peer: str | None) -> None:
+        """Worker control: refused (admin_disabled) unless admin is on and the peer may use it, else forwarded to
+        the supervisor, which owns the worker; its answer goes back to the client."""
+        cfg = self.config
+        refused = admin_refusal(self._admin is not None, cfg.admin_allow_remote, peer, cfg.client_address)
+        if refused is not None:
+            self._reject(client, envelope, msg.id, ErrorCode.ADMIN_DISABLED.value, refused)
+            return
+        log.warning("frontend: admin request from %s: %s worker rank %d replica %d%s", peer or "a local peer",
+                    msg.action, msg.rank, msg.replica, f" with SIG{msg.signal}" if msg.action == "kill" else "")
+
+        async def forward() -> None:
+            answer = await self._admin.ask(msgspec.structs.replace(msg, api_key=None), cfg.admin_timeout_s)
+            self._send(client, envelope, answer)
+
+        task = self._loop.create_task(forward(), name="frontend-admin")
+        self.requests.background.add(task)
+        task.add_done_callback(self.requests.background.discard)
 
     def _on_generate(self, client: bytes, envelope: tuple[bytes, ...], fd: int | None, msg: Generate) -> None:
         """Validate and register a request; tokenize it (off the loop when long) and admit it."""
@@ -342,7 +405,7 @@ class FrontendServer:
     def _model_info(self, request_id: str) -> ModelInfoReply:
         """What model is served (from the model facts and the tokenizer: no engine core needed)."""
         facts, tok = self.facts, self.tokenizer
-        return ModelInfoReply(id=request_id, model=facts.name, architecture=facts.architecture,
+        return ModelInfoReply(id=request_id, model=self.model_names[0], architecture=facts.architecture,
                               vocab_size=self.requests.vocab_size, max_model_len=self.requests.max_model_len or facts.max_model_len,
                               eos_token_ids=list(facts.eos_token_ids), bos_token_id=tok.bos_token_id,
                               chat_template=tok.chat_template)

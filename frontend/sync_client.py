@@ -12,7 +12,7 @@ import threading
 import zmq
 
 from metrale.ipc.messages import (
-    Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, Stats, StatsQuery,
+    Admin, AdminReply, Delta, EngineStats, Error, Health, HealthQuery, ModelInfoQuery, ModelInfoReply, Stats, StatsQuery,
 )
 from metrale.ipc.sampling import SamplingParams
 
@@ -25,7 +25,7 @@ from .client_protocol import (
     abort_frame,
     check_new_id,
     decode_answer,
-    encode,
+    keyed,
     generate_frame,
     is_noise,
     log,
@@ -50,9 +50,11 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT_S,
         *,
         address: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.address = server_address(host, port, address)
         self.timeout = timeout
+        self.api_key = api_key  # sent in every message (docs/protocol.md §3); the server's --api-key
         self._ctx = zmq.Context()
         self._lock = threading.RLock()  # guards _waiters and the outbox (re-entrant: __del__ may run under it)
         self._waiters: dict[str, queue.SimpleQueue] = {}
@@ -104,7 +106,7 @@ class Client:
     ) -> DeltaStream:
         """Start a request now; iterate the result for its Deltas (the last has a finish_reason)."""
         request_id = request_id or new_id()
-        frame = generate_frame(request_id, prompt, token_ids, params)
+        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key)
         q = self._register(request_id)
         try:
             self._post(frame)
@@ -131,7 +133,7 @@ class Client:
 
     def abort(self, request_id: str) -> None:
         """Ask the server to stop a request; its stream then ends with finish_reason "abort"."""
-        self._post(abort_frame(request_id))
+        self._post(abort_frame(request_id, self.api_key))
 
     def stats(self) -> EngineStats:
         """The engine core's counters."""
@@ -155,12 +157,24 @@ class Client:
         assert isinstance(reply, ModelInfoReply)
         return reply
 
-    def _ask(self, make) -> Stats | Health | ModelInfoReply:
+    def kill_worker(self, signal: str = "KILL", *, rank: int = 0, replica: int = 0) -> AdminReply:
+        """Admin (a server with --enable-admin): send a GPU worker SIGKILL, SIGTERM or SIGSTOP (KILL, TERM, STOP)."""
+        reply = self._ask(lambda rid: Admin(id=rid, action="kill", signal=signal, rank=rank, replica=replica))
+        assert isinstance(reply, AdminReply)
+        return reply
+
+    def restart_worker(self, *, rank: int = 0, replica: int = 0) -> AdminReply:
+        """Admin (a server with --enable-admin): stop a GPU worker (TERM, then KILL); a new one takes over."""
+        reply = self._ask(lambda rid: Admin(id=rid, action="restart", rank=rank, replica=replica))
+        assert isinstance(reply, AdminReply)
+        return reply
+
+    def _ask(self, make) -> Stats | Health | ModelInfoReply | AdminReply:
         """Send a one-answer query and wait for its answer."""
         request_id = new_id()
         q = self._register(request_id)
         try:
-            self._post(encode(make(request_id)))
+            self._post(keyed(make(request_id), self.api_key))
             reply = self._wait(q, request_id)
         finally:
             self._unregister(request_id)

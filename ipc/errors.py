@@ -19,6 +19,8 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"  # the engine failed the request
     WORKER_FAULT = "worker_fault"  # the GPU worker failed while running the request
     UNKNOWN_ID = "unknown_id"  # an abort for an id that is not running
+    UNAUTHORIZED = "unauthorized"  # a missing or wrong API key (the server runs with --api-key)
+    ADMIN_DISABLED = "admin_disabled"  # an admin request to a server without --enable-admin (or from afar)
 
     def __str__(self) -> str:
         return self.value

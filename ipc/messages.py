@@ -22,7 +22,13 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top_logprobs: list[float] = []
 
 
-class Generate(msgspec.Struct, tag="generate", kw_only=True):
+class _Keyed(msgspec.Struct, kw_only=True):
+    """A client message: it carries the server's API key when the server was started with --api-key."""
+
+    api_key: str | None = None
+
+
+class Generate(_Keyed, tag="generate", kw_only=True):
     """Start a request. Exactly one of prompt (text) and token_ids is given."""
 
     id: str
@@ -32,31 +38,46 @@ class Generate(msgspec.Struct, tag="generate", kw_only=True):
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV blocks
 
 
-class Abort(msgspec.Struct, tag="abort", kw_only=True):
+class Abort(_Keyed, tag="abort", kw_only=True):
     """Stop a request; its stream ends with finish_reason "abort"."""
 
     id: str
 
 
-class StatsQuery(msgspec.Struct, tag="stats", kw_only=True):
+class StatsQuery(_Keyed, tag="stats", kw_only=True):
     """Ask for the engine's counters."""
 
     id: str
 
 
-class HealthQuery(msgspec.Struct, tag="health", kw_only=True):
+class HealthQuery(_Keyed, tag="health", kw_only=True):
     """Ask for each process's pid, uptime, restarts and the last fault."""
 
     id: str
 
 
-class ModelInfoQuery(msgspec.Struct, tag="model_info", kw_only=True):
+class ModelInfoQuery(_Keyed, tag="model_info", kw_only=True):
     """Ask what model is served: enough to validate requests and render chats on the client side."""
 
     id: str
 
 
-ClientMessage = Generate | Abort | StatsQuery | HealthQuery | ModelInfoQuery
+class Admin(_Keyed, tag="admin", kw_only=True):
+    """Worker control for fault tests (`metrale serve --enable-admin`): kill or restart a GPU worker.
+
+    action "kill" sends the worker `signal` (KILL, TERM or STOP: STOP exercises the hung-worker detection);
+    "restart" stops it (TERM, then KILL) and lets the supervisor start a new one. rank and replica name the worker
+    (tensor- and data-parallel position); a server of one worker has rank 0 of replica 0 only.
+    """
+
+    id: str
+    action: str  # "kill" | "restart"
+    signal: str = "KILL"  # with "kill": KILL | TERM | STOP
+    rank: int = 0
+    replica: int = 0
+
+
+ClientMessage = Generate | Abort | StatsQuery | HealthQuery | ModelInfoQuery | Admin
 
 
 class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
@@ -77,6 +98,16 @@ class Error(msgspec.Struct, tag="error", kw_only=True):
     id: str
     code: str  # an ErrorCode value (ipc/errors.py; docs/protocol.md §4.1)
     message: str
+
+
+class WorkerRecovery(msgspec.Struct, kw_only=True):
+    """The engine core's last replacement of a lost worker, and what it cost the requests it was running."""
+
+    cause: str  # why the worker was lost
+    lost_at: float  # unix time the fault began (for a hung worker: when its stuck step started)
+    requests: int = 0  # requests it was running, requeued (--on-worker-fault recover) or failed
+    ready_s: float | None = None  # from the fault to the new worker's readiness
+    resumed_s: float | None = None  # from the fault to the first token of a resumed request (None: none yet)
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -104,6 +135,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # RepickOnly repairs: tokens the host picked again from a step's logits (a recurrent model's step
     # launched ahead whose mask went stale).
     host_repicks: int = 0
+    worker_recoveries: int = 0  # workers this engine core lost and replaced
+    last_worker_recovery: WorkerRecovery | None = None
     # Data parallel: the frontend's sums over every replica hold each replica's own counters here, in order.
     replicas: list[EngineStats] = []
 
@@ -165,7 +198,15 @@ class ModelInfoReply(msgspec.Struct, tag="model_info_reply", kw_only=True):
     chat_template: str | None = None  # Jinja, as the model ships it (None: the model has none)
 
 
-ServerMessage = Delta | Error | Stats | Health | ModelInfoReply
+class AdminReply(msgspec.Struct, tag="admin_reply", kw_only=True):
+    """Answer to Admin: what was done (the supervisor's words) and to which process."""
+
+    id: str
+    pid: int  # the worker process that was signalled
+    detail: str
+
+
+ServerMessage = Delta | Error | Stats | Health | ModelInfoReply | AdminReply
 
 # ---- frontend ↔ engine core ----------------------------------------------------------
 

@@ -86,6 +86,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     adaptive_sampling: bool = False  # greedy inside a code fence or a tool call
     priority: int = 0  # lower runs first (vLLM's convention); FCFS among equals
     structured_outputs: StructuredOutputs | None = None  # a grammar the output follows (JSON schema, regex, ...)
+    # Samples per prompt (the offline LLM; over HTTP the body's `n`). Sample j runs with seed + j when seeded
+    # (seeded_for_choice), so they differ yet repeat; greedy samples are copies. A ZMQ request is one sample.
+    n: int = 1
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +120,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids))
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]", self.min_tokens)
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1", self.n)
         lo, hi = PRIORITY_RANGE
         _check(isinstance(self.priority, int) and lo <= self.priority <= hi, "priority", f"must be an integer in [{lo}, {hi}]", self.priority)
         _check(self.max_thinking_tokens is None or (isinstance(self.max_thinking_tokens, int) and self.max_thinking_tokens >= 0), "max_thinking_tokens", "must be >= 0", self.max_thinking_tokens)
@@ -125,6 +129,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids must be in [0, {vocab_size})", bad)
+
+
+def seeded_for_choice(params: SamplingParams, j: int) -> SamplingParams:
+    """The params of a request's j-th sample (choice): one sample, with seed + j when seeded (so n samples differ
+    yet repeat); j 0 keeps the request's own seed."""
+    if params.n != 1:
+        params = msgspec.structs.replace(params, n=1)
+    if j == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
 
 
 def _finite(x: object) -> bool:

@@ -2,11 +2,11 @@
 
 from metrale.ipc.sampling import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "Client", "AsyncClient"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "Client", "AsyncClient"]
 
 
 def __getattr__(name: str):
-    if name in ("LLM", "RequestOutput"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from metrale import llm
 
         return getattr(llm, name)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import signal
 import sys
+import time
 
 import click
 import msgspec
@@ -14,37 +16,47 @@ from metrale.config import QUANTIZATIONS, EngineArgs, ServeConfig
 from metrale.ipc.sampling import SamplingParams
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(importlib.metadata.version("metrale"), "--version", "-V", prog_name="metrale",
+                      help="print metrale's version and exit.")
 def main() -> None:
     """metrale: an LLM serving engine."""
 
 
 @main.command()
 @click.option("--model", default=None, help="Hugging Face model folder or GGUF file (default: the built-in tiny demo model).")
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to bind the ZMQ and HTTP ports on (loopback unless told otherwise).")
 @click.option("--port", default=7410, show_default=True, help="ZMQ client port (0: any free port).")
 @click.option("--http-port", default=None, type=int, help="also serve the OpenAI-compatible HTTP API on this port.")
-@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True,
+              help="weights' and activations' dtype (auto: the checkpoint's, bfloat16 for a quantized GGUF).")
 @click.option("--quantization", default=None, type=click.Choice(QUANTIZATIONS),
               help="int8 / int4: quantize every linear layer at load (weight-only); none: all dense "
                    "(default: as the checkpoint is; a GGUF's Q8_0 and 4-bit layers stay quantized).")
 @click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")
-@click.option("--max-num-seqs", default=64, show_default=True)
-@click.option("--max-num-batched-tokens", default=2048, show_default=True)
-@click.option("--block-size", default=16, show_default=True)
-@click.option("--num-kv-blocks", default=None, type=int)
+@click.option("--max-num-seqs", default=64, show_default=True, help="requests running at once, at most.")
+@click.option("--max-num-batched-tokens", default=2048, show_default=True,
+              help="tokens one step runs, at most (prefill chunks and decodes together).")
+@click.option("--block-size", default=16, show_default=True, help="tokens per KV-cache block.")
+@click.option("--num-kv-blocks", default=None, type=int,
+              help="KV-cache blocks (default: from --kv-cache-memory, else what the device's memory allows).")
 @click.option("--kv-cache-memory", default=None, type=float, help="bytes of KV cache (e.g. 2e9).")
-@click.option("--max-waiting", default=4096, show_default=True)
-@click.option("--no-prefix-caching", is_flag=True)
-@click.option("--preemption-mode", default="recompute", type=click.Choice(["recompute", "swap"]), show_default=True)
+@click.option("--max-waiting", default=4096, show_default=True,
+              help="requests queued beyond the running ones, at most; more are refused as busy.")
+@click.option("--no-prefix-caching", is_flag=True, help="do not reuse the KV blocks of earlier requests' prefixes.")
+@click.option("--preemption-mode", default="recompute", type=click.Choice(["recompute", "swap"]), show_default=True,
+              help="when the KV cache runs dry: drop a request's blocks and recompute them later, or swap them to host memory.")
 @click.option("--swap-space", default=4.0, show_default=True, help="GiB of host memory for swapped-out KV.")
 @click.option("--no-pipeline", is_flag=True, help="run the synchronous loop instead of the pipelined decode lane.")
 @click.option("--enforce-eager", is_flag=True, help="no decode graphs (CUDA graphs on a GPU): every step runs eager.")
-@click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True)
-@click.option("--max-frame-bytes", default=1 << 20, show_default=True)
+@click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True,
+              help="when the worker dies: resume its requests on the new one, or fail them with worker_fault.")
+@click.option("--max-frame-bytes", default=1 << 20, show_default=True,
+              help="largest ZMQ request frame (and HTTP body) taken; larger ones are too_long.")
 @click.option("--stream-interval", default=1, type=click.IntRange(min=1), show_default=True,
               help="send a request's tokens every N tokens (its first and last at once): less CPU per token, burstier streams.")
-@click.option("--seed", default=None, type=int)
+@click.option("--seed", default=None, type=int, help="the engine's seed (requests without one of their own).")
 @click.option("--worker-threads", default=None, type=int, help="torch threads of the worker on a CPU (default: cores - 1, or every core on a box of two or fewer).")
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2), help="cap on prompt + output tokens (default: what the model's config allows).")
 @click.option("--shutdown-timeout", default=0.0, type=click.FloatRange(min=0), show_default=True,
@@ -71,10 +83,35 @@ def main() -> None:
               help="how chat outputs are parsed into tool_calls: Hermes/Qwen <tool_call> JSON, or Llama 3 JSON.")
 @click.option("--speculative", default=None, type=click.Choice(["ngram"]),
               help="speculative decoding: ngram drafts tokens by prompt lookup, verified in one step.")
-@click.option("--num-speculative-tokens", default=3, type=click.IntRange(1, 16), show_default=True)
+@click.option("--num-speculative-tokens", default=3, type=click.IntRange(1, 16), show_default=True,
+              help="draft tokens per verify step (with --speculative).")
+@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
+              help="a name clients give the model (repeat for several; /v1/models lists them, requests must name "
+                   "one, replies carry the first). Default: the model folder's name.")
+@click.option("--chat-template", default=None, metavar="FILE|JINJA",
+              help="a chat template (a file, or the Jinja itself) in place of the model's own.")
+@click.option("--generation-config", default="auto", show_default=True, metavar="auto|vllm|FOLDER",
+              help="HTTP requests' sampling defaults (temperature, top_p, top_k, min_p, penalties) for what they leave "
+                   "out: auto, the model's generation_config.json; vllm, none; or a folder holding one.")
+@click.option("--disable-log-requests", is_flag=True, help="no access-log line per HTTP request.")
+@click.option("--api-key", default=None, envvar=["METRALE_API_KEY", "VLLM_API_KEY"], show_envvar=True,
+              help="clients must send this key (HTTP: Authorization: Bearer KEY on /v1/*; ZMQ: api_key in each "
+                   "message); /health stays open.")
+@click.option("--enable-admin", is_flag=True,
+              help="take admin requests (metrale worker kill / restart) from this machine: for fault tests.")
+@click.option("--admin-allow-remote", is_flag=True,
+              help="with --enable-admin and a non-loopback --host: take admin requests from other machines too.")
+@click.argument("model_tag", required=False)
 def serve(**o) -> None:
-    """Start frontend, engine core and GPU worker, and serve until Ctrl-C."""
+    """Start frontend, engine core and GPU worker, and serve until Ctrl-C.
+
+    MODEL_TAG, as `vllm serve MODEL` takes it, is the same as --model."""
     from metrale.supervisor import StartupError, Supervisor
+
+    if o["model_tag"] is not None:
+        if o["model"] is not None and o["model"] != o["model_tag"]:
+            _fail(f"two models: {o['model_tag']} and --model {o['model']}")
+        o["model"] = o["model_tag"]
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _check_device(o["device"])
@@ -113,6 +150,10 @@ def serve(**o) -> None:
         worker_hang_timeout_s=o["worker_hang_timeout"], nnodes=o["nnodes"], node_rank=o["node_rank"],
         master_addr=o["master_addr"], master_port=o["master_port"], grammar_timeout_s=o["grammar_timeout"],
         tool_call_parser=o["tool_call_parser"],
+        api_key=o["api_key"] or None,
+        enable_admin=o["enable_admin"], admin_allow_remote=o["admin_allow_remote"],
+        served_model_names=list(o["served_model_names"]), chat_template=o["chat_template"],
+        generation_config=o["generation_config"], disable_log_requests=o["disable_log_requests"],
     )
     try:
         sup = Supervisor(config)
@@ -163,21 +204,40 @@ def _check_device(device: str | None) -> None:
         _fail(f"--device {device}: CUDA is not available (torch {torch.__version__} is {build}); use --device cpu")
 
 
+def _restart_cost(r) -> str:
+    """A WorkerRecovery in words: when, why, and what it cost (fault to new worker, fault to first resumed token)."""
+    when = time.strftime("%H:%M:%S", time.localtime(r.lost_at))
+    ready = "no new worker yet" if r.ready_s is None else f"new worker ready after {r.ready_s:.2f} s"
+    if r.resumed_s is not None:
+        cost = f"first resumed token after {r.resumed_s:.2f} s ({r.requests} request{'s' * (r.requests != 1)} resumed)"
+    elif r.requests:
+        cost = f"no resumed token yet ({r.requests} requests were running)"
+    else:
+        cost = "no request was running"
+    return f"at {when}, {r.cause}; {ready}, {cost}"
+
+
+_api_key_option = click.option("--api-key", default=None, envvar=["METRALE_API_KEY", "VLLM_API_KEY"], show_envvar=True,
+                               help="the server's --api-key.")
+
+
 @main.command()
 @click.argument("prompt")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=7410, show_default=True)
-@click.option("--max-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", default=None, type=int)
+@click.option("--host", default="127.0.0.1", show_default=True, help="the server's host.")
+@click.option("--port", default=7410, show_default=True, help="the server's ZMQ client port.")
+@click.option("--max-tokens", default=64, show_default=True, help="new tokens at most.")
+@click.option("--temperature", default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", default=1.0, show_default=True, help="nucleus sampling: the smallest set of tokens of this much probability.")
+@click.option("--seed", default=None, type=int, help="the request's seed (the same seed, the same text).")
 @click.option("--json", "as_json", is_flag=True, help="print each delta as a JSON line.")
-def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: float, top_p: float, seed: int | None, as_json: bool) -> None:
+@_api_key_option
+def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: float, top_p: float, seed: int | None,
+             as_json: bool, api_key: str | None) -> None:
     """Stream a completion of PROMPT from a running server."""
     from metrale.frontend.client import Client, RequestError
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    with Client(host, port) as client:
+    with Client(host, port, api_key=api_key) as client:
         try:
             for delta in client.generate(prompt, params=params):
                 if as_json:
@@ -193,14 +253,15 @@ def generate(prompt: str, host: str, port: int, max_tokens: int, temperature: fl
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=7410, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="the server's host.")
+@click.option("--port", default=7410, show_default=True, help="the server's ZMQ client port.")
 @click.option("--json", "as_json", is_flag=True, help="print health and stats as one JSON object.")
-def status(host: str, port: int, as_json: bool) -> None:
+@_api_key_option
+def status(host: str, port: int, as_json: bool, api_key: str | None) -> None:
     """Print each process's pid, uptime and restarts, the last fault, and the engine's counters."""
     from metrale.frontend.client import Client, RequestError
 
-    with Client(host, port, timeout=5.0) as client:
+    with Client(host, port, timeout=5.0, api_key=api_key) as client:
         try:
             health = client.health()
         except TimeoutError as e:
@@ -231,6 +292,60 @@ def status(host: str, port: int, as_json: bool) -> None:
                 f"prefix-cache hit rate {s.prefix_cache_hit_rate:.2f}"
                 + (f", {s.host_repicks} host repicks" if s.host_repicks else "")
             )
+            if s.last_worker_recovery is not None:
+                where = "" if s is stats else f"{label}: "
+                click.echo(f"{where}last worker restart: {_restart_cost(s.last_worker_recovery)}")
+
+
+@main.group()
+def worker() -> None:
+    """Worker control for fault tests (the server must run with --enable-admin)."""
+
+
+def _admin_options(f):
+    """The options every `metrale worker` command takes: where the server is, its key, which worker."""
+    for option in reversed([
+        click.option("--host", default="127.0.0.1", show_default=True, help="the server's host."),
+        click.option("--port", default=7410, show_default=True, help="the server's ZMQ client port."),
+        _api_key_option,
+        click.option("--rank", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="the worker's tensor-parallel rank."),
+        click.option("--replica", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="the data-parallel replica (engine core) it belongs to."),
+    ]):
+        f = option(f)
+    return f
+
+
+@worker.command("kill")
+@click.option("--signal", "sig", default="KILL", show_default=True, type=click.Choice(["KILL", "TERM", "STOP"], case_sensitive=False),
+              help="KILL / TERM: the worker dies and is restarted; STOP: it hangs until the hung-worker detection "
+                   "(--worker-hang-timeout) kills it.")
+@_admin_options
+def worker_kill(sig: str, host: str, port: int, api_key: str | None, rank: int, replica: int) -> None:
+    """Send a GPU worker a signal; its requests resume on the worker that replaces it."""
+    _admin(host, port, api_key, lambda c: c.kill_worker(sig.upper(), rank=rank, replica=replica))
+
+
+@worker.command("restart")
+@_admin_options
+def worker_restart(host: str, port: int, api_key: str | None, rank: int, replica: int) -> None:
+    """Stop a GPU worker (SIGTERM, then SIGKILL after 5 s); a new one takes over its requests."""
+    _admin(host, port, api_key, lambda c: c.restart_worker(rank=rank, replica=replica))
+
+
+def _admin(host: str, port: int, api_key: str | None, ask) -> None:
+    """Send one admin request and print the supervisor's answer (an error exits 1 with its code and why)."""
+    from metrale.frontend.client import Client, RequestError
+
+    with Client(host, port, timeout=10.0, api_key=api_key) as client:
+        try:
+            reply = ask(client)
+        except RequestError as e:
+            raise click.ClickException(f"{e.code}: {e.message}")
+        except TimeoutError as e:
+            raise click.ClickException(str(e))
+    click.echo(reply.detail)
 
 
 # Operator tools, each in its own package (their modules import their work only when run).

@@ -117,3 +117,14 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # Clients must send it (frontend/api_key.py). Only the frontend learns it, through its environment: the
+    # supervisor leaves it out of the engine core's command line (ServeConfig travels there as JSON).
+    api_key: str | None = None
+    # Admin requests (worker kill / restart, metrale/worker_control.py): refused unless enabled, and from a
+    # non-loopback peer unless admin_allow_remote.
+    enable_admin: bool = False
+    admin_allow_remote: bool = False
+    served_model_names: list[str] = []  # the names clients give the model (default: its folder's name)
+    chat_template: str | None = None  # a file or inline Jinja in place of the model's template
+    generation_config: str = "auto"  # auto | vllm | a folder: HTTP requests' sampling defaults
+    disable_log_requests: bool = False  # no access-log line per HTTP request

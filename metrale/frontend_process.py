@@ -18,6 +18,8 @@ import msgspec
 from metrale.health_file import read_health
 from metrale.ipc.messages import Health
 
+API_KEY_ENV = "METRALE_API_KEY"  # how the supervisor hands the frontend --api-key
+
 
 def _run_frontend(config_json: str, health_path: str) -> None:
     """The frontend child: its config from JSON, health from the supervisor's file; exits with its parent."""
@@ -25,6 +27,7 @@ def _run_frontend(config_json: str, health_path: str) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
     config = msgspec.json.decode(config_json, type=FrontendConfig)
+    config.api_key = os.environ.get(API_KEY_ENV) or None  # --api-key comes in the environment, never in argv
     supervisor = int(os.environ.get("METRALE_SUPERVISOR_PID", os.getppid()))
 
     def health() -> Health:

@@ -12,10 +12,12 @@ import msgspec
 from metrale.config import EngineArgs
 from metrale.engine_core.engine import EngineCore, EngineOptions
 from metrale.engine_core.pipeline import SpecialTokens
+from metrale.frontend.chat import ChatTemplate, ChatTemplateError, chat_template_source, special_token_variables
 from metrale.frontend.detokenizer import IncrementalDetokenizer
 from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.messages import EngineStats, RequestOutputDelta, TokenLogprob
-from metrale.ipc.sampling import SamplingParams
+from metrale.ipc.sampling import SamplingParams, seeded_for_choice
+from metrale.model_facts import generation_defaults
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +25,55 @@ DEMO_MODEL_NOTE = "serving the built-in tiny demo model: random weights, so its 
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a prompt (vLLM's name): its tokens, text and how it ended."""
+
+    index: int  # which of the prompt's n samples
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' log-probabilities (None without logprobs)."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """The whole result of one prompt."""
+    """The whole result of one prompt: its n samples in `outputs` (vLLM's shape); `token_ids`, `text`,
+    `finish_reason`, `logprobs` and `error` are the first sample's."""
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt: str | None = None  # the prompt's text (a chat's rendered template), None when given as token ids
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
 
 
 def resolve_model_dir(model: str | None) -> str:
@@ -57,10 +98,14 @@ def special_tokens_of(tokenizer: Tokenizer) -> SpecialTokens:
 
 
 class LLM:
-    """Generate offline, batched, like vLLM's LLM: LLM(model_dir).generate(prompts, SamplingParams(...))."""
+    """Generate offline, batched, like vLLM's LLM: LLM(model=...).generate(prompts, SamplingParams(...)),
+    LLM.chat(messages); outputs read `outputs[i].text` as vLLM's do."""
 
-    def __init__(self, model_dir: str | None = None, dtype: str = "auto", **kwargs):
-        args = EngineArgs(model=model_dir, dtype=dtype, **kwargs)
+    def __init__(self, model_dir: str | None = None, dtype: str = "auto", *, model: str | None = None,
+                 generation_config: str = "auto", **kwargs):
+        if model is not None and model_dir is not None and model != model_dir:
+            raise ValueError(f"two models: {model_dir!r} and model={model!r}")
+        args = EngineArgs(model=model if model is not None else model_dir, dtype=dtype, **kwargs)
         args.validate()
         from metrale.gpu_worker.local_device import LocalDevice
         from metrale.gpu_worker.model_runner import ModelRunner
@@ -70,6 +115,7 @@ class LLM:
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self._sampling_defaults = generation_defaults(self.model_dir, generation_config)
         options = EngineOptions.from_args(args)
         if args.tensor_parallel_size > 1:
             self.runner = None
@@ -84,43 +130,105 @@ class LLM:
         self.engine = EngineCore(self.device, options, special_tokens=special_tokens_of(self.tokenizer))
         self._ids = itertools.count()
         self._grammars = None  # the grammar compiler (frontend/grammar_compiler.py), made at the first constraint
+        self._chat_template: ChatTemplate | None = None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt runs with when generate() is given no params: the model's generation_config.json
+        sampling values (LLM(generation_config="vllm"): SamplingParams' own defaults), as vLLM's LLM does."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
-        prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]],
+        prompts: str | dict | Seq[str | dict] | Seq[int] | Seq[Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt (text, or token ids) to completion; outputs in the order of the prompts.
+        """Run every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}) to
+        completion, params.n samples each; outputs in the order of the prompts.
 
         A prompt or parameter the engine cannot serve raises ValueError naming the field, and nothing runs.
         """
-        token_lists = self._token_lists(prompts)
-        plist = _params_list(params, len(token_lists))
+        if sampling_params is not None:  # vLLM's keyword
+            if params is not None:
+                raise ValueError("give params or sampling_params, not both")
+            params = sampling_params
+        texts, token_lists = self._prompts(prompts)
+        return self._run(texts, token_lists, params)
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them, each
+        rendered by the model's chat template (or chat_template: a file or Jinja); one RequestOutput each, whose
+        `prompt` is the rendered text. ChatTemplateError when the model has no template or a chat does not render."""
+        if sampling_params is not None:
+            if params is not None:
+                raise ValueError("give params or sampling_params, not both")
+            params = sampling_params
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = self._template(chat_template)
+        texts = [template.render(list(chat), add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, tools=tools,
+                                 extra=chat_template_kwargs) for chat in conversations]
+        # The template writes the special tokens it wants (BOS included): nothing is added, as over HTTP.
+        return self._run(texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts], params)
+
+    def _template(self, chat_template: str | None) -> ChatTemplate:
+        """The template a chat renders with: chat_template's, else the model's (compiled once)."""
+        variables = special_token_variables(self.model_dir, self.tokenizer)
+        if chat_template is not None:
+            return ChatTemplate.from_source(chat_template_source(chat_template), variables)
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.load(self.model_dir, self.tokenizer)
+            if self._chat_template is None:
+                raise ChatTemplateError(f"the model {self.model_dir} has no chat template; pass chat_template=")
+        return self._chat_template
+
+    def _run(self, texts: list[str | None], token_lists: list[list[int]], params) -> list[RequestOutput]:
+        """Run each prompt's n samples to completion; one RequestOutput per prompt, samples in order."""
+        plist = _params_list(params, len(token_lists), self.get_default_sampling_params)
         for p in plist:
             p.validate(self.engine.info.vocab_size)
         grammars = [self._grammar(p) for p in plist]
-        rids = [f"offline-{next(self._ids)}" for _ in token_lists]
-        outputs = {rid: RequestOutput(rid, ids) for rid, ids in zip(rids, token_lists)}
-        detoks = {rid: IncrementalDetokenizer(self.tokenizer, ids, p) for rid, ids, p in zip(rids, token_lists, plist)}
+        results = [RequestOutput(f"offline-{next(self._ids)}", ids, prompt=text)
+                   for text, ids in zip(texts, token_lists)]
+        samples: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
         added = []
         try:
-            for rid, ids, p, g in zip(rids, token_lists, plist, grammars):
-                # Only a request with stop strings needs its tokens as they come (to detokenize them).
-                self.engine.add_request(rid, ids, msgspec.structs.replace(p), stream=detoks[rid].has_stop_strings,
-                                        grammar=g)
-                added.append(rid)
+            for result, p, g in zip(results, plist, grammars):
+                for j in range(p.n):
+                    sample_params = seeded_for_choice(p, j)  # a copy: the engine may keep it
+                    rid = result.request_id if p.n == 1 else f"{result.request_id}-{j}"
+                    out = CompletionOutput(index=j)
+                    result.outputs.append(out)
+                    detok = IncrementalDetokenizer(self.tokenizer, result.prompt_token_ids, sample_params)
+                    samples[rid] = (out, detok)
+                    # Only a request with stop strings needs its tokens as they come (to detokenize them).
+                    self.engine.add_request(rid, result.prompt_token_ids, msgspec.structs.replace(sample_params),
+                                            stream=detok.has_stop_strings, grammar=g)
+                    added.append(rid)
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
             self._run_until_idle()
             raise
-        open_ids = set(rids)
+        open_ids = set(samples)
         while open_ids:
             for delta in self.engine.step():
                 rid = delta.request_id
                 if rid not in open_ids:
                     continue
-                out, detok = outputs[rid], detoks[rid]
+                out, detok = samples[rid]
                 out.token_ids.extend(delta.new_token_ids)
                 if delta.logprobs:
                     if out.logprobs is None:
@@ -134,7 +242,7 @@ class LLM:
                 if out.finish_reason is not None:
                     open_ids.discard(rid)
         self._run_until_idle()
-        return [outputs[rid] for rid in rids]
+        return results
 
     def _grammar(self, params: SamplingParams):
         """The compiled grammar of params.structured_outputs (None without one); ValueError when it does not
@@ -173,7 +281,7 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _stop_or_finish(self, rid: str, out: RequestOutput, detok: IncrementalDetokenizer, delta: RequestOutputDelta) -> None:
+    def _stop_or_finish(self, rid: str, out: CompletionOutput, detok: IncrementalDetokenizer, delta: RequestOutputDelta) -> None:
         """Detokenize a delta of a request with stop strings as it comes: one may end the request early."""
         text, stopped = detok.push(delta.new_token_ids)
         out.text += text
@@ -185,7 +293,7 @@ class LLM:
             self._finish(out, out.text + detok.flush(), delta)
 
     @staticmethod
-    def _finish(out: RequestOutput, text: str, delta: RequestOutputDelta) -> None:
+    def _finish(out: CompletionOutput, text: str, delta: RequestOutputDelta) -> None:
         """Record how a request ended, with its whole text."""
         out.text = text
         out.finish_reason = delta.finish_reason
@@ -196,13 +304,24 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
 
-    def _token_lists(self, prompts) -> list[list[int]]:
-        """Prompts as token id lists: a str or a list of ints is one prompt."""
-        if isinstance(prompts, str):
+    def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        """Each prompt's text (None when given as ids) and token ids: a str, a dict or a list of ints is one."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif prompts and isinstance(prompts[0], int):
             prompts = [list(prompts)]
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts, token_lists = [], []
+        for p in prompts:
+            if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
+                if "prompt_token_ids" in p:
+                    p = list(p["prompt_token_ids"])
+                elif "prompt" in p:
+                    p = p["prompt"]
+                else:
+                    raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids' (got keys {sorted(p)})")
+            texts.append(p if isinstance(p, str) else None)
+            token_lists.append(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
+        return texts, token_lists
 
 
 def _spawn_group(args: EngineArgs, model_dir: str):
@@ -226,9 +345,9 @@ def _spawn_group(args: EngineArgs, model_dir: str):
                               env=env, tensor_parallel_size=n, all_reduce=args.all_reduce)
 
 
-def _params_list(params, n: int) -> list[SamplingParams]:
+def _params_list(params, n: int, default) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [default() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

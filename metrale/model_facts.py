@@ -239,3 +239,33 @@ def _read_json(path: Path, *, required: bool) -> dict:
     if not isinstance(value, dict):
         raise ModelError(f"{path}: not a JSON object")
     return value
+
+
+# generation_config.json keys that become request defaults (vLLM's list, less max_new_tokens).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty")
+GENERATION_CONFIG_SOURCES = "auto (the model's generation_config.json), vllm (none), or a folder holding one"
+
+
+def generation_defaults(model_path: str | Path, source: str = "auto") -> dict[str, float | int]:
+    """The sampling defaults a request gets for what it leaves out (`--generation-config`, as vLLM's): "auto"
+    takes the model's generation_config.json, "vllm" none (SamplingParams' own defaults), a folder its file's.
+    ModelError for a folder without one or an unreadable file."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        root = Path(model_path).expanduser()
+        if not root.is_dir():  # a GGUF file carries no generation config
+            return {}
+        generation = _read_json(root / "generation_config.json", required=False)
+    else:
+        folder = Path(source).expanduser()
+        if not (folder / "generation_config.json").is_file():
+            raise ModelError(f"--generation-config {source}: no generation_config.json there (use {GENERATION_CONFIG_SOURCES})")
+        generation = _read_json(folder / "generation_config.json", required=False)
+    defaults = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = generation.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            defaults[key] = int(value) if key == "top_k" else float(value)
+    return defaults

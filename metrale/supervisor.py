@@ -41,14 +41,19 @@ import msgspec
 
 from metrale.children import Child, RestartPolicy, WorkerGroup
 from metrale.config import EngineArgs, ServeConfig
-from metrale.health_file import HealthFile
+from metrale.frontend_process import API_KEY_ENV as FRONTEND_API_KEY_ENV
+from metrale.health_file import HealthFile, read_health
+from metrale.ipc.admin_channel import AdminInbox
 from metrale.ipc.messages import Health, ProcessHealth
 from metrale.node_layout import layout, node_of_replica, replica_addresses, worker_argvs
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, WORKER_HUNG, ChildStatus, StatusInbox
+from metrale.worker_control import WorkerControl
 
 log = logging.getLogger("metrale.supervisor")
 
 WATCH_INTERVAL_S = 0.05
+# Where `metrale serve --api-key` also looks, as vLLM does; the first is how the frontend child is handed it.
+API_KEY_ENV = (FRONTEND_API_KEY_ENV, "VLLM_API_KEY")
 NEVER = float("inf")
 
 
@@ -86,7 +91,8 @@ class Supervisor:
     ):
         from metrale.frontend.tokenizer import Tokenizer
         from metrale.llm import resolve_model_dir, special_tokens_of
-        from metrale.model_facts import ModelError, resolve_model
+        from metrale.frontend.chat import ChatTemplateError, chat_template_source
+        from metrale.model_facts import ModelError, generation_defaults, resolve_model
 
         self.config = config
         self.policy = policy or RestartPolicy()
@@ -99,6 +105,11 @@ class Supervisor:
             raise StartupError(str(e)) from None
         except (OSError, ValueError) as e:
             raise StartupError(f"--model {self.model_dir}: its tokenizer cannot be loaded ({e})") from None
+        try:  # the operator's template and generation config fail here, with one line, not per request
+            self.chat_template = chat_template_source(config.chat_template) if config.chat_template else None
+            generation_defaults(self.model_dir, config.generation_config)
+        except (ChatTemplateError, ModelError) as e:
+            raise StartupError(str(e)) from None
         self.special_tokens = dataclasses.asdict(special_tokens_of(tokenizer))
         self.max_model_len = self.facts.max_model_len
         if config.port == 0:
@@ -107,7 +118,10 @@ class Supervisor:
             log.warning("binding %s: clients from other machines can reach this server", config.host)
         self.run_dir = Path(tempfile.mkdtemp(prefix="metrale-run-"))
         config.run_dir = str(self.run_dir)
-        self.env = {**os.environ, "METRALE_SUPERVISOR_PID": str(os.getpid())}
+        self.env = {k: v for k, v in os.environ.items() if k not in API_KEY_ENV}  # the key goes to the frontend alone
+        self.env["METRALE_SUPERVISOR_PID"] = str(os.getpid())
+        if self.chat_template is not None:  # handed over as a file: a template can outgrow a command-line argument
+            (self.run_dir / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
         try:
             self.layout = layout(config)
         except ValueError as e:
@@ -116,7 +130,9 @@ class Supervisor:
         self._threads_env = _worker_env(config.engine, local_ranks)
         self.replicas = [self._replica(k) for k in self.layout.replicas]
         # Node 0 runs the frontend; another node of a group spanning the nodes runs only its ranks of it.
-        self.frontend = Child("frontend", self._frontend_argv()) if config.node_rank == 0 else None
+        self.frontend = Child("frontend", self._frontend_argv(),
+                              env_extra={API_KEY_ENV[0]: config.api_key} if config.api_key else {}) \
+            if config.node_rank == 0 else None
         self.follower: WorkerGroup | None = None
         if self.layout.spans_nodes and config.node_rank > 0:
             self.follower = WorkerGroup("gpu_worker", self._follower_argvs, self._threads_env)
@@ -138,6 +154,9 @@ class Supervisor:
         self._stop = threading.Event()
         self._health_file = HealthFile(self.health_path, self.clock)
         self.inbox = StatusInbox(self._ipc("status"))
+        # Admin requests (metrale/worker_control.py), with --enable-admin only: this host's replicas and ranks.
+        self.control = WorkerControl(ranks=len(self.layout.ranks), replicas=len(self.replicas))
+        self.admin = AdminInbox(self._ipc("admin")) if config.enable_admin else None
 
     def _replica(self, k: int) -> Replica:
         """Replica k's children (not started) and addresses; replica 0 keeps the single-engine names."""
@@ -212,6 +231,12 @@ class Supervisor:
             "shutdown_timeout_s": self.config.shutdown_timeout_s,
             "grammar_timeout_s": self.config.grammar_timeout_s,
             "tool_call_parser": self.config.tool_call_parser,
+            "admin_address": self._ipc("admin") if self.config.enable_admin else None,
+            "admin_allow_remote": self.config.admin_allow_remote,
+            "served_model_names": self.config.served_model_names,
+            "chat_template": str(self.run_dir / "chat_template.jinja") if self.chat_template is not None else None,
+            "generation_config": self.config.generation_config,
+            "log_requests": not self.config.disable_log_requests,
         }
         return [sys.executable, "-m", "metrale.frontend_process", json.dumps(fe), str(self.health_path)]
 
@@ -220,7 +245,7 @@ class Supervisor:
         from metrale.model_facts import STATE_RECURRENT
 
         args = EngineCoreArgs(
-            serve=self.config,
+            serve=msgspec.structs.replace(self.config, api_key=None),  # a command line is no place for a key
             input_address=rep.input_address,
             output_address=rep.output_address,
             ring_token=token,
@@ -339,6 +364,9 @@ class Supervisor:
         while (status := self.inbox.receive(0)) is not None:
             self._note(status)
         now = self.clock()
+        if self.admin is not None:
+            self.admin.serve(lambda msg: self.control.handle(msg, self._worker_pid, now))
+            self.control.escalate(self._worker_alive, now)
         if self.follower is not None:
             self._follow(now)
         for rep in self.replicas:
@@ -397,13 +425,16 @@ class Supervisor:
         if child.proc is None or child.alive or child.restart_at is not None:
             return False
         workers = isinstance(child, WorkerGroup)
-        worked = now - child.started >= self.policy.window_s or (workers and self._worker_served(rep))
+        admin = self.control.took({r.pid for r in child.ranks}) if workers else None  # an operator's kill is no crash
+        worked = (now - child.started >= self.policy.window_s or admin is not None
+                  or (workers and self._worker_served(rep)))
         child.in_a_row = 1 if worked else child.in_a_row + 1
-        ended = _how_it_ended(child.proc.returncode)
+        ended = _how_it_ended(child.proc.returncode) + (f" ({admin.describe()})" if admin is not None else "")
         delay = self.policy.delay(child.in_a_row)
         where = _of(rep) if rep is not None and len(self.replicas) > 1 else ""
         if workers and rep.hung is not None:  # the engine core killed it: say why
-            self.last_fault, rep.hung = f"{child.name}{where} (pid {child.pid}) hung: {rep.hung}", None
+            after = f" (after {admin.describe()})" if admin is not None else ""
+            self.last_fault, rep.hung = f"{child.name}{where} (pid {child.pid}) hung{after}: {rep.hung}", None
         elif child.proc.returncode == EXIT_CONFIG:  # restarting it would fail the same way
             why = self._cannot_run.pop(child.name, ended)
             self.last_fault, delay = f"{child.name}{where} (pid {child.pid}) cannot run: {why}", None
@@ -425,6 +456,17 @@ class Supervisor:
     def _due(child: Child | WorkerGroup, now: float) -> bool:
         """Whether a dead child's restart time has come."""
         return child.restart_at is not None and now >= child.restart_at
+
+    def _worker_pid(self, replica: int, rank: int) -> int | None:
+        """The pid of a live worker rank of a replica on this host, or None (not running, being restarted)."""
+        rep = next((r for r in self.replicas if r.index == replica), None)
+        if rep is None or rank >= rep.workers.size or not rep.workers.ranks[rank].alive:
+            return None
+        return rep.workers.ranks[rank].pid
+
+    def _worker_alive(self, pid: int) -> bool:
+        """Whether pid is a live worker rank of this host."""
+        return any(r.alive and r.pid == pid for rep in self.replicas for r in rep.workers.ranks)
 
     def _worker_served(self, rep: Replica) -> bool:
         """Whether the dead worker group had served a step (the engine core notes each rank 0 that has)."""
@@ -451,6 +493,8 @@ class Supervisor:
             self.follower.stop(grace_s=5.0)
         self._sweep(everything=True)
         self.inbox.close()
+        if self.admin is not None:
+            self.admin.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _sweep(self, everything: bool = False) -> None:

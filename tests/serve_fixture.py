@@ -30,14 +30,15 @@ def shm_entries(pids: set[int]) -> list[str]:
 class Server:
     """A running `metrale serve`: its port, its supervisor process and what it logged."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: str):
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: str, api_key: str | None = None):
         self.proc = proc
         self.port = port
         self.log_path = log_path
+        self.api_key = api_key
         self.seen_pids: set[int] = set()
 
     def client(self, timeout: float = 60.0) -> Client:
-        return Client("127.0.0.1", self.port, timeout=timeout)
+        return Client("127.0.0.1", self.port, timeout=timeout, api_key=self.api_key)
 
     def children(self) -> dict[str, int]:
         """name -> pid of the supervisor's live children (frontend, engine core, worker)."""
@@ -53,13 +54,17 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, *args: str, ready_timeout: float = 180.0):
-    """Yield a Server; on exit SIGTERM it, and fail if a process or a segment outlived it."""
+def running_server(model_dir, *args: str, ready_timeout: float = 180.0, api_key: str | None = None):
+    """Yield a Server; on exit SIGTERM it, and fail if a process or a segment outlived it. With api_key, the
+    server gets it in its environment (METRALE_API_KEY) and Server.client() sends it."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="metrale-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "metrale.cli", "serve", "--model", str(model_dir), "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = Server(proc, port, log.name)
+    env = {k: v for k, v in os.environ.items() if k not in ("METRALE_API_KEY", "VLLM_API_KEY")}
+    if api_key is not None:
+        env["METRALE_API_KEY"] = api_key
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    server = Server(proc, port, log.name, api_key)
     try:
         _wait_ready(server, ready_timeout)
         server.children()

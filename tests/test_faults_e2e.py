@@ -59,7 +59,8 @@ def server(model_dir):
 # ---- helpers ---------------------------------------------------------------------------
 
 
-async def _run_with_fault(port: int, when, fault, indices=range(N), params=params_for, timeout: float = 120.0):
+async def _run_with_fault(port: int, when, fault, indices=range(N), params=params_for, timeout: float = 120.0,
+                          api_key: str | None = None):
     """Stream the requests at once; call fault() as soon as when(seen) holds (seen: tokens per request so far).
 
     Returns (token ids, finish reason, error) per request: a RequestError or a timeout is returned, not raised."""
@@ -79,7 +80,7 @@ async def _run_with_fault(port: int, when, fault, indices=range(N), params=param
             return ids, finish, e
         return ids, finish, None
 
-    async with AsyncClient("127.0.0.1", port, timeout=timeout) as client:
+    async with AsyncClient("127.0.0.1", port, timeout=timeout, api_key=api_key) as client:
         tasks = [asyncio.ensure_future(one(client, i)) for i in indices]
         await asyncio.wait_for(under_way.wait(), 60)
         fault()

@@ -37,7 +37,8 @@ def bench() -> None:
                                              "(default: the first model the server lists).")
 @click.option("--served-model-name", default=None, help="model name to send, when it differs from --model.")
 @click.option("--tokenizer", default=None, help="model folder or GGUF file whose tokenizer makes and counts prompts.")
-@click.option("--dataset-name", default="random", type=click.Choice(["random", "sharegpt"]), show_default=True)
+@click.option("--dataset-name", default="random", type=click.Choice(["random", "sharegpt"]), show_default=True,
+              help="random token prompts of drawn lengths, or a ShareGPT JSON file (--dataset-path).")
 @click.option("--dataset-path", default=None, help="the ShareGPT JSON file (--dataset-name sharegpt).")
 @click.option("--num-prompts", default=1000, show_default=True, help="requests to send.")
 @click.option("--seed", default=0, show_default=True, help="seed of the dataset sampling and the arrival times.")
@@ -110,20 +111,26 @@ def serve_bench(ctx: click.Context, **o) -> None:
 
 @bench.command("throughput")
 @click.option("--model", default=None, help="model folder or GGUF file (default: the built-in tiny demo model).")
-@click.option("--dataset-name", default="random", type=click.Choice(["random", "sharegpt"]), show_default=True)
+@click.option("--dataset-name", default="random", type=click.Choice(["random", "sharegpt"]), show_default=True,
+              help="random token prompts of drawn lengths, or a ShareGPT JSON file (--dataset-path).")
 @click.option("--dataset-path", default=None, help="the ShareGPT JSON file (--dataset-name sharegpt).")
 @click.option("--input-len", default=1024, show_default=True, help="prompt tokens per random request.")
 @click.option("--output-len", default=None, type=int, help="output tokens per request (random default 128; ShareGPT: its reply's).")
-@click.option("--num-prompts", default=1000, show_default=True)
+@click.option("--num-prompts", default=1000, show_default=True,
+              help="prompts to run.")
 @click.option("--range-ratio", default=0.0, show_default=True, help="random lengths drawn from [len·(1−r), len·(1+r)].")
 @click.option("--prefix-len", default=0, show_default=True, help="random tokens shared by every prompt.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True,
+              help="seed of the dataset sampling.")
 @click.option("--temperature", default=1.0, show_default=True, help="sampling temperature (vLLM's bench samples at 1).")
 @click.option("--num-warmups", default=0, show_default=True, help="single requests run before the timed one.")
 @click.option("--output-json", default=None, help="write the figures as JSON (vLLM's keys) to this file.")
-@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True)
-@click.option("--max-num-seqs", default=64, show_default=True)
-@click.option("--max-num-batched-tokens", default=2048, show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True,
+              help="the model's dtype in the offline LLM.")
+@click.option("--max-num-seqs", default=64, show_default=True,
+              help="requests the engine runs at once.")
+@click.option("--max-num-batched-tokens", default=2048, show_default=True,
+              help="tokens one engine step may take (prefill chunks).")
 @click.option("--max-model-len", default=None, type=int, help="cap on prompt + output tokens.")
 @click.option("--num-kv-blocks", default=None, type=int, help="KV blocks (default: from memory).")
 def throughput_bench(**o) -> None:
