@@ -61,6 +61,7 @@ class EngineOptions:
     stream_interval: int = 1
     speculative: str | None = None  # "ngram": decode steps verify prompt-lookup drafts (speculative.py)
     num_speculative_tokens: int = 3
+    speculative_disable_by_batch_size: int | None = None  # steps of this many rows or more decode plainly
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
@@ -77,6 +78,7 @@ class EngineOptions:
             decode_burst=args.decode_burst,
             speculative=args.speculative,
             num_speculative_tokens=args.num_speculative_tokens,
+            speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         )
 
 
@@ -124,7 +126,8 @@ class EngineCore:
             state_slots=info.num_state_slots > 0,
         )
         self.grammars = GrammarBook(info.vocab_size)
-        self.speculator = (Speculator(NgramProposer(), options.num_speculative_tokens, info.max_model_len)
+        self.speculator = (Speculator(NgramProposer(), options.num_speculative_tokens, info.max_model_len,
+                                      options.speculative_disable_by_batch_size)
                            if options.speculative == "ngram" else None)
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
         self.pipeline = Pipeline()

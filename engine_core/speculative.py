@@ -75,14 +75,21 @@ class SpecStats:
 class Speculator:
     """Drafts for a decode step and runs it as a verify step."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int) -> None:
+    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int,
+                 disable_by_batch_size: int | None = None) -> None:
         self.proposer = proposer
         self.k = num_tokens
         self.max_model_len = max_model_len
+        # A verify step's k + 1 rows per request cost more than a decode step's one: past this many running rows
+        # the drafts no longer pay (None: speculate at any batch).
+        self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats()
 
     def drafts(self, seqs: list[Sequence]) -> list[list[int]] | None:
-        """Each row's drafts for a decode step of these rows; None when no row has one."""
+        """Each row's drafts for a decode step of these rows; None when no row has one, or when the step has
+        disable_by_batch_size rows or more."""
+        if self.disable_by_batch_size is not None and len(seqs) >= self.disable_by_batch_size:
+            return None
         out = [self._draft(s) for s in seqs]
         return out if any(out) else None
 

@@ -85,6 +85,8 @@ def main() -> None:
               help="speculative decoding: ngram drafts tokens by prompt lookup, verified in one step.")
 @click.option("--num-speculative-tokens", default=3, type=click.IntRange(1, 16), show_default=True,
               help="draft tokens per verify step (with --speculative).")
+@click.option("--speculative-disable-by-batch-size", default=None, type=click.IntRange(min=2),
+              help="with --speculative: steps of this many running requests or more decode without drafts.")
 @click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
               help="a name clients give the model (repeat for several; /v1/models lists them, requests must name "
                    "one, replies carry the first). Default: the model folder's name.")
@@ -139,6 +141,7 @@ def serve(**o) -> None:
         all_reduce=o["all_reduce"],
         speculative=o["speculative"],
         num_speculative_tokens=o["num_speculative_tokens"],
+        speculative_disable_by_batch_size=o["speculative_disable_by_batch_size"],
     )
     try:
         engine.validate()

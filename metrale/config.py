@@ -51,6 +51,9 @@ class EngineArgs(msgspec.Struct, kw_only=True):
     # verified in one step (engine_core/speculative.py); None: off.
     speculative: str | None = None
     num_speculative_tokens: int = 3
+    # Steps of this many running rows or more decode without drafts (vLLM's --speculative-disable-by-batch-size):
+    # on a CPU a verify step's extra rows cost more than they save past a small batch. None: any batch.
+    speculative_disable_by_batch_size: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first knob that cannot work."""
@@ -74,6 +77,9 @@ class EngineArgs(msgspec.Struct, kw_only=True):
             raise ValueError(f"all_reduce must be auto, shm or gloo (got {self.all_reduce!r})")
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"speculative must be ngram or None (got {self.speculative!r})")
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 2:
+            raise ValueError("speculative_disable_by_batch_size must be at least 2 (got "
+                             f"{self.speculative_disable_by_batch_size})")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16] (got {self.num_speculative_tokens})")
 

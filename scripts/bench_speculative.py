@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="the LLM's speculative_disable_by_batch_size (steps of this many rows decode plainly)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     return ap.parse_args(argv)
@@ -101,7 +103,8 @@ def main(argv=None) -> None:
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
     kw = dict(dtype=args.dtype, show_progress=False, max_num_seqs=max(8, *map(int, args.batches.split(","))))
     plain = LLM(args.model, **kw)
-    spec = LLM(args.model, speculative="ngram", num_speculative_tokens=args.k, **kw)
+    spec = LLM(args.model, speculative="ngram", num_speculative_tokens=args.k,
+               speculative_disable_by_batch_size=args.disable_by_batch_size, **kw)
     results = {}
     rows = []
     for batch in map(int, args.batches.split(",")):
@@ -134,7 +137,8 @@ def main(argv=None) -> None:
     bc.note(bc.table(rows, ["batch", "plain tok/s", "ngram tok/s", "speedup", "acceptance", "identical"]))
     b1 = results.get("b1", {}).get("speedup")
     bc.emit({"bench": "speculative", "format": FORMAT, "commit": bc.git_commit(), "model": os.path.basename(args.model),
-             "dtype": args.dtype, "k": args.k, "new_tokens": args.new_tokens, "repeats": args.repeats,
+             "dtype": args.dtype, "k": args.k, "disable_by_batch_size": args.disable_by_batch_size,
+             "new_tokens": args.new_tokens, "repeats": args.repeats,
              "results": results, "target_b1": TARGET_B1, "target_met": b1 is not None and b1 >= TARGET_B1})
     plain.close()
     spec.close()

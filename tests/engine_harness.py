@@ -70,6 +70,7 @@ def run_workload(
     deferred: bool = False,
     speculative: str | None = None,
     num_speculative_tokens: int = 3,
+    speculative_disable_by_batch_size: int | None = None,
     repetitive: bool = False,
     num_state_slots: int = 0,
 ) -> Run:
@@ -95,6 +96,7 @@ def run_workload(
             stream_interval=stream_interval,
             speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
+            speculative_disable_by_batch_size=speculative_disable_by_batch_size,
         ),
         special_tokens=TOKS,
     )

@@ -92,6 +92,23 @@ def test_drafts_are_accepted_and_rejected_kv_goes_back(pipeline):
     assert spec.device._launched < 0.75 * plain.device._launched
 
 
+def test_no_drafts_at_the_batch_size_that_disables_them(monkeypatch):
+    """--speculative-disable-by-batch-size 3: steps of three or more rows decode plainly, smaller ones verify
+    drafts; the tokens are plain decoding's either way."""
+    from metrale.engine_core.speculative import Speculator
+
+    verified_rows = []
+    run = Speculator.run
+    monkeypatch.setattr(Speculator, "run", lambda self, seqs, drafts, io: (verified_rows.append(len(seqs)),
+                                                                           run(self, seqs, drafts, io))[1])
+    reqs = [Req(r.prompt, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
+            for r, n in zip(_repeating(), (8, 20, 30, 40))]  # four rows, then three, two, one
+    plain = run_workload(reqs, pipeline=True, repetitive=True)
+    spec = run_workload(reqs, pipeline=True, repetitive=True, speculative="ngram", speculative_disable_by_batch_size=3)
+    assert spec.streams == plain.streams
+    assert verified_rows and max(verified_rows) < 3, verified_rows
+
+
 def test_a_wrong_verification_is_caught(monkeypatch):
     """A device that kept one pick past the first rejected draft is caught: the streams change, or the host's
     bookkeeping no longer matches the KV the device wrote."""
