@@ -16,6 +16,14 @@ import psutil
 from metrale.frontend.client import Client
 
 
+def offline_tokens(model_dir, prompts, params) -> list[list[int]]:
+    """What the offline engine gives for these requests, with no fault: the tokens a server's streams must equal."""
+    from metrale import LLM
+
+    with LLM(str(model_dir), show_progress=False) as llm:
+        return [r.token_ids for r in llm.generate(prompts, params)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

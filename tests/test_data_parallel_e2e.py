@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.frontend.client import AsyncClient, RequestError
+from metrale.frontend.client import AsyncClient
 
-from serve_fixture import running_server
+from serve_fixture import offline_tokens, running_server
 from test_faults_e2e import N, PROMPTS, _run_with_fault, params_for, wait_idle
 
 
@@ -34,8 +34,7 @@ def model_dir(tiny_model_dir):
 @pytest.fixture(scope="module")
 def expected(model_dir):
     """The offline engine's tokens with no fault."""
-    with LLM(str(model_dir), show_progress=False) as llm:
-        return [r.token_ids for r in llm.generate(PROMPTS, [params_for(i) for i in range(N)])]
+    return offline_tokens(model_dir, PROMPTS, [params_for(i) for i in range(N)])
 
 
 @pytest.fixture(scope="module")

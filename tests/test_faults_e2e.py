@@ -18,13 +18,13 @@ import time
 import psutil
 import pytest
 
-from metrale import LLM, SamplingParams
+from metrale import SamplingParams
 from metrale.config import EngineArgs, ServeConfig
 from metrale.frontend.client import AsyncClient, RequestError
 from metrale.supervisor import Child, RestartPolicy, Supervisor
 from metrale.engine_core.fake_device import FakeClock
 
-from serve_fixture import running_server, shm_entries
+from serve_fixture import offline_tokens, running_server, shm_entries
 
 N = 32
 PROMPTS = [f"def g{i}(y):\n    return y - {i} * " for i in range(N)]
@@ -46,8 +46,7 @@ def model_dir(tiny_model_dir):
 @pytest.fixture(scope="module")
 def expected(model_dir):
     """What the offline engine gives for the same requests, with no fault."""
-    with LLM(str(model_dir), show_progress=False) as llm:
-        return [r.token_ids for r in llm.generate(PROMPTS, [params_for(i) for i in range(N)])]
+    return offline_tokens(model_dir, PROMPTS, [params_for(i) for i in range(N)])
 
 
 @pytest.fixture(scope="module")

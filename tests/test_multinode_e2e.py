@@ -20,9 +20,8 @@ import time
 import psutil
 import pytest
 
-from metrale import LLM
 
-from serve_fixture import free_port, running_server, shm_entries
+from serve_fixture import free_port, offline_tokens, running_server, shm_entries
 from test_faults_e2e import PROMPTS, _run_with_fault, params_for, wait_idle
 
 STREAMS = 8
@@ -35,8 +34,7 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    with LLM(str(model_dir), show_progress=False) as llm:
-        return [r.token_ids for r in llm.generate(PROMPTS[:STREAMS], [params_for(i) for i in range(STREAMS)])]
+    return offline_tokens(model_dir, PROMPTS[:STREAMS], [params_for(i) for i in range(STREAMS)])
 
 
 def _tree(proc: subprocess.Popen) -> set[int]:

@@ -17,10 +17,9 @@ import time
 
 import pytest
 
-from metrale import LLM
 from metrale.frontend.client import RequestError
 
-from serve_fixture import running_server, shm_entries
+from serve_fixture import offline_tokens, running_server, shm_entries
 from test_faults_e2e import N, PROMPTS, _run_with_fault, params_for, wait_idle
 
 
@@ -32,8 +31,7 @@ def model_dir(tiny_model_dir):
 @pytest.fixture(scope="module")
 def expected(model_dir):
     """The offline engine's tokens with one rank and no fault."""
-    with LLM(str(model_dir), show_progress=False) as llm:
-        return [r.token_ids for r in llm.generate(PROMPTS, [params_for(i) for i in range(N)])]
+    return offline_tokens(model_dir, PROMPTS, [params_for(i) for i in range(N)])
 
 
 @pytest.fixture(scope="module")
