@@ -169,10 +169,11 @@ class WorkerLoop:
         if steps == LOGITS_TICKET:
             self._answer_logits(slot, t0)
             return _Started(slot, seq, 0, t0, None)
-        if self.sender is not None:
-            self.sender.send(ring.read_plan(slot), steps)  # the off-host ranks run it too
         try:
-            pending = launch_ticket(self.runner, ring.read_plan(slot), steps)
+            plan = ring.read_plan(slot)
+            if self.sender is not None:
+                self.sender.send(plan, steps)  # the off-host ranks run it too (a failure there ends the group)
+            pending = launch_ticket(self.runner, plan, steps)
             self._ran(seq)
             return _Started(slot, seq, steps, t0, pending)
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error

@@ -12,7 +12,7 @@
 namespace {
 
 // At most this many input rows take the GEMV: past two its dot products cost more than oneDNN's AMX
-// tiles (measured: 1.3-1.6x faster than oneDNN at one row, even at three, 10 % slower at four).
+// tiles (scripts/bench_quant_kernels.py and bench_limits.py time both on a model's shapes).
 constexpr int64_t kGemvRows = 2;
 
 #if defined(__AVX512BF16__) && defined(METRALE_AVX512)

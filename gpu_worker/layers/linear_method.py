@@ -18,9 +18,9 @@ and never touches its weight storage itself. A method is three calls:
 
 `DenseLinearMethod` is the unquantized path: a plain [out, in] weight. In bfloat16 on a CPU with the native
 kernels it stays plain, one layout for every kernel that reads it: the native GEMV for one or two rows (a
-decode step's few rows are bound by reading the weight, which it streams at about the box's bandwidth,
-oneDNN's AMX kernel at about two thirds of it) and oneDNN's matmul for more (measured: as fast as on the
-packed weight at 8 and 32 rows, ~20 % slower at 256), after `gemv_serves` checks the GEMV against F.linear
+decode step's few rows are bound by reading the weight, which it streams faster than oneDNN's AMX kernel)
+and oneDNN's matmul for more (on the plain weight about as fast as on a packed one at a decode batch's
+rows), after `gemv_serves` checks the GEMV against F.linear
 on a probe. Otherwise (float32, no native kernels) it is repacked once into oneDNN's blocked layout (an
 unpacked weight is reordered on every call, which for a decode step's few rows costs as much as the product
 itself), after `pack_weight` checks the packed product against F.linear on a probe; anything it cannot pack
