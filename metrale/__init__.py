@@ -1,6 +1,10 @@
 """metrale: an LLM serving engine. The public names are imported lazily so `import metrale` stays cheap."""
 
-from metrale.ipc.sampling import SamplingParams
+from metrale import cpu_isa
+
+cpu_isa.apply_to_environment()  # before torch starts: a forced kernel class caps torch's and oneDNN's kernels too
+
+from metrale.ipc.sampling import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "Client", "AsyncClient"]
 

@@ -176,3 +176,30 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory):
         return built[key]
 
     return make_gguf
+
+
+def _kernel_classes() -> list[str]:
+    """The CPU kernel classes this box can run (metrale/cpu_isa.py), unless the torch path is forced."""
+    from metrale import cpu_isa
+
+    if os.environ.get("METRALE_CPU_KERNELS", "").strip().lower() == "torch":
+        return []
+    return cpu_isa.supported()
+
+
+@pytest.fixture(params=_kernel_classes() or [pytest.param(None, marks=pytest.mark.skip(reason="torch path forced"))])
+def kernel_isa(request, monkeypatch) -> str:
+    """Each kernel class this CPU can run in turn: cpu_kernels' wrappers call that class's build for the test
+    (a test that takes it checks every path the box has, whatever the process's own class is)."""
+    from metrale.gpu_worker.layers import cpu_kernels
+
+    cls = request.param
+    try:
+        ns = cpu_kernels.ops(cls)
+    except RuntimeError as exc:
+        if cpu_kernels.choice() == "native":
+            raise
+        pytest.skip(f"{cls} kernels unavailable: {exc}")
+    monkeypatch.setitem(cpu_kernels._active, "isa", cls)
+    monkeypatch.setitem(cpu_kernels._active, "ops", ns)
+    return cls

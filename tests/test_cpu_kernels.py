@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from metrale.gpu_worker.layers import cpu_kernels
 
 native = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here")
+pytestmark = pytest.mark.usefixtures("kernel_isa")  # every test on each kernel class this CPU can run
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -165,7 +166,7 @@ def test_kernels_build_where_a_compiler_exists():
 
     if cpu_kernels.choice() == "torch" or not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("no compiler, or the torch path was asked for")
-    assert cpu_kernels.available(), cpu_kernels._state.get("error")
+    assert cpu_kernels.available(), cpu_kernels.error()
 
 
 @native

@@ -70,7 +70,7 @@ struct DecodeStep : torch::CustomClassHolder {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(metrale_cpu, m) {
+METRALE_FRAGMENT(m) {
   m.class_<DecodeStep>("DecodeStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double>())
       .def("bind_cache", &DecodeStep::bind_cache)

@@ -109,7 +109,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(metrale_cpu, m) {
+METRALE_FRAGMENT(m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(dense_linear));
 }

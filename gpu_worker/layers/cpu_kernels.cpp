@@ -13,13 +13,6 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
-#if defined(__SSE__)
-#include <xmmintrin.h>
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define METRALE_AVX512 1
-#endif
 
 namespace {
 
@@ -672,7 +665,7 @@ void argmax_rows(const at::Tensor& x, at::Tensor out) {
 }
 }  // namespace
 
-TORCH_LIBRARY(metrale_cpu, m) {
+METRALE_LIBRARY(m) {
   m.def("paged_decode(Tensor q, Tensor k_blocks, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor first_key, float scale, Tensor(a!) out) -> Tensor(a!)");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));

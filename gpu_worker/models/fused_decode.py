@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention_backends import NATIVE_CPU
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache, SlotIndex
@@ -76,7 +77,7 @@ class FusedDecode:
         heads, kv_heads, head_dim, eps, post_eps, scale = shapes.pop()
         if eps != post_eps:
             return None
-        step = torch.classes.metrale_cpu.DecodeStep(weights, window_of, heads, kv_heads, head_dim, eps, scale)
+        step = cpu_kernels.classes().DecodeStep(weights, window_of, heads, kv_heads, head_dim, eps, scale)
         return cls(step, windows)
 
     def serves(self, meta: AttentionMetadata, rope: StepRope) -> bool:

@@ -1,0 +1,1 @@
+// The sampler's fused passes (gpu_worker/sampler.py), per instruction-set class.
