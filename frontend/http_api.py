@@ -1,7 +1,9 @@
 """HttpApi: the OpenAI-compatible HTTP API, served by aiohttp on the frontend's own event loop.
 
 Routes: POST /v1/completions (http_completions.py), POST /v1/chat/completions (http_chat.py), both as SSE
-streams or one JSON answer; GET /v1/models, GET /health, GET /metrics (here). docs/http.md is the reference.
+streams or one JSON answer; GET /v1/models[/{id}] (http_models.py); POST /tokenize, /detokenize
+(http_tokenize.py); GET|POST /ping, POST /invocations (http_sagemaker.py); GET /health, /metrics, /version, /load
+(here). docs/http.md is the reference.
 
 Every choice of a request is one FrontendServer.generate_local request (http_run.py): the same validation,
 tokenization, AddRequest, detokenization (stop strings included) and abort path that a ZMQ Generate frame takes.
@@ -14,8 +16,8 @@ what still runs in the engine.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -26,8 +28,11 @@ from .http_chat import ChatCompletions
 from .http_completions import Completions
 from .http_access_log import access_log
 from .http_errors import ApiError, errors_as_json, json_response
+from .http_models import Models
 from .http_params import ServedModel
 from .http_reply import TokenTexts
+from .http_sagemaker import SageMaker
+from .http_tokenize import Tokenization
 from .metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -46,20 +51,31 @@ class HttpApi:
         self.server = server
         cfg = server.config
         self.model = ServedModel(names=tuple(server.model_names), dir=cfg.model_dir,
-                                 dir_named=not cfg.served_model_names, sampling_defaults=server.sampling_defaults)
-        self.created = int(time.time())
+                                 dir_named=not cfg.served_model_names, sampling_defaults=server.sampling_defaults,
+                                 force_usage=cfg.enable_force_include_usage)
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)
         self.chat = ChatCompletions(server, self.model, texts)
+        models = Models(server, self.model)
+        tokenization = Tokenization(server, self.model, self.chat)
+        sagemaker = SageMaker(self)
         middlewares = [access_log] if cfg.log_requests else []  # outermost: it sees the status errors_as_json sends
         self.app = web.Application(middlewares=[*middlewares, errors_as_json, self._require_key],
                                    client_max_size=cfg.max_frame_bytes)
         self.app.add_routes([
             web.post("/v1/completions", self.completions.handle),
             web.post("/v1/chat/completions", self.chat.handle),
-            web.get("/v1/models", self.models),
+            web.get("/v1/models", models.list),
+            web.get("/v1/models/{id:.+}", models.retrieve),  # an id may be a folder's path, slashes and all
+            web.post("/tokenize", tokenization.tokenize),
+            web.post("/detokenize", tokenization.detokenize),
+            web.get("/ping", sagemaker.ping),
+            web.post("/ping", sagemaker.ping),
+            web.post("/invocations", sagemaker.invocations),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
+            web.get("/version", self.version),
+            web.get("/load", self.load),
         ])
         self._runner: web.AppRunner | None = None
 
@@ -88,16 +104,6 @@ class HttpApi:
             await self._runner.cleanup()
             self._runner = None
 
-    async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the one model this server serves (503 until an engine core can serve it)."""
-        health = self.server.health()
-        if not health.ready:
-            raise ApiError(503, f"not ready: waiting for {health.waiting_for}", type="server_error", code="not_ready")
-        models = [{"id": name, "object": "model", "created": self.created, "owned_by": "metrale",
-                   "root": str(self.model.dir), "parent": None, "max_model_len": self.server.max_model_len}
-                  for name in self.model.names]
-        return json_response({"object": "list", "data": models})
-
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 when every process is up, else 503; the body says which."""
         health = self.server.health()
@@ -105,6 +111,14 @@ class HttpApi:
         body.pop("id", None)
         body.pop("type", None)
         return json_response(body, status=200 if health.healthy else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        """GET /version: {"version"} of the metrale package."""
+        return json_response({"version": importlib.metadata.version("metrale")})
+
+    async def load(self, request: web.Request) -> web.Response:
+        """GET /load: {"server_load"}, the requests running now (vLLM's load figure)."""
+        return json_response({"server_load": self.server.requests.num_live})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """GET /metrics: Prometheus text; engine gauges asked for now (the last ones if it does not answer)."""

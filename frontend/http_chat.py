@@ -14,10 +14,12 @@ from metrale.ipc.sampling import StructuredOutputs
 from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningTags, tag_keeping_decoder
 from .http_errors import ApiError, json_response
 from .http_access_log import CHOICES
-from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
+from .http_extensions import needs_prompt_ids, prompt_ids, refuse_unserved, token_label
+from .http_params import (SamplingFields, ServedModel, check_count, check_stream_options, decode_body, sampling_params,
+                          seeded)
 from .http_reply import Reply, TokenTexts, stream
 from .http_run import Choice, Run
-from .tool_parsers import ToolChoiceError, fold_calls, tool_choice_of
+from .tool_parsers import ToolChoiceError, complete_calls, fold_calls, forced, merge_by_index, tool_choice_of
 
 if TYPE_CHECKING:
     from .server import FrontendServer
@@ -38,6 +40,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     documents: list[dict] | None = None
+    echo: bool = False  # vLLM's (the last message in front of the answer): refused
 
 
 class ChatCompletions:
@@ -66,13 +69,15 @@ class ChatCompletions:
         except ToolChoiceError as exc:
             raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools",
                            code="invalid_value") from None
-        prompt = self._render(body)
+        prompt = self.render(body)
+        ids = await prompt_ids(self.server, body, prompt, None, False) if needs_prompt_ids(body) else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         explicit_max = max_tokens is not None  # then it must fit beside the prompt (400 otherwise)
         if max_tokens is None:
             max_tokens = self.server.max_model_len or 16  # the engine core stops at max_model_len
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if body.top_logprobs is not None and (body.top_logprobs < -1 or (body.top_logprobs != 0 and not body.logprobs)):
+            raise ApiError(400, "top_logprobs must be a positive value or -1, with logprobs true", param="top_logprobs",
+                           code="invalid_value")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         forced = StructuredOutputs(json=tools.schema) if tools.schema is not None else None  # the call must parse
         params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced, defaults=self.model.sampling_defaults)
@@ -84,21 +89,28 @@ class ChatCompletions:
             choices = request[CHOICES] = []  # the access log counts their tokens
             for j in range(body.n):
                 splitter = ReasoningSplitter(self.reasoning, opens_reasoning) if self.reasoning else None
-                choices.append(Choice(index=j, prompt_index=0, splitter=splitter,
+                choices.append(Choice(index=j, prompt_index=0, splitter=splitter, prompt_ids=ids,
                                       tools=tools.parser(self.server.config.tool_call_parser)))
-                run.start(j, seeded(params, j), prompt=prompt, add_special_tokens=False, decoder=decoder,
-                          cache_salt=body.cache_salt, strict_length=explicit_max)
+                run.start(j, seeded(params, j), prompt=None if ids else prompt, token_ids=ids, add_special_tokens=False,
+                          decoder=decoder, cache_salt=body.cache_salt, strict_length=explicit_max)
             await run.wait_first("messages")
-            reply = Reply("chatcmpl", "chat.completion", self.model.id, body.stream_options)
+            reply = Reply("chatcmpl", "chat.completion", self.model.id, body.stream_options, self.model.force_usage)
+            label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
+            return_ids = bool(body.return_token_ids)
             if body.stream:
-                return await stream(request, run, choices, reply, self._chunk)
+                reply.prompt_token_ids = ids if return_ids else None
+                return await stream(request, run, choices, reply, lambda c, msg: self._chunk(c, msg, label, return_ids))
             await run.collect(choices)
-            return json_response(reply.completion(choices, [self._choice(c) for c in choices]))
+            answer = reply.completion(choices, [self._choice(c, label, return_ids, logprobs is not None) for c in choices])
+            if return_ids:
+                answer["prompt_token_ids"] = ids
+            return json_response(answer)
         finally:
             run.close()
 
-    def _render(self, body: ChatRequest) -> str:
-        """The chat prompt; 400 when the model has no template or the messages do not render."""
+    def render(self, body) -> str:
+        """The chat prompt of a body with messages and the template fields (ChatRequest, a /tokenize one); 400 when
+        the model has no template or the messages do not render."""
         if self.template is None:
             why = self.template_error or ("the model has no chat template (no chat_template in tokenizer_config.json "
                                           "and no chat_template.jinja); use /v1/completions")
@@ -110,9 +122,9 @@ class ChatCompletions:
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
 
-    def _chunk(self, c: Choice, msg: Delta) -> list[dict]:
+    def _chunk(self, c: Choice, msg: Delta, label, return_token_ids: bool) -> list[dict]:
         """A chat stream's choice entry for one Delta (the first one carries the role; none when it says nothing)."""
-        logprobs = c.kept_logprobs(msg, self.texts)
+        logprobs = [item for item, _ in c.kept_logprobs(msg, self.texts)]
         reasoning, content = c.splitter.push(msg.text) if c.splitter else ("", msg.text)
         if msg.finish_reason is not None and c.splitter:
             r, t = c.splitter.flush()
@@ -127,27 +139,29 @@ class ChatCompletions:
         if not c.started:
             c.started = True
             delta = {"role": "assistant", "content": ""}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
+        if reasoning:  # vLLM's current name, and the one it had before
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = calls
-        if not delta and msg.finish_reason is None and not logprobs:
+            delta["tool_calls"] = merge_by_index(calls)  # one entry per call per chunk, as OpenAI streams
+        if not delta and msg.finish_reason is None and not logprobs and not (return_token_ids and msg.token_ids):
             return []
         entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(c, msg.finish_reason)}
         if logprobs:
-            entry["logprobs"] = {"content": self._logprobs(logprobs)}
+            entry["logprobs"] = {"content": self._logprobs(logprobs, label)}
+        if return_token_ids:
+            entry["token_ids"] = msg.token_ids
         return [entry]
 
-    def _choice(self, c: Choice) -> dict:
+    def _choice(self, c: Choice, label, return_token_ids: bool, logprobs: bool) -> dict:
         """One choice of a whole chat completion."""
         text = "".join(c.text)
         message: dict = {"role": "assistant"}
         if c.splitter is not None:
             reasoning, content = c.splitter.push(text)
             r, t = c.splitter.flush()
-            message["reasoning_content"] = (reasoning + r) or None
+            message["reasoning"] = message["reasoning_content"] = (reasoning + r) or None
             message["content"] = content + t
         else:
             message["content"] = text
@@ -157,24 +171,30 @@ class ChatCompletions:
             rest, more = c.tools.flush()
             calls = fold_calls(deltas + more)
             message["content"] = (content + rest) or (None if calls else "")
+            if c.finish_reason == "length":  # cut short: a call whose arguments did not end is not a call
+                calls = complete_calls(calls)
+                if forced(c.tools):  # the text was the forced call's JSON, not an answer
+                    message["content"] = None
         message["tool_calls"] = calls
         entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": _finish_reason(c, c.finish_reason)}
-        if c.logprobs:
-            entry["logprobs"] = {"content": self._logprobs(c.logprobs)}
+        if logprobs:  # asked for: an object even when no token is listed
+            entry["logprobs"] = {"content": self._logprobs(c.logprobs, label)}
+        if return_token_ids:
+            entry["token_ids"] = c.token_ids
         return entry
 
-    def _logprobs(self, items: list[TokenLogprob]) -> list[dict]:
-        """Logprobs in the chat API's per-token shape."""
+    def _logprobs(self, items: list[TokenLogprob], label) -> list[dict]:
+        """Logprobs in the chat API's per-token shape. label(id): how a token is named."""
         out = []
         for t in items:
-            top = [self._logprob_entry(i, lp) for i, lp in zip(t.top_ids, t.top_logprobs)]
-            out.append({**self._logprob_entry(t.token_id, t.logprob), "top_logprobs": top})
+            top = [_logprob_entry(label(i), lp) for i, lp in zip(t.top_ids, t.top_logprobs)]
+            out.append({**_logprob_entry(label(t.token_id), t.logprob), "top_logprobs": top})
         return out
 
-    def _logprob_entry(self, token_id: int, logprob: float) -> dict:
-        """{token, logprob, bytes} of one token."""
-        text = self.texts(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+def _logprob_entry(name: str, logprob: float) -> dict:
+    """{token, logprob, bytes} of one token."""
+    return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
 
 
 def _finish_reason(c: Choice, reason: str | None) -> str | None:
@@ -183,5 +203,6 @@ def _finish_reason(c: Choice, reason: str | None) -> str | None:
 
 
 def _refuse_unsupported(body: ChatRequest) -> None:
-    """400 for chat options this server does not implement."""
-    refuse_logit_bias(body)
+    """400 for chat options this server does not implement, or a stream_options without stream."""
+    check_stream_options(body)
+    refuse_unserved(body, body.echo)

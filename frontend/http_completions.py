@@ -12,7 +12,9 @@ from metrale.ipc.messages import Delta, TokenLogprob
 
 from .http_errors import ApiError, json_response
 from .http_access_log import CHOICES
-from .http_params import SamplingFields, ServedModel, check_count, decode_body, refuse_logit_bias, sampling_params, seeded
+from .http_extensions import needs_prompt_ids, prompt_ids, refuse_unserved, token_label
+from .http_params import (SamplingFields, ServedModel, check_count, check_stream_options, decode_body, sampling_params,
+                          seeded)
 from .http_reply import Reply, TokenTexts, stream
 from .http_run import Choice, Run
 
@@ -47,6 +49,9 @@ class Completions:
         self.model.check(body.model)
         _refuse_unsupported(body)
         prompts = _prompts(body.prompt)
+        echo = [self._echo(text, ids) for text, ids in prompts] if body.echo else None
+        if needs_prompt_ids(body):  # tokenized here, as the engine path would, to be truncated or returned
+            prompts = [(None, await prompt_ids(self.server, body, text, ids, True)) for text, ids in prompts]
         # Given, max_tokens must fit beside the prompt (400 otherwise); null: the rest of the context.
         max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
         params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size, defaults=self.model.sampling_defaults)
@@ -56,16 +61,20 @@ class Completions:
             choices = request[CHOICES] = []  # the access log counts their tokens
             for p, (text, ids) in enumerate(prompts):
                 for j in range(body.n):
-                    choices.append(Choice(index=len(choices), prompt_index=p))
+                    choices.append(Choice(index=len(choices), prompt_index=p, prompt_ids=ids))
                     run.start(len(choices) - 1, seeded(params, j), prompt=text, token_ids=ids,
                               cache_salt=body.cache_salt, strict_length=body.max_tokens is not None)
             await run.wait_first("prompt")
-            echo = [self._echo(text, ids) for text, ids in prompts] if body.echo else None
-            reply = Reply("cmpl", "text_completion", self.model.id, body.stream_options)
+            reply = Reply("cmpl", "text_completion", self.model.id, body.stream_options, self.model.force_usage)
+            label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
             if body.stream:
-                return await stream(request, run, choices, reply, self._chunk, _echo_chunks(choices, echo))
+                def chunk(c: Choice, msg: Delta) -> list[dict]:
+                    return self._chunk(c, msg, label, bool(body.return_token_ids))
+                return await stream(request, run, choices, reply, chunk, _echo_chunks(choices, echo, body.return_token_ids))
             await run.collect(choices)
-            return json_response(reply.completion(choices, [self._choice(c, echo) for c in choices]))
+            entries = [self._choice(c, echo, label, bool(body.return_token_ids), body.logprobs is not None)
+                       for c in choices]
+            return json_response(reply.completion(choices, entries))
         finally:
             run.close()
 
@@ -73,48 +82,57 @@ class Completions:
         """A prompt's text, to put in front of its choices (echo)."""
         return text if text is not None else self.server.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _chunk(self, c: Choice, msg: Delta) -> list[dict]:
+    def _chunk(self, c: Choice, msg: Delta, label, return_token_ids: bool) -> list[dict]:
         """A completion stream's choice entries for one Delta (none when it says nothing)."""
-        logprobs = c.kept_logprobs(msg, self.texts)
-        if not msg.text and msg.finish_reason is None and not logprobs:
+        kept = c.kept_logprobs(msg, self.texts)
+        if not msg.text and msg.finish_reason is None and not kept and not (return_token_ids and msg.token_ids):
             return []
         entry = _text_choice(c.index, msg.text, msg.finish_reason)
-        if logprobs:
-            entry["logprobs"] = self._logprobs(logprobs, c.text_offset)
-        c.text_offset += len(msg.text)
+        if kept:
+            entry["logprobs"] = _logprobs([item for item, _ in kept], [offset for _, offset in kept], label)
+        if return_token_ids:
+            entry["token_ids"] = msg.token_ids
+            if not c.started:  # a choice's first chunk names its prompt's tokens
+                entry["prompt_token_ids"] = c.prompt_ids
+        c.started = True
         return [entry]
 
-    def _choice(self, c: Choice, echo: list[str] | None) -> dict:
+    def _choice(self, c: Choice, echo: list[str] | None, label, return_token_ids: bool, logprobs: bool) -> dict:
         """One choice of a whole completion."""
         prefix = echo[c.prompt_index] if echo else ""
         entry = _text_choice(c.index, prefix + "".join(c.text), c.finish_reason)
-        if c.logprobs:
-            entry["logprobs"] = self._logprobs(c.logprobs, len(prefix))
+        if logprobs:  # asked for: an object even when no token is listed
+            entry["logprobs"] = _logprobs(c.logprobs, [len(prefix) + o for o in c.offsets], label)
+        if return_token_ids:
+            entry["prompt_token_ids"], entry["token_ids"] = c.prompt_ids, c.token_ids
         return entry
 
-    def _logprobs(self, items: list[TokenLogprob], offset: int) -> dict:
-        """Logprobs in the completions API's columnar shape."""
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for t in items:
-            text = self.texts(t.token_id)
-            tokens.append(text)
-            token_logprobs.append(t.logprob)
-            alternatives = {self.texts(i): lp for i, lp in zip(t.top_ids, t.top_logprobs)}
-            alternatives.setdefault(text, t.logprob)
-            top.append(alternatives)
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+def _logprobs(items: list[TokenLogprob], offsets: list[int], label) -> dict:
+    """Logprobs in the completions API's columnar shape. label(id): how a token is named."""
+    tokens, token_logprobs, top = [], [], []
+    for t in items:
+        name = label(t.token_id)
+        tokens.append(name)
+        token_logprobs.append(t.logprob)
+        alternatives = {label(i): lp for i, lp in zip(t.top_ids, t.top_logprobs)}
+        alternatives.setdefault(name, t.logprob)
+        top.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def _echo_chunks(choices: list[Choice], echo: list[str] | None) -> list[list[dict]]:
+def _echo_chunks(choices: list[Choice], echo: list[str] | None, return_token_ids: bool | None) -> list[list[dict]]:
     """The stream's first chunks under echo: each choice's prompt (its text offsets then count from its end)."""
     if echo is None:
         return []
     chunks = []
     for c in choices:
-        c.text_offset = len(echo[c.prompt_index])
-        chunks.append([_text_choice(c.index, echo[c.prompt_index])])
+        c.text_chars = len(echo[c.prompt_index])
+        entry = _text_choice(c.index, echo[c.prompt_index])
+        if return_token_ids:
+            entry["prompt_token_ids"] = c.prompt_ids
+        c.started = True
+        chunks.append([entry])
     return chunks
 
 
@@ -157,4 +175,7 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
     if body.echo and body.logprobs is not None:
         raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo",
                        code="unsupported_value")
-    refuse_logit_bias(body)
+    if body.logprobs is not None and body.logprobs < 0:
+        raise ApiError(400, "`logprobs` must be a positive value.", param="logprobs", code="invalid_value")
+    check_stream_options(body)
+    refuse_unserved(body)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
-from metrale.ipc.sampling import SamplingParams, StructuredOutputs, seeded_for_choice
+from metrale.ipc.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputs, seeded_for_choice
 
 from .http_errors import ApiError
 
@@ -17,9 +17,10 @@ MAX_CHOICES = 128  # prompts × n of one request
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    """stream_options: whether a stream reports usage at its end."""
+    """stream_options: whether a stream reports usage at its end (and, continuous_usage_stats, on every chunk)."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -49,6 +50,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     adaptive_sampling: bool | None = None
     priority: int | None = None
     cache_salt: str | None = None  # prefix-cache namespace: requests with different salts never share KV
+    # vLLM's extensions (http_extensions.py): honoured, or refused with a 400 naming them
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool | None = None
+    prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's response_format (json_object, json_schema) or vLLM's structured_outputs
     # (json, json_object, regex, choice, grammar); at most one of the two.
     response_format: dict | None = None
@@ -70,6 +77,7 @@ class ServedModel:
     dir: str
     dir_named: bool = True  # no --served-model-name: the folder's path names it too
     sampling_defaults: dict = field(default_factory=dict)  # model_facts.generation_defaults
+    force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
 
     @property
     def id(self) -> str:
@@ -84,11 +92,20 @@ class ServedModel:
                            param="model", code="model_not_found")
 
 
+# Media types a JSON body may be sent as (none given is taken as JSON, as curl with --data-binary sends).
+_JSON_TYPES = ("application/json", "")
+
+
 async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
-    """The JSON body as `kind`; 400 naming the field when it does not fit."""
+    """The JSON body as `kind`; 415 unless it is sent as JSON, 400 naming the field when it does not fit.
+
+    Lax coercion, as vLLM's pydantic models take a body: "true" is a bool, "5" an int."""
+    if request.content_type not in _JSON_TYPES and not request.content_type.endswith("+json"):
+        raise ApiError(415, f"Unsupported Media Type: only 'application/json' is allowed (got "
+                       f"{request.content_type!r})", code="unsupported_media_type")
     data = await request.read()
     try:
-        return msgspec.json.decode(data, type=kind)
+        return msgspec.json.decode(data, type=kind, strict=False)
     except msgspec.ValidationError as exc:
         message = str(exc)
         param = message.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in message else None
@@ -109,7 +126,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                        "structured_outputs", param="tool_choice", code="invalid_value")
     kw["structured_outputs"] = asked or structured
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=stop,
+    refuse_logit_bias(body, vocab_size)
+    params = SamplingParams(max_tokens=max_tokens, logprobs=_num_logprobs(logprobs, vocab_size), stop=stop,
                             stop_token_ids=list(body.stop_token_ids or []), **kw)
     try:
         params.validate(vocab_size)
@@ -159,7 +177,31 @@ def check_count(count: int) -> None:
                        param="n", code="invalid_value")
 
 
-def refuse_logit_bias(body: SamplingFields) -> None:
-    """400 for logit_bias, which neither endpoint implements."""
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
+def check_stream_options(body: SamplingFields) -> None:
+    """400 for stream_options on a request that does not stream (as vLLM and OpenAI answer)."""
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options",
+                       code="invalid_value")
+
+
+def _num_logprobs(asked: int | None, vocab_size: int) -> int | None:
+    """The logprobs count: -1 is the whole vocabulary (vLLM's), so more than MAX_LOGPROBS is a 400 saying so."""
+    if asked == -1:
+        asked = vocab_size
+    if asked is not None and asked > MAX_LOGPROBS:
+        raise ApiError(400, f"Requested sample logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}",
+                       param="logprobs", code="invalid_value")
+    return asked
+
+
+def refuse_logit_bias(body: SamplingFields, vocab_size: int) -> None:
+    """400 for logit_bias: one naming an id that is not a token of the vocabulary, else one saying it is not applied
+    (the device sampler has no bias stage yet, and a bias silently ignored would mislead)."""
+    if not body.logit_bias:
+        return
+    for key in body.logit_bias:
+        token = int(key) if key.lstrip("-").isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise ApiError(400, f"logit_bias: token id {key!r} is not in the vocabulary [0, {vocab_size})",
+                           param="logit_bias", code="invalid_value")
+    raise ApiError(400, "logit_bias is not supported yet", param="logit_bias", code="unsupported_value")

@@ -21,18 +21,24 @@ from .tokenizer import Tokenizer
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
+_REPLACEMENT = "\ufffd"  # what a token holding part of a character's bytes decodes to
 
 ChunkOf = Callable[[Choice, Delta], list[dict]]  # a stream's choice entries for one Delta
 
 
 @dataclass(slots=True)
 class Reply:
-    """The envelope every object of one response shares: id, object, created, model, usage."""
+    """The envelope every object of one response shares: id, object, created, model, usage.
+
+    A stream reports usage as vLLM's does: at its end with stream_options.include_usage or the server's
+    --enable-force-include-usage, and on every chunk too with stream_options.continuous_usage_stats."""
 
     prefix: str
     object: str
     model: str
     stream_options: StreamOptions | None
+    force_usage: bool = False  # --enable-force-include-usage
+    prompt_token_ids: list[int] | None = None  # return_token_ids: sent once, in the first chunk
     id: str = ""
     created: int = 0
 
@@ -43,14 +49,21 @@ class Reply:
     @property
     def include_usage(self) -> bool:
         """Whether the stream ends with a usage chunk (and every chunk carries usage: null)."""
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.force_usage or (self.stream_options is not None and self.stream_options.include_usage)
 
-    def chunk(self, choices: list[dict]) -> dict:
-        """One streamed object."""
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries its choice's usage so far."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def chunk(self, choices: list[dict], of: Choice | None = None) -> dict:
+        """One streamed object (with continuous usage: that of the choice `of`)."""
         out = {"id": self.id, "object": _chunk_object(self.object), "created": self.created, "model": self.model,
                "choices": choices}
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = usage([of]) if self.continuous_usage and of is not None else None
+        if self.prompt_token_ids is not None:
+            out["prompt_token_ids"], self.prompt_token_ids = self.prompt_token_ids, None
         return out
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
@@ -73,8 +86,8 @@ async def stream(request: web.Request, run: Run, choices: list[Choice], reply: R
     """Send the `first` chunks, then each output as an SSE event as it comes; then usage (when asked) and [DONE]."""
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
-    for parts in first:
-        await response.write(reply.event(reply.chunk(parts)))
+    for parts, choice in zip(first, choices):
+        await response.write(reply.event(reply.chunk(parts, choice)))
     async for msg in run.messages():
         if isinstance(msg, Error):
             await response.write(reply.event(ApiError.from_engine(msg).body()))
@@ -83,7 +96,7 @@ async def stream(request: web.Request, run: Run, choices: list[Choice], reply: R
         choice.fold(msg)
         parts = chunk_of(choice, msg)
         if parts:
-            await response.write(reply.event(reply.chunk(parts)))
+            await response.write(reply.event(reply.chunk(parts, choice)))
     if reply.include_usage:
         await response.write(reply.event(reply.usage_chunk(choices)))
     await response.write(_DONE)
@@ -92,18 +105,27 @@ async def stream(request: web.Request, run: Run, choices: list[Choice], reply: R
 
 
 def usage(choices: list[Choice]) -> dict:
-    """Token counts: each distinct prompt once, every choice's completion."""
-    prompt = sum({c.prompt_index: c.prompt_tokens for c in choices}.values())
-    completion = sum(c.completion_tokens for c in choices)
+    """Token counts: each distinct prompt once, every choice's completion (so far, for a choice still running)."""
+    prompt = sum({c.prompt_index: c.prompt_tokens or len(c.prompt_ids or ()) for c in choices}.values())
+    completion = sum(c.completion_tokens or len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class TokenTexts:
-    """Each token's own text (special tokens spelled out), decoded once: what logprobs name tokens by."""
+    """Each token's own text (special tokens spelled out), decoded once: what logprobs name tokens by; and where
+    tokens' text falls in an output."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+
+    def special(self, token_id: int) -> bool:
+        """Whether the token is a special one (end-of-sequence among them): it has no text in an output."""
+        return token_id in self._tokenizer.special_token_ids or token_id in self._tokenizer.eos_token_ids
+
+    def visible_chars(self, ids: list[int]) -> int:
+        """Characters of the output text these tokens make, a trailing incomplete character not counted."""
+        return len(self._tokenizer.decode(ids).rstrip(_REPLACEMENT))
 
     def __call__(self, token_id: int) -> str:
         """The text of one token."""

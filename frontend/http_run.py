@@ -33,29 +33,38 @@ class Choice:
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # each kept logprob's token's place in the text
+    token_ids: list[int] = field(default_factory=list)  # every output token (return_token_ids)
+    prompt_ids: list[int] | None = None  # the prompt's tokens, when the handler tokenized it
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     started: bool = False  # a streamed chat choice sends its role first
-    text_offset: int = 0  # characters streamed so far (completions logprobs' text_offset)
-    text_chars: int = 0  # characters of output text seen so far
-    logprob_chars: int = 0  # characters of the tokens whose logprobs were kept
+    text_chars: int = 0  # characters of output text seen so far (and, under echo, of the prompt in front)
+    pending_ids: list[int] = field(default_factory=list)  # tokens whose text is not out yet (a split character)
 
-    def kept_logprobs(self, msg: Delta, token_text) -> list[TokenLogprob]:
-        """msg's logprobs that belong to the output text: when a stop string ends the request, the tokens
-        whose text it cut are dropped, so logprobs and text agree (`[' Paris']` for text ' Paris', not
-        `[' Paris', '.']`). token_text(id) is a token's own text."""
+    def kept_logprobs(self, msg: Delta, texts) -> list[tuple[TokenLogprob, int]]:
+        """msg's logprobs that belong to the output, each with its token's offset into the text.
+
+        A token's offset counts the characters before it (a token that only carries part of a character's bytes
+        starts where that character does). When a stop string ends the request, the tokens whose text it cut are
+        dropped, so logprobs and text agree (`[' Paris']` for text ' Paris', not `[' Paris', '.']`); an
+        end-of-sequence token, which has no text, is kept. texts: the TokenTexts of the server's tokenizer."""
+        before = self.text_chars
         self.text_chars += len(msg.text)
         kept = []
-        for item in msg.logprobs or ():
-            if msg.finish_reason == "stop" and self.logprob_chars >= self.text_chars:
+        for j, item in enumerate(msg.logprobs or ()):
+            prior = self.pending_ids + msg.token_ids[:j]
+            offset = before + (texts.visible_chars(prior) if prior else 0)
+            if msg.finish_reason == "stop" and offset >= self.text_chars and not texts.special(item.token_id):
                 break
-            kept.append(item)
-            self.logprob_chars += len(token_text(item.token_id))
+            kept.append((item, offset))
+        self.pending_ids = [] if msg.text else self.pending_ids + msg.token_ids
         return kept
 
     def fold(self, msg: Delta) -> None:
         """Count one Delta into the choice (its text is kept only when the whole answer is built at the end)."""
+        self.token_ids.extend(msg.token_ids)
         if msg.finish_reason is not None:
             self.finish_reason = msg.finish_reason
             self.prompt_tokens = msg.prompt_tokens or 0
@@ -65,9 +74,9 @@ class Choice:
 class Run:
     """The engine requests behind one HTTP request, filed under one in-process client key."""
 
-    def __init__(self, server: FrontendServer, token_text=None) -> None:
+    def __init__(self, server: FrontendServer, texts) -> None:
         self.server = server
-        self.token_text = token_text or (lambda token_id: "")  # a token's own text (logprobs follow the text)
+        self.texts = texts  # TokenTexts: where each token's text falls (logprobs follow the text)
         self.key = server.open_local()
         self.queue: asyncio.Queue[Delta | Error] = asyncio.Queue()
         self.live: set[str] = set()
@@ -111,9 +120,11 @@ class Run:
             if isinstance(msg, Error):
                 raise ApiError.from_engine(msg)
             c = choices[int(msg.id)]
-            c.text.append(msg.text)
             if msg.logprobs:
-                c.logprobs.extend(c.kept_logprobs(msg, self.token_text))
+                for item, offset in c.kept_logprobs(msg, self.texts):
+                    c.logprobs.append(item)
+                    c.offsets.append(offset)
+            c.text.append(msg.text)
             c.fold(msg)
 
     def close(self) -> None:

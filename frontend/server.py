@@ -110,6 +110,7 @@ class FrontendConfig:
     chat_template: str | None = None  # --chat-template: a file, or inline Jinja; None: the model's own
     generation_config: str = "auto"  # HTTP requests' sampling defaults: model_facts.generation_defaults
     log_requests: bool = True  # an access-log line per HTTP request (--disable-log-requests turns it off)
+    enable_force_include_usage: bool = False  # every HTTP stream ends with its usage (vLLM's flag)
     stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
     shutdown_timeout_s: float = 0.0  # on SIGTERM, live requests get this long to finish before they are ended

@@ -56,6 +56,37 @@ def fold_calls(deltas: list[dict]) -> list[dict]:
     return [calls[i] for i in sorted(calls)]
 
 
+def merge_by_index(deltas: list[dict]) -> list[dict]:
+    """One chunk's call deltas with those of one call joined (a head and its first arguments piece become one
+    entry: a client reading tool_calls[0] of each chunk must not miss a piece)."""
+    out: list[dict] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d["index"]:
+            last = out[-1]
+            joined = last["function"].get("arguments", "") + d["function"].get("arguments", "")
+            out[-1] = {**last, "function": {**last["function"], "arguments": joined}}
+        else:
+            out.append(d)
+    return out
+
+
+def complete_calls(calls: list[dict]) -> list[dict]:
+    """The calls whose arguments are a whole JSON text (an output cut by max_tokens may leave one unfinished)."""
+    out = []
+    for call in calls:
+        try:
+            json.loads(call["function"]["arguments"])
+        except json.JSONDecodeError:
+            continue
+        out.append(call)
+    return out
+
+
+def forced(parser: object) -> bool:
+    """Whether the parser reads a forced call (tool_choice a named function or "required"): its output is JSON."""
+    return isinstance(parser, (NamedCall, RequiredCalls))
+
+
 def _arguments_text(value: object) -> str:
     """Arguments as OpenAI sends them: a JSON text (a string a model wrote as JSON text is kept as it is)."""
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

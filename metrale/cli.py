@@ -96,6 +96,8 @@ def main() -> None:
               help="HTTP requests' sampling defaults (temperature, top_p, top_k, min_p, penalties) for what they leave "
                    "out: auto, the model's generation_config.json; vllm, none; or a folder holding one.")
 @click.option("--disable-log-requests", is_flag=True, help="no access-log line per HTTP request.")
+@click.option("--enable-force-include-usage", is_flag=True,
+              help="every HTTP stream ends with its usage, as if it asked stream_options.include_usage.")
 @click.option("--api-key", default=None, envvar=["METRALE_API_KEY", "VLLM_API_KEY"], show_envvar=True,
               help="clients must send this key (HTTP: Authorization: Bearer KEY on /v1/*; ZMQ: api_key in each "
                    "message); /health stays open.")
@@ -157,6 +159,7 @@ def serve(**o) -> None:
         enable_admin=o["enable_admin"], admin_allow_remote=o["admin_allow_remote"],
         served_model_names=list(o["served_model_names"]), chat_template=o["chat_template"],
         generation_config=o["generation_config"], disable_log_requests=o["disable_log_requests"],
+        enable_force_include_usage=o["enable_force_include_usage"],
     )
     try:
         sup = Supervisor(config)

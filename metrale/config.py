@@ -134,3 +134,4 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # a file or inline Jinja in place of the model's template
     generation_config: str = "auto"  # auto | vllm | a folder: HTTP requests' sampling defaults
     disable_log_requests: bool = False  # no access-log line per HTTP request
+    enable_force_include_usage: bool = False  # every HTTP stream ends with its usage (vLLM's flag)

@@ -237,6 +237,7 @@ class Supervisor:
             "chat_template": str(self.run_dir / "chat_template.jinja") if self.chat_template is not None else None,
             "generation_config": self.config.generation_config,
             "log_requests": not self.config.disable_log_requests,
+            "enable_force_include_usage": self.config.enable_force_include_usage,
         }
         return [sys.executable, "-m", "metrale.frontend_process", json.dumps(fe), str(self.health_path)]
 
