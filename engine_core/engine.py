@@ -441,6 +441,7 @@ class EngineCore:
             spec_draft_tokens=self.speculator.stats.drafted if self.speculator else 0,
             spec_accepted_tokens=self.speculator.stats.accepted if self.speculator else 0,
             host_repicks=self.io.host_repicks,
+            kernels=self.info.kernels,
         )
 
 

@@ -129,6 +129,11 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
         yield _gauge("metrale_worker_idle_ratio", "Fraction of time the worker waited for a step.",
                      idle / (busy + idle) if busy + idle > 0 else 0.0)
         yield _gauge("metrale_step_time_seconds", "Mean worker time per step.", busy / s.steps if s.steps else 0.0)
+    if s.kernels:
+        kernels = GaugeMetricFamily("metrale_kernels_info", "The worker's kernels (a CPU's instruction-set class).",
+                                    labels=["kernels"])
+        kernels.add_metric([s.kernels], 1)
+        yield kernels
     if s.replicas:
         yield from _replica_families(s.replicas)
 

@@ -124,5 +124,6 @@ def sum_stats(parts: list[EngineStats | None]) -> EngineStats:
     total = EngineStats(**{name: sum(getattr(p, name) for p in each) for name in _SUMMED})
     total.prefix_cache_hit_rate = (total.prefix_cache_hit_tokens / total.prefix_cache_queried_tokens
                                    if total.prefix_cache_queried_tokens else 0.0)
+    total.kernels = next((p.kernels for p in each if p.kernels), "")
     total.replicas = each
     return total

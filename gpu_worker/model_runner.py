@@ -140,6 +140,7 @@ class ModelRunner:
             fed_ahead_policy=FedAheadPolicy.REPICK_ONLY if recurrent else FedAheadPolicy.REWIND,
             num_swap_blocks=self.swap.num_blocks,
             num_state_slots=self.state.num_slots if self.state is not None else 0,
+            kernels=(cpu_kernels.isa() if self._native else "torch") if self.device.type == "cpu" else self.device.type,
         )
         self.sampler = Sampler(self.facts.vocab_size, self.device)
         self._copier = ResultCopier(self.device)

@@ -337,8 +337,8 @@ def run_worker(config: WorkerConfig) -> int:
                 pass  # the engine core is gone too
             return 1
         info = runner.info
-        log.info("ready in %.1f s: %s in %s; KV cache of %d blocks x %d tokens (%d tokens)", time.monotonic() - t0,
-                 info.name, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size)
+        log.info("ready in %.1f s: %s in %s on %s kernels; KV cache of %d blocks x %d tokens (%d tokens)", time.monotonic() - t0,
+                 info.name, info.dtype, info.kernels, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size)
         rank = spec.rank if spec is not None else 0
         try:
             bell.send(WorkerReady(pid=os.getpid(), info=info, rank=rank))

@@ -136,6 +136,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # launched ahead whose mask went stale).
     host_repicks: int = 0
     worker_recoveries: int = 0  # workers this engine core lost and replaced
+    kernels: str = ""  # the worker's kernels (ModelInfo.kernels): a CPU's instruction-set class, "torch" or "cuda"
     last_worker_recovery: WorkerRecovery | None = None
     # Data parallel: the frontend's sums over every replica hold each replica's own counters here, in order.
     replicas: list[EngineStats] = []

@@ -65,6 +65,9 @@ class ModelInfo:
     # Per-sequence recurrent state slots (a model with recurrent layers; 0: none). Each running sequence
     # holds one (StepPlan.state_slots); such a model is REPICK_ONLY and serves without prefix caching.
     num_state_slots: int = 0
+    # The worker's kernels: on a CPU the instruction-set class its native kernels run (metrale/cpu_isa.py), or
+    # "torch" without them; on an accelerator its kind ("cuda").
+    kernels: str = ""
 
 
 @dataclass(slots=True)

@@ -203,3 +203,12 @@ def kernel_isa(request, monkeypatch) -> str:
     monkeypatch.setitem(cpu_kernels._active, "isa", cls)
     monkeypatch.setitem(cpu_kernels._active, "ops", ns)
     return cls
+
+
+def expected_kernels() -> str:
+    """The kernels a CPU worker started from this environment reports (ModelInfo.kernels): the chosen class,
+    or "torch" when the native kernels are turned off or cannot be built here."""
+    from metrale import cpu_isa
+    from metrale.gpu_worker.layers import cpu_kernels
+
+    return cpu_isa.chosen() if cpu_kernels.available() else "torch"

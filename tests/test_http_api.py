@@ -18,6 +18,7 @@ from metrale.frontend.chat import ChatTemplate
 from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.sampling import SamplingParams
 
+from conftest import expected_kernels
 from serve_fixture import free_port, running_server
 
 MODEL = "tiny-llama-4k"  # the folder's name is the model id
@@ -273,6 +274,7 @@ def test_metrics_parse_and_counters_move(api, server):
                   "metrale_preemptions_total"):
         assert (gauge, ()) in after
     assert after[("metrale_process_restarts_total", (("process", "gpu_worker"),))] == 0
+    assert after[("metrale_kernels_info", (("kernels", expected_kernels()),))] == 1
 
 
 # ---- errors -----------------------------------------------------------------------------------

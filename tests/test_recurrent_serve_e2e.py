@@ -13,6 +13,7 @@ from metrale import LLM, SamplingParams
 from metrale.frontend.client import AsyncClient
 from metrale.gpu_worker.tiny_model import SPECIAL_TOKENS, THINK
 
+from conftest import expected_kernels
 from serve_fixture import running_server
 
 N = 12
@@ -55,6 +56,7 @@ def test_pipelined_serve_streams_what_the_synchronous_loop_streams_with_repairs_
             capture_output=True, text=True, timeout=60,
         )
         assert f"{stats.host_repicks} host repicks" in status.stdout, status.stdout  # nothing runs: it stays put
+        assert stats.kernels == expected_kernels() and f"{stats.kernels} kernels" in status.stdout, status.stdout
 
 
 async def _stream_all(port: int) -> list[tuple[list[int], str | None]]:
