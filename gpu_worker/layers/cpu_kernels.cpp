@@ -243,6 +243,149 @@ void fold_block16(const RowState& st, const Shape& sh, const T* kb, const T* vb,
 }
 #endif
 
+#if defined(METRALE_AVX2) && !defined(METRALE_AVX512)
+// AVX2 (8 lanes): a 16-token block is two registers.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Stores rounding to T as torch does (round to nearest even; NaN stays NaN), and that rounding alone.
+inline __m256i bf16_bits8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::BFloat16* p, __m256 x) {
+  const __m256i b = bf16_bits8(x);  // 8 x 32-bit lanes holding 16-bit values: pack to 8 x 16 bits
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(c10::Half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <typename T>
+inline __m256 round8(__m256 x) {  // x rounded to T and back to float32
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// e^x on 8 lanes for x <= 0 (the softmax's), as exp_nonpositive: 0 below -80, 2^k built in the exponent bits
+// (k >= -116 there, so always a normal number).
+inline __m256 exp8(__m256 x) {
+  const __m256 floor_in = _mm256_set1_ps(-80.0f);
+  const __m256 y = _mm256_max_ps(x, floor_in);
+  const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(y, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), y);
+  r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+  return _mm256_and_ps(e, _mm256_cmp_ps(x, floor_in, _CMP_GE_OQ));
+}
+
+// fold_block16's scheme for 16-token blocks on AVX2: each head's scores are two registers (tokens 0-7 and
+// 8-15), G query heads of a KV head share each key load (G <= 4: two accumulators a head within the 16
+// registers), lanes outside [offset, offset + n) masked out of the softmax, the value pass with G * CB
+// accumulators. Query heads of a larger group are folded G at a time.
+template <typename T, int G>
+void fold_block8x2(const RowState& st, const Shape& sh, const T* kb, const T* vb, int64_t offset, int64_t n,
+                   const T* nk, const T* nv, int64_t h0, int64_t h1) {
+  constexpr int CB = G >= 3 ? 2 : 4;
+  constexpr int PF = sizeof(T) / 2;
+  const int64_t dim = sh.dim, kv_heads = sh.kv_heads, group = sh.group;
+  const __m256 idx_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), idx_hi = _mm256_add_ps(idx_lo, _mm256_set1_ps(8.0f));
+  const __m256 first = _mm256_set1_ps(static_cast<float>(offset)), past = _mm256_set1_ps(static_cast<float>(offset + n));
+  const __m256 in_lo = _mm256_and_ps(_mm256_cmp_ps(idx_lo, first, _CMP_GE_OQ), _mm256_cmp_ps(idx_lo, past, _CMP_LT_OQ));
+  const __m256 in_hi = _mm256_and_ps(_mm256_cmp_ps(idx_hi, first, _CMP_GE_OQ), _mm256_cmp_ps(idx_hi, past, _CMP_LT_OQ));
+  const __m256 lowest = _mm256_set1_ps(-FLT_MAX);
+  for (int64_t h = h0; h < h1; ++h) {
+    const char* pk = nk ? reinterpret_cast<const char*>(nk + h * dim * 16) : nullptr;
+    const char* pv = nv ? reinterpret_cast<const char*>(nv) + h * dim * 16 * sizeof(T) : nullptr;
+    const T* kh = kb + h * dim * 16;
+    for (int64_t g0 = 0; g0 < group; g0 += G) {
+      const int64_t hq0 = h * group + g0;
+      __m256 lo[G], hi[G];
+      for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+      const float* qh = st.qf + hq0 * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        if (pk && g0 == 0 && d % 2 == 0) {
+          for (int u = 0; u < PF; ++u) {
+            _mm_prefetch(pk + ((d / 2) * PF + u) * 64, _MM_HINT_T0);
+            _mm_prefetch(pv + ((d / 2) * PF + u) * 64, _MM_HINT_T0);
+          }
+        }
+        const __m256 k0 = load8(kh + d * 16), k1 = load8(kh + d * 16 + 8);
+        for (int g = 0; g < G; ++g) {
+          const __m256 qd = _mm256_set1_ps(qh[g * dim + d]);
+          lo[g] = _mm256_fmadd_ps(qd, k0, lo[g]);
+          hi[g] = _mm256_fmadd_ps(qd, k1, hi[g]);
+        }
+      }
+      float alpha[G];
+      for (int g = 0; g < G; ++g) {
+        const int64_t hq = hq0 + g;
+        lo[g] = _mm256_blendv_ps(lowest, lo[g], in_lo);
+        hi[g] = _mm256_blendv_ps(lowest, hi[g], in_hi);
+        const float top = std::max(st.m[hq], std::max(hmax8(lo[g]), hmax8(hi[g])));
+        alpha[g] = exp_nonpositive(st.m[hq] - top);
+        const __m256 t = _mm256_set1_ps(top);
+        const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(lo[g], t)), in_lo);
+        const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(hi[g], t)), in_hi);
+        st.l[hq] = st.l[hq] * alpha[g] + hsum8(p0) + hsum8(p1);
+        st.m[hq] = top;
+        _mm256_storeu_ps(st.w + hq * 16, p0);
+        _mm256_storeu_ps(st.w + hq * 16 + 8, p1);
+      }
+      for (int64_t c0 = 0; c0 < dim; c0 += 8 * CB) {
+        __m256 a[G][CB];
+        for (int g = 0; g < G; ++g)
+          for (int u = 0; u < CB; ++u)
+            a[g][u] = c0 + 8 * u < dim ? _mm256_mul_ps(_mm256_loadu_ps(st.acc + (hq0 + g) * dim + c0 + 8 * u), _mm256_set1_ps(alpha[g]))
+                                       : _mm256_setzero_ps();
+        for (int64_t j = offset; j < offset + n; ++j) {
+          const T* vj = vb + (j * kv_heads + h) * dim + c0;
+          __m256 wj[G];
+          for (int g = 0; g < G; ++g) wj[g] = _mm256_set1_ps(st.w[(hq0 + g) * 16 + j]);
+          for (int u = 0; u < CB; ++u) {
+            if (c0 + 8 * u >= dim) break;
+            const __m256 v = load8(vj + 8 * u);
+            for (int g = 0; g < G; ++g) a[g][u] = _mm256_fmadd_ps(wj[g], v, a[g][u]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int u = 0; u < CB; ++u)
+            if (c0 + 8 * u < dim) _mm256_storeu_ps(st.acc + (hq0 + g) * dim + c0 + 8 * u, a[g][u]);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 using FoldFn = void (*)(const RowState&, const Shape&, const T*, const T*, int64_t, int64_t, const T*, const T*, int64_t, int64_t);
 
@@ -259,6 +402,13 @@ FoldFn<T> choose_fold(const Shape& sh) {
       case 8: return fold_block16<T, 8>;
       default: break;
     }
+  }
+#elif defined(METRALE_AVX2)
+  if (sh.block_size == 16 && sh.dim % 8 == 0) {
+    if (sh.group % 4 == 0) return fold_block8x2<T, 4>;
+    if (sh.group % 3 == 0) return fold_block8x2<T, 3>;
+    if (sh.group % 2 == 0) return fold_block8x2<T, 2>;
+    return fold_block8x2<T, 1>;
   }
 #endif
   return fold_block_generic<T>;
@@ -508,6 +658,16 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
         const __m512 s = round16<T>(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
         store16(dst + i, _mm512_mul_ps(s, load16(up + i)));
       }
+#elif defined(METRALE_AVX2)
+      // x * sigmoid(x) with the exponent always of -|x| (exp8 takes x <= 0): 1 / (1 + e) or e / (1 + e).
+      const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 x = load8(gate + i);
+        const __m256 e = exp8(_mm256_or_ps(x, sign));
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, x), _mm256_add_ps(one, e));
+        const __m256 s = round8<T>(_mm256_mul_ps(x, sig));
+        store8(dst + i, _mm256_mul_ps(s, load8(up + i)));
+      }
 #endif
       for (; i < n; ++i) {
         const T s = static_cast<T>(silu_scalar(load(gate, i)));
@@ -629,6 +789,44 @@ int64_t argmax_row(const T* row, int64_t n) {
     best = tops[0];
     best_at = ats[0];
     for (int l = 1; l < 64; ++l) {
+      if (tops[l] > best || (tops[l] == best && ats[l] < best_at)) {
+        best = tops[l];
+        best_at = ats[l];
+      }
+    }
+  }
+#endif
+#if defined(METRALE_AVX2) && !defined(METRALE_AVX512)
+  if (n >= 32) {
+    // As the AVX-512 loop: four accumulators over interleaved 8-wide blocks.
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 top[4];
+    __m256i at[4];
+    for (int a = 0; a < 4; ++a) {
+      top[a] = load8(row + 8 * a);
+      at[a] = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * a));
+    }
+    auto fold = [&](int a, int64_t from) {
+      const __m256 v = load8(row + from);
+      const __m256 gt = _mm256_cmp_ps(v, top[a], _CMP_GT_OQ);
+      top[a] = _mm256_blendv_ps(top[a], v, gt);
+      at[a] = _mm256_blendv_epi8(at[a], _mm256_add_epi32(lane, _mm256_set1_epi32(int32_t(from))), _mm256_castps_si256(gt));
+    };
+    for (i = 32; i + 32 <= n; i += 32) {
+      for (int line = 0; line < int(sizeof(T)) / 2; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(row + i) + 2048 + 64 * line, _MM_HINT_T0);
+      for (int a = 0; a < 4; ++a) fold(a, i + 8 * a);
+    }
+    for (; i + 8 <= n; i += 8) fold(0, i);
+    alignas(32) float tops[32];
+    alignas(32) int32_t ats[32];
+    for (int a = 0; a < 4; ++a) {
+      _mm256_store_ps(tops + 8 * a, top[a]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ats + 8 * a), at[a]);
+    }
+    best = tops[0];
+    best_at = ats[0];
+    for (int l = 1; l < 32; ++l) {
       if (tops[l] > best || (tops[l] == best && ats[l] < best_at)) {
         best = tops[l];
         best_at = ats[l];
