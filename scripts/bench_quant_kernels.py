@@ -1,132 +1,146 @@
-"""Microbenchmark: the CPU matmul kernels a quantized linear layer could run on, over one model's layer shapes.
+"""Microbenchmark: the quantized linear layers against the dense bf16 one, on one model's layer shapes.
 
-For each kernel, the time of one decoder layer's projections (q/k/v, o, gate/up, down) plus the LM head's share
-per layer, at batch M rows, in bf16 activations: dense bf16 through oneDNN's packed weight (metrale's dense
-path), int8 per-channel (torch._weight_int8pack_mm), grouped 4-bit (torch._weight_int4pack_mm_for_cpu, group
-32/64/128), and torchao's Int8WeightOnly on nn.Linear when torchao is installed (its CPU 4-bit path is
-torch's own kernel above). The box is
-noisy: kernels run alternately, round after round, and each figure is the median. One JSON line.
+Each format runs through its LinearMethod exactly as the engine does (DenseLinearMethod in bfloat16: the
+native GEMV for a few rows, oneDNN beyond; Int8LinearMethod and Int4LinearMethod: cpu_quant.cpp's kernels),
+on bfloat16 activations, over every layer's own weights in model order (q/k/v, o, gate/up, down per layer,
+then the LM head), so each product finds the caches as a decode step leaves them. The process's kernel class
+is the CPU's best or METRALE_CPU_ISA's (which also caps torch's own kernels). Formats alternate, round after
+round; each figure is the median ms of one product of that shape. At each row count: ms per shape and format,
+each format's speed-up over bf16 (bf16 ms / its ms; per shape and for the whole step), and for the step the
+weight bytes read per second against the box's streaming-read bandwidth (bench_limits' measure). With
+--library, torch's own int8 / 4-bit kernels on the same shapes too. One JSON line.
 
-    python scripts/bench_quant_kernels.py --shape bench-small --rows 1 32 --rounds 15
+    python scripts/bench_quant_kernels.py --shape bench-small --rows 1 4 32 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from metrale.gpu_worker.layers.linear_method import pack_weight
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_limits import stream_read_gb_s  # noqa: E402
+
+from metrale.gpu_worker.layers import cpu_kernels  # noqa: E402
+from metrale.gpu_worker.layers.linear_method import DenseLinearMethod  # noqa: E402
+from metrale.gpu_worker.layers.quantization import Int4LinearMethod, Int8LinearMethod  # noqa: E402
 
 SHAPES = {  # (hidden, q rows + 2 kv rows, intermediate, vocab, layers)
-    "bench-small": (1024, 1024 + 2 * 512, 2816, 32000, 16),
+    "bench-small": (1024, 1024 + 2 * 1024, 2816, 32000, 16),
     "smollm2": (576, 576 + 2 * 192, 1536, 49152, 30),
 }
+NAMES = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
-def layer_weights(shape: str) -> list[torch.Tensor]:
-    """[out, in] float32 weights of one layer's projections, and the LM head's rows divided over the layers."""
-    hidden, qkv, inter, vocab, layers = SHAPES[shape]
-    gen = torch.Generator().manual_seed(0)
-    dims = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter), (vocab // layers, hidden)]
-    return [torch.randn(n, k, generator=gen) / k**0.5 for n, k in dims]
+def model_shapes(shape: str, layers: int | None) -> tuple[list[tuple[str, int, int]], int]:
+    """[(name, out, in)] of one layer's projections and the head, and the layer count."""
+    hidden, qkv, inter, vocab, n_layers = SHAPES[shape]
+    dims = [("qkv", qkv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden), ("down", hidden, inter),
+            ("lm_head", vocab, hidden)]
+    return dims, layers or n_layers
 
 
-def dense_bf16(w: torch.Tensor):
-    packed = pack_weight(w.bfloat16())
-    return lambda x: packed(x)
+def make_layer(method, w: torch.Tensor) -> nn.Module:
+    """A module holding w through `method`, processed as the loader would."""
+    layer = nn.Module()
+    method.create_weights(layer, w.shape[1], [w.shape[0]], dtype=torch.bfloat16, device=torch.device("cpu"), weight_loader=None)
+    layer.weight.data.copy_(w)
+    method.process_weights_after_loading(layer)
+    return layer
 
 
-def int8_channel(w: torch.Tensor):
+def weight_bytes(fmt: str, out: int, inp: int) -> int:
+    """Bytes of weight one product reads."""
+    blocks = -(-inp // 32)
+    return {"bf16": 2 * out * inp, "int8": out * blocks * 34, "int4": out * blocks * 24}.get(fmt, out * inp)
+
+
+def library_kernels(w: torch.Tensor) -> dict:
+    """torch's own products for comparison: int8 per row (_weight_int8pack_mm), 4-bit groups of 32
+    (_weight_int4pack_mm_for_cpu)."""
+    n, k = w.shape
     scale = w.abs().amax(1) / 127
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     s = scale.bfloat16()
-    return lambda x: torch._weight_int8pack_mm(x, q, s)
-
-
-def int4_group(group: int):
-    def make(w: torch.Tensor):
-        n, k = w.shape
-        g = w.view(n, k // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-8)
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-        zero = lo + 8 * scale  # torch's int4 convention: w = (q - 8) * scale + zero
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
-        sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()
-        return lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, group, sz)
-
-    return make
-
-
-def torchao_linear(kind: str):
-    def make(w: torch.Tensor):
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
-        lin.weight.data.copy_(w)
-        quantize_(lin, Int8WeightOnlyConfig())
-        return lambda x: lin(x)
-
-    return make
-
-
-def timed(fns, xs: list[torch.Tensor], reps: int) -> float:
-    """Seconds of running every projection once on its input (one layer), averaged over reps."""
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        for f, x in zip(fns, xs):
-            f(x)
-    return (time.perf_counter() - t0) / reps
+    g = w.view(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    step = ((hi - lo) / 15).clamp(min=1e-8)
+    q4 = torch.round((g - lo[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 8)
+    sz = torch.stack([step, lo + 8 * step], -1).transpose(0, 1).contiguous().bfloat16()
+    return {"torch_int8pack": lambda x: torch._weight_int8pack_mm(x, q, s),
+            "torch_int4pack": lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, 32, sz)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench-small")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=None, help="layers of weights to cycle through (default: the model's)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--library", action="store_true", help="torch's own quantized kernels too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    weights = layer_weights(args.shape)
-    kernels = {"dense_bf16": dense_bf16, "int8_channel": int8_channel,
-               "int4_g32": int4_group(32), "int4_g64": int4_group(64), "int4_g128": int4_group(128)}
-    try:
-        import torchao  # noqa: F401
-
-        kernels["torchao_int8"] = torchao_linear("int8")  # its CPU int4 is torch's own kernel (int4_g*)
-    except ImportError:
-        pass
-    built = {}
-    for name, make in kernels.items():
-        try:
-            built[name] = [make(w) for w in weights]
-        except Exception as e:  # a kernel this build lacks: say so, measure the rest
-            print(json.dumps({"skipped": name, "why": repr(e)[:200]}))
-    out: dict = {"shape": args.shape, "threads": args.threads, "rounds": args.rounds, "ms_per_layer": {}}
+    cpu_kernels.available()  # load the kernels first: the dense method's GEMV needs them loaded
+    dims, layers = model_shapes(args.shape, args.layers)
+    gen = torch.Generator().manual_seed(0)
+    formats = {"bf16": DenseLinearMethod, "int8": Int8LinearMethod, "int4": Int4LinearMethod}
+    fns: dict[str, list[tuple[str, object]]] = {f: [] for f in formats}
+    if args.library:
+        fns.update(torch_int8pack=[], torch_int4pack=[])
     with torch.inference_mode():
-        for m in args.rows:
-            xs = [torch.randn(m, w.shape[1], dtype=torch.bfloat16) for w in weights]
-            for fns in built.values():
-                timed(fns, xs, 2)  # warm up
-            samples: dict[str, list[float]] = {n: [] for n in built}
-            for _ in range(args.rounds):
-                for name, fns in built.items():
-                    samples[name].append(timed(fns, xs, args.reps))
-            med = {n: statistics.median(v) * 1e3 for n, v in samples.items()}
-            out["ms_per_layer"][f"M={m}"] = {n: round(v, 4) for n, v in med.items()}
-            out.setdefault("vs_dense_bf16", {})[f"M={m}"] = {n: round(med["dense_bf16"] / v, 3) for n, v in med.items()}
-    # Numerics on one weight: the relative error of each kernel's product against float32.
-    w, x = weights[2], torch.randn(4, weights[2].shape[1])
-    want = x @ w.T
-    out["rel_error"] = {
-        n: round(float((make(w)(x.bfloat16()).float() - want).norm() / want.norm()), 5) for n, make in kernels.items() if n in built
-    }
+        for i in range(layers + 1):
+            for name, out, inp in dims:
+                if (name == "lm_head") != (i == layers):
+                    continue
+                w = torch.randn(out, inp, generator=gen) / inp**0.5
+                for fmt, method in formats.items():
+                    m, layer = method(), None
+                    layer = make_layer(m, w.bfloat16().float() if fmt == "bf16" else w)
+                    fns[fmt].append((name, lambda x, m=m, layer=layer: m.apply(layer, x)))
+                if args.library:
+                    for fmt, f in library_kernels(w).items():
+                        fns[fmt].append((name, f))
+        bandwidth = stream_read_gb_s(1 << 30, 5)
+        out: dict = {"bench": "quant_kernels", "isa": cpu_kernels.isa(), "shape": args.shape, "threads": args.threads,
+                     "layers": layers, "rounds": args.rounds, "stream_read_gb_s": round(bandwidth, 2), "ms": {},
+                     "speedup_vs_bf16": {}, "step_ms": {}, "step_bandwidth_fraction": {}}
+        hidden = {"qkv": dims[0][2], "o": dims[1][2], "gate_up": dims[2][2], "down": dims[3][2], "lm_head": dims[4][2]}
+        for rows in args.rows:
+            xs = {name: torch.randn(rows, hidden[name], generator=gen).bfloat16() for name in NAMES}
+            samples = {f: {n: [] for n in NAMES} for f in fns}
+            for r in range(args.rounds + 1):  # the first round warms up
+                for fmt, calls in fns.items():
+                    per = {n: 0.0 for n in NAMES}
+                    for name, f in calls:
+                        t0 = time.perf_counter()
+                        f(xs[name])
+                        per[name] += time.perf_counter() - t0
+                    if r:
+                        for n in NAMES:
+                            samples[fmt][n].append(per[n] / (layers if n != "lm_head" else 1))
+            ms = {f: {n: statistics.median(v) * 1e3 for n, v in s.items()} for f, s in samples.items()}
+            count = {n: layers if n != "lm_head" else 1 for n in NAMES}
+            step = {f: sum(ms[f][n] * count[n] for n in NAMES) for f in fns}
+            key = f"rows={rows}"
+            out["ms"][key] = {f: {n: round(v, 4) for n, v in per.items()} for f, per in ms.items()}
+            out["speedup_vs_bf16"][key] = {
+                f: {**{n: round(ms["bf16"][n] / ms[f][n], 3) for n in NAMES}, "step": round(step["bf16"] / step[f], 3)} for f in fns
+            }
+            out["step_ms"][key] = {f: round(v, 3) for f, v in step.items()}
+            if rows == 1:
+                for f in formats:
+                    read = sum(weight_bytes(f, o, i) * count[n] for n, o, i in dims)
+                    out["step_bandwidth_fraction"][f] = round(read / (step[f] / 1e3) / 1e9 / bandwidth, 3)
     print(json.dumps(out))
 
 

@@ -1,10 +1,12 @@
-"""Weight-only quantization: int8 per channel and 4-bit grouped linear methods, --quantization, and GGUF layers
-that stay quantized (Q8_0 as int8, Q4_0 / Q4_1 / Q4_K as 4-bit codes).
+"""Weight-only quantization: int8 in blocks of 32 (Q8_0) and 4-bit grouped linear methods, --quantization, and
+GGUF layers that stay quantized (Q8_0 as int8, Q4_0 / Q4_1 / Q4_K as 4-bit codes).
 
-Parity is against the dequantized reference (`int8-dequantized` / `int4-dequantized`: the same quantized
-weights multiplied dense). In float32 the kernels differ from it only by summation order, and greedy tokens are
-equal; in bfloat16 the reference rounds each dequantized weight to bf16 while the kernels do not, so there the
-agreement rate and the logit error are measured and bounded (SmolLM2 below).
+The kernels quantize each activation row to int8 per block of 32 as llama.cpp does. Parity is against the
+dequantized reference (`int8-dequantized` / `int4-dequantized`): the same weight codes and the same activation
+codes, multiplied dense in float32, which differs from the kernels only by the order of float32 sums, so greedy
+tokens are equal in float32. What quantizing the activations costs against the unquantized product is bounded
+on its own (test_activation_quantization_error_is_bounded). The kernels themselves are checked on every
+instruction-set class in test_quant_kernels.py.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ from gguf_models import smollm2_path
 from metrale import LLM, SamplingParams
 from metrale.config import EngineArgs
 from metrale.frontend.chat import ChatTemplate
+from metrale.gpu_worker.gguf_weights import gguf_tensors
 from metrale.gpu_worker.layers.linear import QKVParallelLinear
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
 from metrale.gpu_worker.layers.quantization import (
-    KERNEL_MAX_ROWS,
     Int4LinearMethod,
     Int8LinearMethod,
     dequantize_int4,
+    dequantize_int8,
     linear_methods,
+    quantize_activations,
     quantize_int4,
+    quantize_int8,
 )
 from metrale.gpu_worker.loader import load_model
 from metrale.model_facts import resolve_model
@@ -43,31 +48,71 @@ def _layer(method, w: torch.Tensor, dtype=torch.float32) -> QKVParallelLinear:
     return layer
 
 
-@pytest.mark.parametrize("rows", [5, KERNEL_MAX_ROWS + 24])  # the kernel, and the expanded codes
+def _quantized_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float64 x @ weight.T with x quantized per block as the kernels do (the integers' exact product, summed in
+    float64)."""
+    codes, scales = quantize_activations(x)
+    xq = (codes.double().view(*scales.shape, 32) * scales.double()[..., None]).flatten(1)[:, : x.shape[1]]
+    return xq @ weight.double().T
+
+
+def test_int8_quantizes_per_block_of_32_as_q8_0():
+    w = torch.randn(8, 96)
+    w[0, :32] = 0  # a block of zeros: scale 0, codes 0
+    q, d = quantize_int8(w)
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and d.shape == (8, 3)
+    step = d.float().repeat_interleave(32, 1)
+    assert bool(((dequantize_int8(q, d) - w).abs() <= step / 2 + 1e-6).all())  # half a step
+    assert int(q[0, :32].abs().sum()) == 0 and float(d[0, 0]) == 0
+    again = quantize_int8(dequantize_int8(q, d))  # a Q8_0 file's values give back its codes and scales
+    assert torch.equal(again[0], q) and torch.equal(again[1], d)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_layer_multiplies_by_its_dequantized_weight(dtype, rows):
+def test_int8_layer_multiplies_its_codes_by_the_quantized_input(dtype, rows):
     w, x = torch.randn(128, 96), torch.randn(rows, 96)
     layer = _layer(Int8LinearMethod(), w, dtype)
     assert layer.qweight.dtype == torch.int8 and layer.weight.numel() == 0  # the float weight is released
-    dequantized = layer.qweight.float() * layer.qscale.float()[:, None]
-    step = layer.qscale.float()[:, None]
-    assert bool(((dequantized - w).abs() <= step / 2 + 1e-6).all())  # half a step (the scale is exact in dtype)
-    got, want = layer(x.to(dtype)).float(), x.to(dtype).float() @ dequantized.T
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got, want = layer(x.to(dtype)).double(), _quantized_product(x.to(dtype), dequantize_int8(layer.qweight, layer.qscale))
+    tol = 1e-5 if dtype == torch.float32 else 2**-8  # float32 sums; bf16's one rounding of the result
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("rows", [5, KERNEL_MAX_ROWS + 24])
+@pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_layer_multiplies_by_its_dequantized_weight(dtype, rows):
+def test_int4_layer_multiplies_its_codes_by_the_quantized_input(dtype, rows):
     w, x = torch.randn(128, 96), torch.randn(rows, 96)
-    q, s, z = quantize_int4(w, dtype)
+    q, s, z = quantize_int4(w)
     dequantized = dequantize_int4(q, s, z)
     assert bool(((dequantized - w).abs() <= s.repeat_interleave(32, 1) * 0.51).all())  # half a step
     layer = _layer(Int4LinearMethod(), w, dtype)
-    got, want = layer(x.to(dtype)).float(), x.to(dtype).float() @ dequantized.T
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got, want = layer(x.to(dtype)).double(), _quantized_product(x.to(dtype), dequantized)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("method", [Int8LinearMethod, Int4LinearMethod])
+def test_the_reference_is_the_kernels_product_in_float32(method):
+    w, x = torch.randn(128, 96), torch.randn(3, 96)
+    ours, ref = _layer(method(), w)(x), _layer(method(reference=True), w)(x)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_activation_quantization_error_is_bounded():
+    # Per block of 32 a code's rounding is at most half a step (block absmax / 254): the product's error is about
+    # half a percent of its size, and an outlier coarsens only its own block.
+    w, x = torch.randn(256, 512) / 512**0.5, torch.randn(4, 512)
+
+    def error(x: torch.Tensor) -> float:
+        codes, scales = quantize_activations(x)
+        xq = (codes.float().view(4, 16, 32) * scales[..., None]).flatten(1)
+        assert bool(((xq - x).abs() <= scales.repeat_interleave(32, 1) / 2 + 1e-6).all())
+        return float((xq @ w.T - x @ w.T).norm() / (x @ w.T).norm())
+
+    assert error(x) < 0.01
+    x[:, 7] = 100.0
+    assert error(x) < 0.02
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -95,13 +140,23 @@ def test_gguf_layers_keep_their_stored_kind(tiny_gguf):
 
 @pytest.mark.parametrize("outtype", ["q4_0", "q4_1", "q4_k"])
 def test_gguf_4bit_codes_are_the_files_weights_exactly(tiny_gguf, outtype):
-    # Codes, scales and offsets read off the blocks reproduce gguf's own dequantization: in float32 the
-    # 4-bit kernel runs the same greedy tokens as the dense model of the dequantized file.
+    # Codes, scales and offsets read off the blocks reproduce gguf's own dequantization, and in float32 the
+    # 4-bit kernel on them runs the same greedy tokens as their reference.
     path = tiny_gguf("llama", outtype, **({"preset": "default"} if outtype == "q4_k" else {}))
+    config = resolve_model(path).config
+    coded = dict(gguf_tensors(path, config, wants_codes=lambda name: True))
+    checked = 0
+    for name, values in gguf_tensors(path, config):
+        base = name.removesuffix(".weight")
+        if base + ".qweight" in coded:
+            got = dequantize_int4(coded[base + ".qweight"], coded[base + ".scales"], coded[base + ".zeros"])
+            torch.testing.assert_close(got, values, rtol=0, atol=1e-6 * float(values.abs().max()))
+            checked += 1
+    assert checked > 0
     codes = LLM(str(path), dtype="float32", show_progress=False)
     assert isinstance(codes.runner.model.model.layers[0].mlp.gate_up_proj.quant_method, Int4LinearMethod)
-    dense = LLM(str(path), dtype="float32", quantization="none", show_progress=False)
-    assert [o.token_ids for o in codes.generate(PROMPTS, GREEDY)] == [o.token_ids for o in dense.generate(PROMPTS, GREEDY)]
+    ref = LLM(str(path), dtype="float32", quantization="int4-dequantized", show_progress=False)
+    assert [o.token_ids for o in codes.generate(PROMPTS, GREEDY)] == [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
 
 
 def test_q8_0_gguf_runs_int8_like_its_dequantized_reference(tiny_gguf):
@@ -131,13 +186,15 @@ def test_an_unknown_quantization_is_refused():
     assert isinstance(linear_methods(None)("model.layers.0.mlp.down_proj"), DenseLinearMethod)
 
 
-# SmolLM2 in bf16 (int8 weights re-quantized per channel from its Q4_1 file, greedy). Prefill steps multiply by
-# the reference's own bf16 weights; decode steps run the int8 kernel (exact q * s, float32 sums) where the
-# reference rounds each weight to bf16. Measured over these questions' 24-token answers: 0.986 of the tokens
-# lie before the first difference (a difference changes the rest), and the logits after the prompt (the head's
-# one row through the int8 kernel) differ by at most 0.17 (logits of magnitude ~10; bf16 spacing there 0.06).
-SMOLLM2_BF16_MIN_COMMON_PREFIX = 0.5
-SMOLLM2_BF16_MAX_LOGIT_ERROR = 0.5
+# SmolLM2 in bf16 (int8 weights re-quantized in blocks of 32 from its Q4_1 file, greedy). Each layer's product is
+# within one bf16 rounding of the reference's (test_int8_layer_*), but quantizing the activations makes the network
+# discontinuous: a rounding anywhere upstream moves some activation codes across a rounding boundary, so over 30
+# layers the kernel and its reference differ about as much as either differs from the dense model. Measured on
+# the first question's logits after the prompt (magnitude ~25): kernel vs reference 1.1, reference vs the dense
+# bf16 model 1.9 (in float32: 0.74 and 0.91); about 0.6 of the answers' tokens lie before the first difference.
+# The bounds below are the format's own error, not a kernel's: a wrong kernel lands far outside them.
+SMOLLM2_BF16_MIN_COMMON_PREFIX = 0.4
+SMOLLM2_BF16_MAX_LOGIT_ERROR = 2.0
 SMOLLM2_QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
                      "Who wrote Romeo and Juliet?", "What is the boiling point of water?", "Say hello in Spanish."]
 

@@ -1,1 +1,481 @@
-// The quantized products of layers/quantization.py (int8 per row, 4-bit groups), per instruction-set class.
+// The quantized products of layers/quantization.py: int8 weights in blocks of 32 inputs (GGUF's Q8_0) and
+// 4-bit codes in groups of 32 with a scale and an offset each (Q4_0 / Q4_1 / Q4_K), multiplied as llama.cpp
+// does: each input row is quantized on the fly to int8 in blocks of 32 (scale = block absmax / 127, rounded
+// half to even), every block's dot product is exact in int32, and the blocks are summed in float32 with their
+// two scales. quantization.py's `quantize_activations` is the same rounding in torch, and its reference runs
+// the same integers dense (see there).
+//
+// Weight layout (quantization.py's pack_int8 / pack_int4 build it, the same for every class): output rows in
+// panels of 16; within a panel, inputs in groups of 4, each group the 16 rows' 4 bytes side by side:
+// [panels][in / 4][16][4] (the layout of VNNI's and AMX's int8 products: one 64-byte line is one group for
+// all 16 rows, so a panel is one sequential stream and no sum is ever reduced across lanes). 4-bit codes put
+// two consecutive groups in one byte line (low nibble the first). Per panel and block of 32 inputs, the 16
+// rows' scales (int8: fp16 as in Q8_0; 4-bit: float32 scale and offset) lie side by side too.
+//
+// Per class: AVX-512 VNNI multiplies unsigned by signed bytes, so an int8 weight is flipped to w + 128 (one
+// xor) and each block's sum starts at -128 * (sum of the block's activation codes); 4-bit codes are unsigned
+// already. AVX2 has no VNNI: llama.cpp's sign trick (|w| times x with w's sign, pairs summed to int16 by
+// maddubs, which cannot saturate with both below 128) and madd to int32; 4-bit products are small enough to
+// sum a whole block in int16 first. Generic: plain loops.
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int kPanel = 16;  // output rows per panel
+constexpr int kBlock = 32;  // inputs per scale block
+
+// One input row quantized: codes [kp], per block its scale and the sum of its codes.
+struct QuantRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  void resize(int64_t m, int64_t kp) {
+    if ((int64_t)codes.size() < m * kp) codes.resize(m * kp);
+    if ((int64_t)scale.size() < m * kp / kBlock) {
+      scale.resize(m * kp / kBlock);
+      sum.resize(m * kp / kBlock);
+    }
+  }
+};
+
+// The activations' scratch, reused across calls (a thread calls one product at a time).
+QuantRows& scratch() {
+  static thread_local QuantRows rows;
+  return rows;
+}
+
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// Quantize rows [m0, m1) of x [M, k] into q (row stride kp, zeros past k): per block d = absmax / 127 and
+// code = round_half_even(x * (1 / d)) (0 for a block of zeros), exactly quantization.py's quantize_activations.
+template <typename T>
+void quantize_rows(const T* x, int64_t k, int64_t kp, int64_t m0, int64_t m1, QuantRows& q) {
+  const int64_t blocks = kp / kBlock;
+  float buf[kBlock];
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t base = b * kBlock;
+      const int64_t n = std::min<int64_t>(kBlock, k - base);
+      float amax = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        buf[i] = i < n ? to_float(x[m * k + base + i]) : 0.f;
+        amax = std::max(amax, std::fabs(buf[i]));
+      }
+      const float d = amax / 127.0f;
+      const float id = d > 0.f ? 1.0f / d : 0.f;
+      int8_t* out = q.codes.data() + m * kp + base;
+      int32_t s = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        float v = std::nearbyint(buf[i] * id);  // the default rounding mode: half to even, as torch.round
+        v = std::min(127.f, std::max(-127.f, v));
+        out[i] = static_cast<int8_t>(v);
+        s += out[i];
+      }
+      q.scale[m * blocks + b] = d;
+      q.sum[m * blocks + b] = s;
+    }
+  }
+}
+
+void quantize_input(const at::Tensor& x, int64_t kp, QuantRows& q) {
+  const int64_t m = x.size(0), k = x.size(1);
+  q.resize(m, kp);
+  if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<c10::BFloat16>(), k, kp, 0, m, q);
+  else
+    quantize_rows(x.data_ptr<float>(), k, kp, 0, m, q);
+}
+
+inline float half_to_float(uint16_t h) {
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// ---- int8 ---------------------------------------------------------------------------------------------
+
+// out[m][r] (r < 16 per panel, NP panels) of MR input rows against NP consecutive panels.
+#if defined(METRALE_AVX512) && defined(__AVX512VNNI__)
+template <int MR, int NP>
+void int8_panels(const int8_t* w, const uint16_t* ws, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp, float* out) {
+  const int64_t panel_bytes = blocks * kBlock * kPanel;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i isum[MR][NP];
+    for (int m = 0; m < MR; ++m) {
+      const __m512i start = _mm512_set1_epi32(-128 * q.sum[(m0 + m) * blocks + b]);
+      for (int p = 0; p < NP; ++p) isum[m][p] = start;
+    }
+    const int8_t* xb = q.codes.data() + m0 * kp + b * kBlock;
+    for (int g = 0; g < kBlock / 4; ++g) {
+      __m512i wv[NP];
+      for (int p = 0; p < NP; ++p)
+        wv[p] = _mm512_xor_si512(_mm512_loadu_si512(w + p * panel_bytes + (b * 8 + g) * 64), flip);
+      for (int m = 0; m < MR; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xb + m * kp + g * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int p = 0; p < NP; ++p) isum[m][p] = _mm512_dpbusd_epi32(isum[m][p], wv[p], xv);
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + p * blocks * kPanel + b * kPanel)));
+      for (int m = 0; m < MR; ++m) {
+        const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(q.scale[(m0 + m) * blocks + b]));
+        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][p]), s, acc[m][p]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(out + m * NP * kPanel + p * kPanel, acc[m][p]);
+}
+constexpr int kInt8MaxRows = 4;
+#elif defined(METRALE_AVX2)
+// A panel's 16 rows as two halves of 8 (one 32-byte half-line each).
+template <int MR, int NP>
+void int8_panels(const int8_t* w, const uint16_t* ws, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp, float* out) {
+  static_assert(NP == 1, "AVX2 has registers for one panel");
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i isum[MR][2];
+    for (int m = 0; m < MR; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    const int8_t* xb = q.codes.data() + m0 * kp + b * kBlock;
+    for (int g = 0; g < kBlock / 4; ++g) {
+      const int8_t* line = w + (b * 8 + g) * 64;
+      __m256i wv[2], wabs[2];
+      for (int h = 0; h < 2; ++h) {
+        wv[h] = _mm256_loadu_si256((const __m256i*)(line + 32 * h));
+        wabs[h] = _mm256_sign_epi8(wv[h], wv[h]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xb + m * kp + g * 4, 4);
+        const __m256i xv = _mm256_set1_epi32(x4);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pairs = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(xv, wv[h]));
+          isum[m][h] = _mm256_add_epi32(isum[m][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws + b * kPanel + 8 * h)));
+      for (int m = 0; m < MR; ++m) {
+        const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(q.scale[(m0 + m) * blocks + b]));
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][h]), s, acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * kPanel + 8 * h, acc[m][h]);
+}
+constexpr int kInt8MaxRows = 2;
+#else
+template <int MR, int NP>
+void int8_panels(const int8_t* w, const uint16_t* ws, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp, float* out) {
+  const int64_t panel_bytes = blocks * kBlock * kPanel;
+  for (int m = 0; m < MR; ++m) {
+    for (int p = 0; p < NP; ++p) {
+      float acc[kPanel] = {};
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t isum[kPanel] = {};
+        const int8_t* xb = q.codes.data() + (m0 + m) * kp + b * kBlock;
+        for (int g = 0; g < kBlock / 4; ++g) {
+          const int8_t* line = w + p * panel_bytes + (b * 8 + g) * 64;
+          for (int r = 0; r < kPanel; ++r)
+            for (int j = 0; j < 4; ++j) isum[r] += int32_t(line[r * 4 + j]) * xb[g * 4 + j];
+        }
+        const float xs = q.scale[(m0 + m) * blocks + b];
+        for (int r = 0; r < kPanel; ++r)
+          acc[r] += float(isum[r]) * (half_to_float(ws[p * blocks * kPanel + b * kPanel + r]) * xs);
+      }
+      std::memcpy(out + m * NP * kPanel + p * kPanel, acc, sizeof(acc));
+    }
+  }
+}
+constexpr int kInt8MaxRows = 4;
+#endif
+
+// ---- 4-bit --------------------------------------------------------------------------------------------
+
+#if defined(METRALE_AVX512) && defined(__AVX512VNNI__)
+template <int MR, int NP>
+void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
+                 float* out) {
+  const int64_t panel_bytes = blocks * kBlock * kPanel / 2;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i isum[MR][NP];
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < NP; ++p) isum[m][p] = _mm512_setzero_si512();
+    const int8_t* xb = q.codes.data() + m0 * kp + b * kBlock;
+    for (int g = 0; g < kBlock / 8; ++g) {
+      __m512i lo[NP], hi[NP];
+      for (int p = 0; p < NP; ++p) {
+        const __m512i v = _mm512_loadu_si512(w + p * panel_bytes + (b * 4 + g) * 64);
+        lo[p] = _mm512_and_si512(v, low);
+        hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t x4[2];
+        std::memcpy(x4, xb + m * kp + g * 8, 8);
+        const __m512i x0 = _mm512_set1_epi32(x4[0]), x1 = _mm512_set1_epi32(x4[1]);
+        for (int p = 0; p < NP; ++p) isum[m][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[m][p], lo[p], x0), hi[p], x1);
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512 sw = _mm512_loadu_ps(ws + p * blocks * kPanel + b * kPanel);
+      const __m512 zw = _mm512_loadu_ps(wz + p * blocks * kPanel + b * kPanel);
+      for (int m = 0; m < MR; ++m) {
+        const float xs = q.scale[(m0 + m) * blocks + b];
+        const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(xs));
+        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][p]), s, acc[m][p]);
+        acc[m][p] = _mm512_fmadd_ps(zw, _mm512_set1_ps(xs * float(q.sum[(m0 + m) * blocks + b])), acc[m][p]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(out + m * NP * kPanel + p * kPanel, acc[m][p]);
+}
+#elif defined(METRALE_AVX2)
+template <int MR, int NP>
+void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
+                 float* out) {
+  static_assert(NP == 1, "AVX2 has registers for one panel");
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    // A whole block sums in int16: maddubs's pairs are at most 2 * 15 * 127 each, and a block's eight fit.
+    __m256i psum[MR][2];
+    for (int m = 0; m < MR; ++m) psum[m][0] = psum[m][1] = _mm256_setzero_si256();
+    const int8_t* xb = q.codes.data() + m0 * kp + b * kBlock;
+    for (int g = 0; g < kBlock / 8; ++g) {
+      const uint8_t* line = w + (b * 4 + g) * 64;
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(line + 32 * h));
+        lo[h] = _mm256_and_si256(v, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t x4[2];
+        std::memcpy(x4, xb + m * kp + g * 8, 8);
+        const __m256i x0 = _mm256_set1_epi32(x4[0]), x1 = _mm256_set1_epi32(x4[1]);
+        for (int h = 0; h < 2; ++h)
+          psum[m][h] = _mm256_add_epi16(psum[m][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1)));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sw = _mm256_loadu_ps(ws + b * kPanel + 8 * h);
+      const __m256 zw = _mm256_loadu_ps(wz + b * kPanel + 8 * h);
+      for (int m = 0; m < MR; ++m) {
+        const float xs = q.scale[(m0 + m) * blocks + b];
+        const __m256i isum = _mm256_madd_epi16(psum[m][h], ones);
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sw, _mm256_set1_ps(xs)), acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(zw, _mm256_set1_ps(xs * float(q.sum[(m0 + m) * blocks + b])), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * kPanel + 8 * h, acc[m][h]);
+}
+#else
+template <int MR, int NP>
+void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
+                 float* out) {
+  const int64_t panel_bytes = blocks * kBlock * kPanel / 2;
+  for (int m = 0; m < MR; ++m) {
+    for (int p = 0; p < NP; ++p) {
+      float acc[kPanel] = {};
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t isum[kPanel] = {};
+        const int8_t* xb = q.codes.data() + (m0 + m) * kp + b * kBlock;
+        for (int g = 0; g < kBlock / 8; ++g) {
+          const uint8_t* line = w + p * panel_bytes + (b * 4 + g) * 64;
+          for (int r = 0; r < kPanel; ++r)
+            for (int j = 0; j < 4; ++j)
+              isum[r] += int32_t(line[r * 4 + j] & 15) * xb[g * 8 + j] + int32_t(line[r * 4 + j] >> 4) * xb[g * 8 + 4 + j];
+        }
+        const float xs = q.scale[(m0 + m) * blocks + b];
+        const float xsum = xs * float(q.sum[(m0 + m) * blocks + b]);
+        const int64_t at = p * blocks * kPanel + b * kPanel;
+        for (int r = 0; r < kPanel; ++r) {
+          acc[r] += float(isum[r]) * (ws[at + r] * xs);
+          acc[r] += wz[at + r] * xsum;
+        }
+      }
+      std::memcpy(out + m * NP * kPanel + p * kPanel, acc, sizeof(acc));
+    }
+  }
+}
+#endif
+
+#if defined(METRALE_AVX2) && !(defined(METRALE_AVX512) && defined(__AVX512VNNI__))
+constexpr int kPanelsPerStep = 1;  // AVX2: 16 registers hold one panel's sums
+#else
+constexpr int kPanelsPerStep = 2;  // two independent chains of products per input row
+#endif
+constexpr int kRowsPerStep = kInt8MaxRows;
+
+// Write the tile out[MR rows][NP * 16] (float32 sums) into y [M, n] at (m0, first output row o0).
+template <typename T>
+void store_tile(const float* tile, int mr, int np, T* y, int64_t n, int64_t m0, int64_t o0) {
+  const int64_t cols = std::min<int64_t>(int64_t(np) * kPanel, n - o0);
+  for (int m = 0; m < mr; ++m)
+    for (int64_t c = 0; c < cols; ++c) y[(m0 + m) * n + o0 + c] = T(tile[m * np * kPanel + c]);
+}
+
+// Dispatch MR in 1..kRowsPerStep at compile time.
+template <template <int, int> class F, int NP, typename... A>
+void with_rows(int mr, A&&... a) {
+  switch (mr) {
+    case 1: F<1, NP>::run(a...); break;
+    case 2: F<(kRowsPerStep >= 2 ? 2 : 1), NP>::run(a...); break;
+    case 3: F<(kRowsPerStep >= 3 ? 3 : 1), NP>::run(a...); break;
+    default: F<(kRowsPerStep >= 4 ? 4 : 1), NP>::run(a...); break;
+  }
+}
+
+template <int MR, int NP>
+struct Int8Tile {
+  static void run(const int8_t* w, const uint16_t* ws, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp, float* out) {
+    int8_panels<MR, NP>(w, ws, blocks, q, m0, kp, out);
+  }
+};
+
+template <int MR, int NP>
+struct Int4Tile {
+  static void run(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
+                  float* out) {
+    int4_panels<MR, NP>(w, ws, wz, blocks, q, m0, kp, out);
+  }
+};
+
+// Each task takes a run of panels (kPanelsPerStep at a time) and, for each, every input row kRowsPerStep at
+// a time: the panels' lines stay in cache while all rows use them.
+template <typename Tile>
+void over_tiles(int64_t m, int64_t n, Tile&& tile) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t steps = (panels + kPanelsPerStep - 1) / kPanelsPerStep;
+  at::parallel_for(0, steps, 1, [&](int64_t begin, int64_t end) {
+    float buf[kRowsPerStep * kPanelsPerStep * kPanel];
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t p0 = s * kPanelsPerStep;
+      const int np = int(std::min<int64_t>(kPanelsPerStep, panels - p0));
+      for (int64_t m0 = 0; m0 < m; m0 += kRowsPerStep) {
+        const int mr = int(std::min<int64_t>(kRowsPerStep, m - m0));
+        tile(p0, np, m0, mr, buf);
+      }
+    }
+  });
+}
+
+void check_input(const at::Tensor& x, int64_t kp) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(x.size(1) <= kp && kp - x.size(1) < kBlock, "x's inputs do not match the packed weight");
+}
+
+// y [M, n] = x [M, k] @ W.T for W packed by quantization.py's pack_int8: codes int8 [panels, kp / 4, 16, 4],
+// scales fp16 (as int16 bits) [panels, kp / 32, 16].
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n) {
+  const int64_t blocks = scales.size(1), kp = blocks * kBlock;
+  check_input(x, kp);
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kShort && codes.is_contiguous() && scales.is_contiguous(),
+              "int8_linear: codes int8, scales int16 (fp16 bits), contiguous");
+  TORCH_CHECK(scales.size(0) * kPanel >= n && codes.numel() == scales.size(0) * kp * kPanel, "int8_linear: packed sizes do not match");
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  QuantRows& q = scratch();
+  quantize_input(x, kp, q);
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+  const int64_t panel_bytes = kp * kPanel;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  over_tiles(m, n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
+    const int8_t* wp = w + p0 * panel_bytes;
+    const uint16_t* sp = ws + p0 * blocks * kPanel;
+    if (np == kPanelsPerStep)
+      with_rows<Int8Tile, kPanelsPerStep>(mr, wp, sp, blocks, q, m0, kp, buf);
+    else
+      with_rows<Int8Tile, 1>(mr, wp, sp, blocks, q, m0, kp, buf);
+    if (bf16)
+      store_tile(buf, mr, np, y.data_ptr<c10::BFloat16>(), n, m0, p0 * kPanel);
+    else
+      store_tile(buf, mr, np, y.data_ptr<float>(), n, m0, p0 * kPanel);
+  });
+  return y;
+}
+
+// y [M, n] = x [M, k] @ W.T with W = scale * code + offset per group of 32, packed by quantization.py's
+// pack_int4: codes uint8 [panels, kp / 8, 16, 4] (two groups of 4 inputs a byte), scales and offsets float32
+// [panels, kp / 32, 16].
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t n) {
+  const int64_t blocks = scales.size(1), kp = blocks * kBlock;
+  check_input(x, kp);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat &&
+                  codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
+              "int4_linear: codes uint8, scales and offsets float32, contiguous");
+  TORCH_CHECK(scales.size(0) * kPanel >= n && codes.numel() == scales.size(0) * kp * kPanel / 2 && zeros.sizes() == scales.sizes(),
+              "int4_linear: packed sizes do not match");
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  QuantRows& q = scratch();
+  quantize_input(x, kp, q);
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  const float* ws = scales.data_ptr<float>();
+  const float* wz = zeros.data_ptr<float>();
+  const int64_t panel_bytes = kp * kPanel / 2;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  over_tiles(m, n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
+    const uint8_t* wp = w + p0 * panel_bytes;
+    const int64_t at = p0 * blocks * kPanel;
+    if (np == kPanelsPerStep)
+      with_rows<Int4Tile, kPanelsPerStep>(mr, wp, ws + at, wz + at, blocks, q, m0, kp, buf);
+    else
+      with_rows<Int4Tile, 1>(mr, wp, ws + at, wz + at, blocks, q, m0, kp, buf);
+    if (bf16)
+      store_tile(buf, mr, np, y.data_ptr<c10::BFloat16>(), n, m0, p0 * kPanel);
+    else
+      store_tile(buf, mr, np, y.data_ptr<float>(), n, m0, p0 * kPanel);
+  });
+  return y;
+}
+
+// The activations as the products quantize them: (codes int8 [M, kp], scales float32 [M, kp / 32]), for the
+// tests' check against quantization.py's quantize_activations.
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t kp) {
+  check_input(x, kp);
+  QuantRows q;
+  quantize_input(x, kp, q);
+  const int64_t m = x.size(0);
+  at::Tensor codes = at::empty({m, kp}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({m, kp / kBlock}, x.options().dtype(at::kFloat));
+  std::memcpy(codes.data_ptr<int8_t>(), q.codes.data(), m * kp);
+  std::memcpy(scales.data_ptr<float>(), q.scale.data(), m * kp / kBlock * sizeof(float));
+  return {codes, scales};
+}
+
+}  // namespace
+
+METRALE_FRAGMENT(m) {
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
+  m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int n) -> Tensor");
+  m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(int4_linear));
+  m.def("quantize_activations(Tensor x, int kp) -> (Tensor, Tensor)");
+  m.impl("quantize_activations", c10::DispatchKey::CPU, TORCH_FN(quantize_activations));
+}

@@ -1,27 +1,26 @@
-"""Weight-only quantized linear methods (layers/linear_method.py's interface): int8 per channel, 4-bit grouped.
+"""Weight-only quantized linear methods (layers/linear_method.py's interface): int8 and 4-bit, in blocks of 32.
 
-- `Int8LinearMethod`: symmetric int8 per output row (scale = row absmax / 127), multiplied by
-  `torch._weight_int8pack_mm` (torch's own CPU kernel: int8 weights, bf16 or fp32 activations, fp32 sums).
-- `Int4LinearMethod`: asymmetric 4-bit codes in groups of `INT4_GROUP` inputs (w = s * q + z per group, q in
-  0..15), multiplied by `torch._weight_int4pack_mm_for_cpu` after `_convert_weight_to_int4pack_for_cpu`
-  repacks them (torch's kernel computes w = (q - 8) * scale + zero, so zero = z + 8 s; scale and zero are
-  held in the activations' dtype, which is the only rounding a bf16 model adds to the codes).
+- `Int8LinearMethod`: int8 codes with one fp16 scale per block of 32 inputs, GGUF's Q8_0 (d = absmax / 127,
+  w = d * q); a Q8_0 file's dequantized tensors give back its own codes and scales.
+- `Int4LinearMethod`: 4-bit codes in groups of 32 inputs with a scale and an offset each (w = s * q + z, q in
+  0..15), quantized from a float weight (min to max in 15 steps) or, with `codes=True`, loaded as a GGUF
+  stores them (gguf_weights.py decodes Q4_0, Q4_1 and Q4_K blocks, which are groups of 32 of exactly this form).
 
-torch's two kernels are matrix-vector kernels: their time grows with every row (a 32-row step costs several
-times the dense product). Steps of more than `KERNEL_MAX_ROWS` rows (prefill chunks, big batches) multiply
-instead by the dequantized weight expanded into one scratch matrix shared by all layers, in the activations'
-dtype (each weight rounded once), through oneDNN: exactly the dequantized reference's product.
+On a CPU both multiply with cpu_quant.cpp's kernels, as llama.cpp does: each row of x is quantized to int8 per
+block of 32 (`quantize_activations`), each block's dot product is exact in int32 and the blocks are summed in
+float32 with their scales. Decode steps (a few rows) are bound by reading the weight, which is a half (int8) or
+a quarter (4-bit) of bf16's bytes; more rows reuse each panel of the weight from cache for every row. The
+kernels take weights packed in their layout (`pack_int8`, `pack_int4`) once, in process_weights_after_loading.
+
+`reference=True` keeps the same integers and multiplies them dense: x quantized and dequantized by
+`quantize_activations`, times the dequantized weight, in float32: the kernels' arithmetic up to the order of
+float32 sums, which is what they are checked against. Without the kernels (no compiler, a GPU) a layer runs the
+same dense product in the model's dtype.
 
 Both stage the float weight as float32 while loading (the layer's weight loader fills it part by part, fused or
-split, like a dense one) and quantize it once in process_weights_after_loading. `Int4LinearMethod(codes=True)`
-instead loads 4-bit codes, scales and offsets as a GGUF stores them (gguf_weights.py decodes Q4_0, Q4_1 and
-Q4_K blocks, which are groups of 32 of exactly this form), so a 4-bit GGUF keeps its own codes.
-
-`reference=True` quantizes the same way and then multiplies by the dequantized weight (dense, float32 or the
-model's dtype): the run quantized kernels are checked against. `linear_methods` picks a method per layer;
+split, like a dense one) and quantize it once after loading. `linear_methods` picks a method per layer;
 `quantize_tied_head` gives a tied LM head its own quantized copy of the embedding table (the lookup keeps the
 table: it reads a few rows a step, the head reads all of them).
-On a device without these kernels (a GPU) a quantized layer multiplies by its dequantized weight.
 """
 
 from __future__ import annotations
@@ -33,25 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import QUANTIZATIONS
+from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod, LinearMethod, set_weight_attrs
 
 DENSE = "none"  # --quantization none: every layer dense, a GGUF's quantized tensors dequantized
-REFERENCE = "-dequantized"  # int8-dequantized / int4-dequantized: the quantized weights, multiplied dense
-INT4_GROUP = 32  # inputs per 4-bit group: GGUF's 4-bit blocks are groups of 32
-KERNEL_MAX_ROWS = 16  # more rows than this: the expanded codes through oneDNN (see the module docstring)
-_INNER_K_TILES = 8  # torch's int4 CPU packing
-_scratch: dict[tuple, torch.Tensor] = {}
-
-
-def _expansion_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A [rows, cols] view of the one scratch matrix per dtype and device (grown to the largest layer)."""
-    key = (dtype, device)
-    buf = _scratch.get(key)
-    if buf is None or buf.numel() < rows * cols:
-        with torch.inference_mode(False):  # a normal tensor: usable in place inside and outside inference mode
-            buf = torch.empty(rows * cols, dtype=dtype, device=device)
-        _scratch[key] = buf
-    return buf[: rows * cols].view(rows, cols)
+REFERENCE = "-dequantized"  # int8-dequantized / int4-dequantized: the same integers, multiplied dense
+BLOCK = 32  # inputs per scale: GGUF's Q8_0 and 4-bit blocks, and the activations' blocks
+INT4_GROUP = BLOCK
+PANEL = 16  # output rows per panel of the kernels' layout (cpu_quant.cpp)
 
 
 def _staged_weight(layer: nn.Module, rows: int, cols: int, device: torch.device, weight_loader) -> None:
@@ -68,10 +56,10 @@ def _release(layer: nn.Module, name: str) -> None:
 
 
 class Int8LinearMethod(LinearMethod):
-    """int8 weights, one scale per output row; torch._weight_int8pack_mm on a CPU."""
+    """int8 weights with one fp16 scale per block of 32 inputs (Q8_0); cpu_quant.cpp's int8 product on a CPU."""
 
     def __init__(self, *, reference: bool = False):
-        """reference: multiply by the dequantized weight instead (the kernel's check)."""
+        """reference: multiply the same integers dense in float32 instead (the kernel's check)."""
         self.reference = reference
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, *, dtype, device, weight_loader):
@@ -80,40 +68,31 @@ class Int8LinearMethod(LinearMethod):
         layer.act_dtype = dtype
 
     def process_weights_after_loading(self, layer):
-        """Quantize per row: q = round(w / s), s = absmax / 127 (a row of zeros gets s = 1)."""
-        w = layer.weight.data
-        scale = w.abs().amax(dim=1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        scale = scale.to(layer.act_dtype).float()  # quantize with the scale the kernel will hold
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        """Quantize per block (quantize_int8), then pack for the kernel, or keep the dequantized weight."""
+        q, d = quantize_int8(layer.weight.data)
         _release(layer, "weight")
-        layer.qweight = q
-        layer.qscale = scale.to(layer.act_dtype)
-        layer.dense = None
-        if self.reference or q.device.type != "cpu":
-            layer.dense = DenseLinearMethod()
-            _dense_from(layer, q.float() * scale[:, None])
+        layer.qweight, layer.qscale = q, d
+        layer.out_features = q.shape[0]
+        layer.int8_op = None if self.reference else _kernel("int8_linear", q.device)
+        if layer.int8_op is not None:
+            layer.packed_codes, layer.packed_scales = pack_int8(q, d)
+        else:
+            layer.dequantized = dequantize_int8(q, d).to(torch.float32 if self.reference else layer.act_dtype)
 
     def apply(self, layer, x, bias=None):
-        """x @ (q * s).T (+ bias), in x's dtype."""
-        if layer.dense is not None:
-            return layer.dense.apply(layer, x, bias)
+        """x @ (q * d).T (+ bias) with x quantized per block (quantize_activations), in x's dtype."""
         flat = x.reshape(-1, x.shape[-1])
-        scale = layer.qscale if layer.qscale.dtype == x.dtype else layer.qscale.to(x.dtype)
-        if flat.shape[0] > KERNEL_MAX_ROWS:
-            q = layer.qweight
-            w = _expansion_buffer(q.shape[0], q.shape[1], x.dtype, x.device)
-            w.copy_(q).mul_(scale[:, None])  # q * s, rounded once (both exact in x's dtype)
-            y = F.linear(flat, w)
+        if layer.int8_op is not None:
+            y = layer.int8_op(_kernel_input(flat), layer.packed_codes, layer.packed_scales, layer.out_features)
         else:
-            y = torch._weight_int8pack_mm(flat.contiguous(), layer.qweight, scale)
+            y = _dense_product(flat, layer.dequantized)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class Int4LinearMethod(LinearMethod):
-    """4-bit codes in groups of INT4_GROUP inputs with a scale and an offset each; torch's int4 CPU kernel."""
+    """4-bit codes in groups of INT4_GROUP inputs with a scale and an offset each; cpu_quant.cpp's 4-bit product."""
 
     def __init__(self, *, codes: bool = False, reference: bool = False):
         """codes: load a GGUF's codes (qweight, scales, zeros) rather than a float weight; reference: as Int8's."""
@@ -139,57 +118,130 @@ class Int4LinearMethod(LinearMethod):
             layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer):
-        """Quantize a staged weight per group (min/max over 15 steps), then pack for the kernel."""
+        """Quantize a staged weight per group (min/max over 15 steps), then pack for the kernel, or keep the
+        dequantized weight."""
         if self.codes:
             q, s, z = layer.qweight.data, layer.scales.data, layer.zeros.data
             for name in ("qweight", "scales", "zeros"):
                 _release(layer, name)
         else:
-            q, s, z = quantize_int4(layer.weight.data, layer.act_dtype)
+            q, s, z = quantize_int4(layer.weight.data)
             _release(layer, "weight")
-        layer.dense = None
-        rows, cols = q.shape
-        if self.reference or q.device.type != "cpu" or rows % 16:
-            layer.dense = DenseLinearMethod()
-            _dense_from(layer, dequantize_int4(q, s, z))
-            return
-        layer.packed_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), _INNER_K_TILES)
-        layer.codes, layer.group_scales, layer.group_zeros = q, s.to(layer.act_dtype), (z + 8 * s).to(layer.act_dtype)
-        # [groups, rows, 2]: (scale, zero) with w = (q - 8) * scale + zero.
-        layer.scales_zeros = torch.stack((s, z + 8 * s), dim=-1).transpose(0, 1).contiguous().to(layer.act_dtype)
+        layer.out_features = q.shape[0]
+        layer.int4_op = None if self.reference else _kernel("int4_linear", q.device)
+        if layer.int4_op is not None:
+            layer.packed_codes, layer.packed_scales, layer.packed_zeros = pack_int4(q, s, z)
+        else:
+            layer.dequantized = dequantize_int4(q, s, z).to(torch.float32 if self.reference else layer.act_dtype)
 
     def apply(self, layer, x, bias=None):
-        """x @ W.T (+ bias) with W the groups' s * q + z, in x's dtype."""
-        if layer.dense is not None:
-            return layer.dense.apply(layer, x, bias)
+        """x @ W.T (+ bias) with W the groups' s * q + z and x quantized per block, in x's dtype."""
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > KERNEL_MAX_ROWS:
-            q, (rows, groups) = layer.codes, layer.group_scales.shape
-            w = _expansion_buffer(rows, q.shape[1], x.dtype, x.device)
-            g = w.view(rows, groups, INT4_GROUP)
-            g.copy_(q.view(rows, groups, INT4_GROUP)).sub_(8)
-            # (q - 8) * scale + zero as the kernel holds them, rounded once.
-            torch.addcmul(layer.group_zeros.to(x.dtype)[..., None], g, layer.group_scales.to(x.dtype)[..., None], out=g)
-            y = F.linear(flat, w)
+        if layer.int4_op is not None:
+            y = layer.int4_op(_kernel_input(flat), layer.packed_codes, layer.packed_scales, layer.packed_zeros, layer.out_features)
         else:
-            sz = layer.scales_zeros if layer.scales_zeros.dtype == x.dtype else layer.scales_zeros.to(x.dtype)
-            y = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), layer.packed_codes, INT4_GROUP, sz)
+            y = _dense_product(flat, layer.dequantized)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def quantize_int4(w: torch.Tensor, held: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes uint8 [rows, cols], scales, offsets [rows, cols / INT4_GROUP]) with w ~ s * q + z per group (min
-    to max in 15 steps); s and the kernel's zero (z + 8 s) are exact in `held`, the dtype the kernel keeps them in."""
+def _kernel(name: str, device: torch.device):
+    """The native op `name` of this process's kernel class; None off the CPU or where its unit did not load."""
+    if device.type != "cpu" or not cpu_kernels.available() or not cpu_kernels.has(name):
+        return None
+    return getattr(cpu_kernels.ops(), name).default
+
+
+def _kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels take it: contiguous float32 or bfloat16."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    return x.contiguous()
+
+
+def _dense_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernels' product done dense: x [rows, in] quantized and dequantized per block, times the dequantized
+    weight, in the weight's dtype (float32 for the reference); in x's dtype."""
+    codes, scales = quantize_activations(x)
+    xq = codes.view(*scales.shape, BLOCK).to(weight.dtype) * scales.to(weight.dtype)[..., None]
+    return F.linear(xq.flatten(-2)[:, : weight.shape[1]], weight).to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [rows, padded in], scales float32 [rows, blocks]) of x [rows, in] in blocks of BLOCK inputs,
+    zeros past the end: d = absmax / 127, code = round(x * (1 / d)) half to even (0 where d is 0). The kernels
+    quantize exactly so (the tests check)."""
+    rows, cols = x.shape
+    blocks = -(-cols // BLOCK)
+    g = F.pad(x.float(), (0, blocks * BLOCK - cols)).view(rows, blocks, BLOCK)
+    d = g.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
+    codes = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(rows, blocks * BLOCK), d
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [rows, cols], scales float16 [rows, blocks]) of w in blocks of BLOCK inputs by Q8_0's rule:
+    d = absmax / 127 in fp16, code = round(w / d). A Q8_0 file's dequantized values give back its own codes and
+    scales. A block too small for an fp16 scale quantizes to zeros."""
+    rows, cols = w.shape
+    blocks = -(-cols // BLOCK)
+    g = F.pad(w.float(), (0, blocks * BLOCK - cols)).view(rows, blocks, BLOCK)
+    d = (g.abs().amax(dim=-1) / 127.0).clamp_(max=torch.finfo(torch.float16).max).half()
+    df = d.float()[..., None]
+    q = torch.where(df > 0, torch.round(g / torch.where(df > 0, df, 1.0)).clamp_(-127, 127), 0.0).to(torch.int8)
+    return q.view(rows, blocks * BLOCK)[:, :cols].contiguous(), d
+
+
+def dequantize_int8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The float32 weight d * q of int8 codes [rows, cols] and their block scales [rows, blocks]."""
+    rows, cols = q.shape
+    g = F.pad(q.float(), (0, d.shape[1] * BLOCK - cols)).view(rows, -1, BLOCK)
+    return (g * d.float()[..., None]).view(rows, -1)[:, :cols]
+
+
+def pack_int8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cpu_quant.cpp's layout of int8 codes [rows, cols] with fp16 block scales [rows, blocks]: codes [panels,
+    blocks * 8, 16, 4] (zero rows and inputs pad them), the scales' bits as int16 [panels, blocks, 16]."""
+    rows, blocks = d.shape
+    panels = -(-rows // PANEL)
+    codes = q.new_zeros(panels * PANEL, blocks * BLOCK)
+    codes[:rows, : q.shape[1]] = q
+    codes = codes.view(panels, PANEL, blocks * BLOCK // 4, 4).transpose(1, 2).contiguous()
+    return codes, _per_panel(d, panels).view(torch.int16)
+
+
+def pack_int4(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cpu_quant.cpp's layout of 4-bit codes [rows, cols] (cols a multiple of BLOCK) with their groups' scales
+    and offsets: codes [panels, cols / 8, 16, 4], each byte one input's code (low nibble) and the code of the
+    input four later (high); scales and offsets float32 [panels, blocks, 16]."""
+    rows, cols = q.shape
+    panels = -(-rows // PANEL)
+    codes = q.new_zeros(panels * PANEL, cols)
+    codes[:rows] = q
+    pairs = codes.view(panels, PANEL, cols // 8, 2, 4)
+    packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
+    return packed, _per_panel(s.float(), panels), _per_panel(z.float(), panels)
+
+
+def _per_panel(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """Per-block values [rows, blocks] as [panels, blocks, 16] (zero rows pad the last panel)."""
+    padded = t.new_zeros(panels * PANEL, t.shape[1])
+    padded[: t.shape[0]] = t
+    return padded.view(panels, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 [rows, cols], scales, offsets float32 [rows, cols / INT4_GROUP]) with w ~ s * q + z per
+    group: min to max in 15 steps."""
     rows, cols = w.shape
     g = w.float().view(rows, cols // INT4_GROUP, INT4_GROUP)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     s = (hi - lo) / 15.0
-    s = torch.where(s > 0, s, torch.ones_like(s)).to(held).float()
-    z = (lo + 8 * s).to(held).float() - 8 * s
-    q = torch.round((g - z[..., None]) / s[..., None]).clamp_(0, 15).to(torch.uint8).view(rows, cols)
-    return q, s, z
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round((g - lo[..., None]) / s[..., None]).clamp_(0, 15).to(torch.uint8).view(rows, cols)
+    return q, s, lo
 
 
 def dequantize_int4(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -197,12 +249,6 @@ def dequantize_int4(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.
     rows, cols = q.shape
     g = q.float().view(rows, cols // INT4_GROUP, INT4_GROUP)
     return (g * s[..., None] + z[..., None]).view(rows, cols)
-
-
-def _dense_from(layer: nn.Module, weight: torch.Tensor) -> None:
-    """Give the layer a dense weight (the dequantized one) and let the dense method prepare it."""
-    layer.weight = nn.Parameter(weight.to(layer.act_dtype), requires_grad=False)
-    layer.dense.process_weights_after_loading(layer)
 
 
 def quantize_tied_head(head: nn.Module, table: torch.Tensor, method: LinearMethod) -> None:
