@@ -9,6 +9,16 @@ Batch invariance: a row's noise is a splitmix64 hash of (seed, position, vocab i
 integer torch ops, so a row's token depends on its own logits and parameters only — never on the other
 rows nor on a shared generator — and every filter is a row-local operation whose result is unchanged
 for rows that do not ask for it.
+
+Agreement: the noise's logs, min-p's log and top-p's weights are not torch's log and exp but the rules
+engine_core/host_sampler.py defines (log32, exp_weights: IEEE + - * / in a fixed order), computed here
+op for op, so the device, the native kernels and the host's repick give the same bits on every CPU and
+vector unit; top-p compares exact integer masses.
+
+On a CPU where the native kernels are loaded, the picks are one fused kernel per row
+(layers/cpu_sampling.cpp: penalties over the history's cells, top-k and top-p without a sort of the
+vocabulary, noise only where a token survived), the same picks as the torch path below, which stays the
+path of every other device.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, St
 GREEDY_EPS = 1e-5  # temperatures below this pick greedily (vLLM's _SAMPLING_EPS)
 NOISE_BITS = 23  # uniform draws are (k + 0.5) / 2**23: exact in float32 and strictly inside (0, 1)
 # Elements hashed per chunk (whole rows): bounds the integer scratch whatever S is. On CPU the size
-# barely matters; on an accelerator a big chunk keeps kernel launches few (scratch 3 x 128 MiB at most).
+# barely matters; on an accelerator a big chunk keeps kernel launches few (scratch 2 x 128 + 2 x 64 MiB at most).
 NOISE_CHUNK_CPU = 1 << 17
 NOISE_CHUNK_DEVICE = 1 << 24
 
@@ -34,6 +44,18 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _U64 = np.uint64
+
+
+def _f32(bits: int) -> float:
+    """The float32 with these bits, as a Python float (exact): the rules' constants, never a decimal."""
+    return float(np.array(bits, dtype=np.uint32).view(np.float32)[()])
+
+
+# engine_core/host_sampler.py's log32 and exp_weights constants (fdlibm's logf, Cephes' expf).
+_LG1, _LG2, _LG3, _LG4 = _f32(0x3F2AAAAA), _f32(0x3ECCCE13), _f32(0x3E91E9EE), _f32(0x3E789E26)
+_LN2_HI, _LN2_LO = _f32(0x3F317180), _f32(0x3717F7D1)
+_LOG2E, _C1, _C2 = _f32(0x3FB8AA3B), _f32(0x3F318000), _f32(0xB95E8083)
+_P = tuple(_f32(b) for b in (0x39506967, 0x3AB743CE, 0x3C088908, 0x3D2AA9C1, 0x3E2AAAAA, 0x3F000000))
 
 
 def _as_int64(x: int) -> int:
@@ -60,6 +82,60 @@ def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
         z.bitwise_xor_(tmp)
         if mult is not None:
             z.mul_(_as_int64(mult))
+
+
+def _log32_(x: torch.Tensor, scratch: tuple[torch.Tensor, ...]) -> None:
+    """x = log32(x) in place for positive normal float32 x: host_sampler.log32, operation for operation (the
+    same bits on any device). scratch: five float32 tensors of x's shape (any strides)."""
+    a, b, c, d, e = scratch
+    xi, ai, bi, ci, di = (t.view(torch.int32) for t in (x, a, b, c, d))
+    torch.bitwise_and(xi, 0x7FFFFF, out=bi)  # the mantissa
+    torch.add(bi, 0x4AFB20, out=ci)
+    ci.bitwise_and_(0x800000)  # set where the mantissa is >= sqrt(2): it is halved
+    torch.bitwise_right_shift(xi, 23, out=ai)
+    ai.add_(-127)
+    torch.bitwise_right_shift(ci, 23, out=di)
+    ai.add_(di)  # the exponent
+    ci.bitwise_xor_(0x3F800000)
+    bi.bitwise_or_(ci)
+    x.copy_(ai)  # dk
+    b.sub_(1.0)  # f
+    torch.add(b, 2.0, out=c)
+    torch.div(b, c, out=c)  # s
+    torch.mul(c, c, out=a)  # z
+    torch.mul(a, a, out=d)  # w
+    torch.mul(d, _LG3, out=e)
+    e.add_(_LG1).mul_(a)  # t2
+    torch.mul(d, _LG4, out=a)
+    a.add_(_LG2).mul_(d)  # t1
+    e.add_(a)  # r
+    torch.mul(b, 0.5, out=a)
+    a.mul_(b)  # hfsq
+    e.add_(a).mul_(c)
+    torch.mul(x, _LN2_LO, out=d)
+    e.add_(d)
+    a.sub_(e).sub_(b)
+    x.mul_(_LN2_HI).sub_(a)
+
+
+def _exp_weights(t: torch.Tensor) -> torch.Tensor:
+    """int32 floor(e^t * 2^30) for float32 t <= 0: host_sampler.exp_weights, operation for operation."""
+    t = t.clamp_min(-64.0)
+    n = torch.mul(t, _LOG2E).add_(0.5).floor_()
+    r = torch.sub(t, torch.mul(n, _C1)).sub_(torch.mul(n, _C2))
+    p = torch.mul(r, _P[0]).add_(_P[1])
+    for c in _P[2:]:
+        p.mul_(r).add_(c)
+    p.mul_(r * r).add_(r).add_(1.0)
+    scale = n.to(torch.int32).add_(157).bitwise_left_shift_(23).view(torch.float32)  # 2^(n + 30)
+    return p.mul_(scale).to(torch.int32)
+
+
+def log32(values: np.ndarray) -> np.ndarray:
+    """log32 of a few host float32 values (min-p's bounds), through the torch rule on the CPU."""
+    x = torch.from_numpy(np.array(values, dtype=np.float32))
+    _log32_(x, tuple(torch.empty_like(x) for _ in range(5)))
+    return x.numpy()
 
 
 def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,6 +238,7 @@ class Sampler:
         self._capacity = 0
         self._work = self._hash = self._scratch = self._noise = self._mask = None
         self._bit_shifts: torch.Tensor | None = None
+        self._params_f = self._params_i = None  # the native kernel's per-row parameters (see _native_params)
 
     def __call__(
         self, logits: torch.Tensor, plan: StepPlan, rows: torch.Tensor, greedy: bool | None = None, out: torch.Tensor | None = None,
@@ -181,15 +258,18 @@ class Sampler:
         if greedy:
             return SamplerOutput(argmax(logits, out), None, None, None)
         batch = _gather(plan, rows_np, self.vocab_size, keys)
-        work = self._scratch_rows(len(rows_np))
-        work.copy_(logits)
-        if batch.penalised.any():
-            self._apply_penalties(work, plan, batch)
-        if batch.grammar.any():
-            self._apply_grammar(work, plan, batch)
-        if batch.banned.any():
-            self._apply_bans(work, plan, batch)
-        tokens = self._pick(work, plan, batch)
+        if self._native(logits):
+            tokens = self._pick_native(logits, plan, batch)
+        else:
+            work = self._scratch_rows(len(rows_np))
+            work.copy_(logits)
+            if batch.penalised.any():
+                self._apply_penalties(work, plan, batch)
+            if batch.grammar.any():
+                self._apply_grammar(work, plan, batch)
+            if batch.banned.any():
+                self._apply_bans(work, plan, batch)
+            tokens = self._pick(work, plan, batch)
         if batch.forced.any():
             forced = self._to_device(plan.force_token[batch.rows].astype(np.int64))
             tokens = torch.where(self._to_device(batch.forced), forced, tokens)
@@ -201,9 +281,13 @@ class Sampler:
         return _plain_greedy(plan, None)
 
     def noise(self, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """Gumbel noise float32 [S, V] for rows keyed by (seed, position): a new tensor, for tests."""
+        """Gumbel noise float32 [S, V] for rows keyed by (seed, position): a new tensor, for tests (the native
+        kernel's where it would sample)."""
         out = torch.zeros(len(seeds), self.vocab_size, dtype=torch.float32, device=self.device)
-        self._add_noise(out, seeds, positions)
+        if self._native(out):
+            cpu_kernels.ops().gumbel_noise(torch.from_numpy(row_keys(seeds, positions)), out)
+        else:
+            self._add_noise(out, seeds, positions)
         return out
 
     def _add_noise(self, work: torch.Tensor, seeds: np.ndarray, positions: np.ndarray) -> None:
@@ -212,7 +296,7 @@ class Sampler:
         Every op is element-wise, so a row's noise is the same bits whichever chunk it falls in.
         """
         keys = self._to_device(row_keys(seeds, positions))
-        z_all, tmp_all, g_all = self._noise_scratch()
+        z_all, tmp_all, g_all, extra = self._noise_scratch()
         step = z_all.shape[0]
         for first in range(0, len(keys), step):
             n = min(step, len(keys) - first)
@@ -222,19 +306,84 @@ class Sampler:
             torch.bitwise_right_shift(z, 64 - NOISE_BITS, out=tmp)
             tmp.bitwise_and_((1 << NOISE_BITS) - 1)
             g.copy_(tmp)
-            # u = (k + 0.5) / 2**23 lies strictly inside (0, 1), so -log(-log(u)) is always finite.
-            g.add_(0.5).mul_(2.0**-NOISE_BITS).log_().neg_().log_().neg_()
+            # u = (k + 0.5) / 2**23 lies strictly inside (0, 1), so -log(-log(u)) is always finite. The hash's
+            # integer scratch is free now: its halves serve log32 as float32 scratch.
+            g.add_(0.5).mul_(2.0**-NOISE_BITS)
+            v = self.vocab_size
+            halves = (z.view(torch.float32), tmp.view(torch.float32))
+            scratch = (halves[0][:, :v], halves[0][:, v:], halves[1][:, :v], halves[1][:, v:], extra[:n])
+            _log32_(g, scratch)
+            g.neg_()
+            _log32_(g, scratch)
+            g.neg_()
             work[first : first + n].add_(g)
 
-    def _noise_scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The hash scratch (two int64 and one float32 [chunk, V]), made on first use and kept."""
+    def _noise_scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The hash scratch (two int64 and two float32 [chunk, V]), made on first use and kept."""
         if self._hash is None:
             budget = NOISE_CHUNK_CPU if self.device.type == "cpu" else NOISE_CHUNK_DEVICE
             shape = (max(1, budget // self.vocab_size), self.vocab_size)
             self._hash = torch.empty(shape, dtype=torch.int64, device=self.device)
             self._scratch = torch.empty(shape, dtype=torch.int64, device=self.device)
-            self._noise = torch.empty(shape, dtype=torch.float32, device=self.device)
-        return self._hash, self._scratch, self._noise
+            self._noise = torch.empty((2, *shape), dtype=torch.float32, device=self.device)
+        return self._hash, self._scratch, self._noise[0], self._noise[1]
+
+    def _native(self, x: torch.Tensor) -> bool:
+        """True when x's rows are picked by the native kernel: a CPU sampler whose process loaded the kernels
+        (the model runner does, on CPU) with the sampling unit, and float32 or bfloat16 [S, V] rows."""
+        return (
+            self.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+            and cpu_kernels.loaded() and cpu_kernels.has("sample_rows")
+        )
+
+    def _pick_native(self, logits: torch.Tensor, plan: StepPlan, batch: _Batch) -> torch.Tensor:
+        """The picks of every row in one native call (layers/cpu_sampling.cpp), the torch path's tokens. Grammar
+        and bans first set their -inf in a float32 copy (penalties leave -inf as it is, so their order holds)."""
+        n = len(batch.rows)
+        x = logits if logits.is_contiguous() else logits.contiguous()
+        if batch.grammar.any() or batch.banned.any():
+            x = self._scratch_rows(n)
+            x.copy_(logits)
+            if batch.grammar.any():
+                self._apply_grammar(x, plan, batch)
+            if batch.banned.any():
+                self._apply_bans(x, plan, batch)
+        fparams, iparams = self._native_params(plan, batch)
+        tokens = torch.empty(n, dtype=torch.int64)
+        cpu_kernels.ops().sample_rows(x, fparams, iparams, torch.from_numpy(plan.hist_tokens), tokens)
+        return tokens
+
+    def _native_params(self, plan: StepPlan, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' parameters as sample_rows reads them: float32 [6, S] (temperature, 0 for greedy rows; top_p,
+        1 when off; log32(min_p), -inf when off; repetition, frequency, presence) and int64 [5, S] (top_k, 0 when
+        off; noise key; history start and length, 0 without penalties; prompt length), in buffers kept between
+        steps."""
+        rows, n = batch.rows, len(batch.rows)
+        if self._params_f is None or self._params_f.shape[1] < n:
+            self._params_f = np.empty((6, max(n, 64)), dtype=np.float32)
+            self._params_i = np.empty((5, max(n, 64)), dtype=np.int64)
+        f = self._params_f.reshape(-1)[: 6 * n].reshape(6, n)
+        i = self._params_i.reshape(-1)[: 5 * n].reshape(5, n)
+        f[0] = np.where(batch.greedy, 0.0, plan.temperature[rows])
+        f[1] = np.where(batch.top_p_on, plan.top_p[rows], 1.0)
+        f[2] = self._log_min_p(plan, batch)
+        f[3] = plan.repetition_penalty[rows]
+        f[4] = plan.frequency_penalty[rows]
+        f[5] = plan.presence_penalty[rows]
+        i[0] = np.where(batch.top_k_on, plan.top_k[rows], 0)
+        i[1] = row_keys(plan.seeds[rows], batch.keys)
+        i[2] = plan.hist_start[rows]
+        i[3] = np.where(batch.penalised, plan.hist_start[rows + 1] - i[2], 0)
+        i[4] = plan.hist_prompt_len[rows]
+        return torch.from_numpy(f), torch.from_numpy(i)
+
+    @staticmethod
+    def _log_min_p(plan: StepPlan, batch: _Batch) -> np.ndarray:
+        """float32 [S]: log32(min_p) of min-p rows (the bound on x - max), -inf for the others."""
+        if not batch.min_p_on.any():
+            return np.full(len(batch.rows), -np.inf, dtype=np.float32)
+        min_p = np.where(batch.min_p_on, plan.min_p[batch.rows], 1.0)
+        return np.where(batch.min_p_on, log32(min_p), -np.inf).astype(np.float32)
 
     def _scratch_rows(self, n: int) -> torch.Tensor:
         """The float32 [n, V] work buffer (and the bool mask beside it), grown when n exceeds the capacity."""
@@ -342,14 +491,15 @@ class Sampler:
         kth = largest.gather(1, self._to_device(top_k.clip(max=largest.shape[1]) - 1)[:, None])
         cutoff = torch.where(self._to_device(batch.top_k_on)[:, None], kth, -math.inf)
         if batch.top_p_on.any():
-            # The nucleus is the tokens whose strictly larger neighbours hold less than top_p of the
-            # mass top-k left: the same set as vLLM's "drop while the ascending cumsum <= 1 - top_p".
-            weight = (largest - largest[:, :1]).exp_().masked_fill_(largest < cutoff, 0.0)
+            # The nucleus is the tokens whose strictly larger neighbours weigh less than top_p of what top-k
+            # left (vLLM's "drop while the ascending cumsum <= 1 - top_p"), in host_sampler's integer weights:
+            # exact sums, so the same set on every device.
+            weight = _exp_weights(largest - largest[:, :1]).long().masked_fill_(largest < cutoff, 0)
             cumulative = weight.cumsum_(dim=-1)
-            before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
-            top_p = self._to_device(np.where(batch.top_p_on, plan.top_p[rows], 1.0).astype(np.float32))
-            inside = (before < top_p[:, None] * cumulative[:, -1:]).sum(dim=-1, keepdim=True)
-            smallest_kept = largest.gather(1, inside - 1)  # inside >= 1: the largest token always stays
+            before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0)).double()
+            top_p = self._to_device(np.where(batch.top_p_on, plan.top_p[rows], 1.0).astype(np.float64))
+            inside = (before < top_p[:, None] * cumulative[:, -1:].double()).sum(dim=-1, keepdim=True)
+            smallest_kept = largest.gather(1, inside.clamp_(min=1) - 1)  # the largest token always stays
             cutoff = torch.where(self._to_device(batch.top_p_on)[:, None], smallest_kept, cutoff)
         torch.lt(work, cutoff, out=self._mask[:n])
         work.masked_fill_(self._mask[:n], -math.inf)
@@ -375,10 +525,8 @@ class Sampler:
 
     def _apply_min_p(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> None:
         """Mask tokens whose probability is below min_p times the row's largest (p / p_max = e^(l - max))."""
-        min_p = plan.min_p[batch.rows]
-        with np.errstate(divide="ignore"):
-            log_min_p = np.where(batch.min_p_on, np.log(min_p), -np.inf).astype(np.float32)
         n = work.shape[0]
+        log_min_p = self._log_min_p(plan, batch)
         relative = work - work.amax(dim=-1, keepdim=True)
         torch.lt(relative, self._to_device(log_min_p)[:, None], out=self._mask[:n])
         work.masked_fill_(self._mask[:n], -math.inf)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.sampler import Sampler, row_keys
 from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, StepPlan
 
@@ -17,6 +19,36 @@ ROW_DEFAULTS = dict(
     frequency_penalty=0.0, seed=0, position=10, mask_kind=MASK_NONE, force_token=0, ban=(),
     num_logprobs=-1, prompt=(), output=(), allowed=None,
 )
+
+
+def _device_paths() -> list[str]:
+    """The device sampler's torch path, then each native kernel class this CPU runs (none when torch is forced)."""
+    from metrale import cpu_isa
+
+    if os.environ.get("METRALE_CPU_KERNELS", "").strip().lower() == "torch":
+        return ["torch"]
+    return ["torch", *cpu_isa.supported()]
+
+
+@pytest.fixture(params=_device_paths())
+def device_path(request, monkeypatch) -> str | None:
+    """The device sampler on one path: None for torch's (every device's but a CPU with the kernels loaded), else
+    the native class whose kernels the sampler then calls."""
+    cls = None if request.param == "torch" else request.param
+    if cls is None:
+        monkeypatch.setitem(cpu_kernels._active, "ops", None)
+        return None
+    try:
+        ns = cpu_kernels.ops(cls)
+    except RuntimeError as exc:
+        if cpu_kernels.choice() == "native":
+            raise
+        pytest.skip(f"{cls} kernels unavailable: {exc}")
+    if not cpu_kernels.has("sample_rows", cls):
+        pytest.skip(f"the {cls} sampling unit is unavailable: {cpu_kernels._errors.get(f'{cls}/sampling')}")
+    monkeypatch.setitem(cpu_kernels._active, "isa", cls)
+    monkeypatch.setitem(cpu_kernels._active, "ops", ns)
+    return cls
 
 
 def make_plan(rows: list[dict]) -> StepPlan:
@@ -160,7 +192,7 @@ def test_fast_path_equals_general_path_for_greedy():
     assert torch.equal(fast, logits.argmax(-1))
 
 
-def test_logits_are_left_untouched():
+def test_logits_are_left_untouched(device_path):
     logits = rand_logits(4, 100, seed=12)
     before = logits.clone()
     sample(logits, [dict(temperature=0.7, top_k=5, top_p=0.5, min_p=0.1, mask_kind=MASK_BAN, ban=[1],
@@ -168,7 +200,7 @@ def test_logits_are_left_untouched():
     assert torch.equal(logits, before)
 
 
-def test_rows_map_logits_to_their_plan_rows():
+def test_rows_map_logits_to_their_plan_rows(device_path):
     # Plan rows 0 and 2 do not sample; logits hold rows 1 and 3 only, so each must read its own params.
     plan = make_plan([
         dict(mask_kind=MASK_FORCE, force_token=1),
@@ -209,7 +241,7 @@ def _mixed_rows(seed_base: int) -> list[dict]:
     return [dict(kinds[i % len(kinds)], seed=seed_base + 31 * i, position=5 + i) for i in range(16)]
 
 
-def test_same_seed_and_position_give_the_same_token_alone_and_in_a_mixed_batch():
+def test_same_seed_and_position_give_the_same_token_alone_and_in_a_mixed_batch(device_path):
     logits = rand_logits(16, 401, seed=5, scale=1.0)  # odd vocab: rows straddle vector lanes
     for trial in range(5):
         rows = _mixed_rows(1000 * trial)
@@ -292,25 +324,25 @@ def test_top_p_keeps_at_least_the_top_token():
     assert set(tokens.tolist()) == {0}
 
 
-def test_top_p_applies_to_what_top_k_kept():
+def test_top_p_applies_to_what_top_k_kept(device_path):
     # Top-2 renormalises to 0.625, 0.375; a 0.6 nucleus of that is token 0 alone.
     tokens = draws(FIVE, 1000, temperature=1.0, top_k=2, top_p=0.6)
     assert set(tokens.tolist()) == {0}
 
 
-def test_top_k_keeps_every_token_tied_with_the_kth():
+def test_top_k_keeps_every_token_tied_with_the_kth(device_path):
     logits = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.0])
     tokens = draws(logits, 2000, temperature=1.0, top_k=2)
     assert set(tokens.tolist()) == {0, 1, 2, 3}
 
 
-def test_top_p_keeps_or_drops_a_tie_group_whole():
+def test_top_p_keeps_or_drops_a_tie_group_whole(device_path):
     # Masses 0.5, 0.3, 0.1, then a tied 0.05 pair: a 0.95 nucleus needs the pair, so both stay.
     tokens = draws(FIVE, 4000, temperature=1.0, top_p=0.95)
     assert set(tokens.tolist()) == {0, 1, 2, 3, 4}
 
 
-def test_top_k_top_p_candidates_agree_with_the_full_sort():
+def test_top_k_top_p_candidates_agree_with_the_full_sort(device_path):
     # Coarse (bf16-like) logits tie often. Alone, a top-k + top-p row takes the CPU candidate path (k=20
     # and k=7 here; at k=50 a tie runs past the candidates and it falls back to a sort); next to a
     # top-p-only row the batch takes the full sort. Both must pick the same tokens.
@@ -326,7 +358,7 @@ def test_top_k_top_p_candidates_agree_with_the_full_sort():
         assert (logits[alone] >= kth).all()
 
 
-def test_min_p_drops_tokens_below_the_scaled_top_probability():
+def test_min_p_drops_tokens_below_the_scaled_top_probability(device_path):
     tokens = draws(FIVE, 4000, temperature=1.0, min_p=0.25)  # threshold 0.125: keeps 0.5 and 0.3
     assert set(tokens.tolist()) == {0, 1}
     assert frequencies(tokens, 5)[0] == pytest.approx(0.5 / 0.8, abs=0.03)
@@ -342,7 +374,7 @@ def _two_way(a: float, b: float) -> torch.Tensor:
     return logits
 
 
-def test_repetition_penalty_divides_positive_logits_of_prompt_tokens():
+def test_repetition_penalty_divides_positive_logits_of_prompt_tokens(device_path):
     logits = _two_way(2.0, 1.5)
     assert int(sample(logits, [dict(repetition_penalty=1.5, prompt=[3])]).tokens[0]) == 4  # 1.33 < 1.5
     assert int(sample(logits, [dict(repetition_penalty=1.2, prompt=[3])]).tokens[0]) == 3  # 1.67 > 1.5
@@ -359,14 +391,14 @@ def test_repetition_penalty_below_one_rewards_repeats():
     assert int(sample(logits, [dict(repetition_penalty=0.5, prompt=[3])]).tokens[0]) == 3  # 3.0 > 2.0
 
 
-def test_presence_penalty_counts_output_tokens_once_and_ignores_the_prompt():
+def test_presence_penalty_counts_output_tokens_once_and_ignores_the_prompt(device_path):
     logits = _two_way(2.0, 1.5)
     assert int(sample(logits, [dict(presence_penalty=0.6, output=[3])]).tokens[0]) == 4
     assert int(sample(logits, [dict(presence_penalty=0.4, output=[3, 3, 3])]).tokens[0]) == 3
     assert int(sample(logits, [dict(presence_penalty=2.0, prompt=[3])]).tokens[0]) == 3
 
 
-def test_frequency_penalty_scales_with_the_output_count():
+def test_frequency_penalty_scales_with_the_output_count(device_path):
     logits = _two_way(2.0, 1.5)
     assert int(sample(logits, [dict(frequency_penalty=0.2, output=[3, 3])]).tokens[0]) == 3  # 1.6
     assert int(sample(logits, [dict(frequency_penalty=0.2, output=[3, 3, 3])]).tokens[0]) == 4  # 1.4
@@ -388,7 +420,7 @@ def test_penalties_apply_before_sampling():
 # --- masks ----------------------------------------------------------------------------------------
 
 
-def test_ban_mask_removes_ids_for_greedy_and_sampled_rows():
+def test_ban_mask_removes_ids_for_greedy_and_sampled_rows(device_path):
     logits = _two_way(3.0, 2.0)
     assert int(sample(logits, [dict(mask_kind=MASK_BAN, ban=[3])]).tokens[0]) == 4
     tokens = draws(logits[0], 500, temperature=5.0, mask_kind=MASK_BAN, ban=[3, 4])
@@ -408,7 +440,7 @@ def test_force_mask_picks_the_forced_token_whatever_the_logits():
     assert (tokens == 5).all()
 
 
-def test_grammar_mask_limits_greedy_and_sampled_picks_to_its_tokens():
+def test_grammar_mask_limits_greedy_and_sampled_picks_to_its_tokens(device_path):
     """A MASK_GRAMMAR row picks only among its bitmask's tokens (greedy: the best of them); its neighbours are free."""
     logits = rand_logits(1, 100, seed=3)[0]
     allowed = [7, 31, 32, 64, 99]
@@ -427,7 +459,7 @@ def test_grammar_rows_leave_the_greedy_fast_path():
     assert Sampler.plain_greedy(make_plan([dict(), dict()]))
 
 
-def test_greedy_mask_takes_the_argmax_whatever_the_temperature():
+def test_greedy_mask_takes_the_argmax_whatever_the_temperature(device_path):
     logits = torch.zeros(10)
     logits[6] = 0.1
     tokens = draws(logits, 200, temperature=1.0, mask_kind=MASK_GREEDY)
@@ -492,7 +524,7 @@ def _random_row(rng: np.random.Generator, vocab: int) -> dict:
     )
 
 
-def test_picks_equal_a_row_by_row_reference_of_vllm_semantics():
+def test_picks_equal_a_row_by_row_reference_of_vllm_semantics(device_path):
     vocab, rng = 500, np.random.default_rng(13)
     sampler = Sampler(vocab, torch.device("cpu"))
     for trial in range(8):
@@ -503,6 +535,43 @@ def test_picks_equal_a_row_by_row_reference_of_vllm_semantics():
         noise = sampler.noise(plan.seeds, plan.seq_lens)
         want = [_vllm_reference_row(logits[i], {**ROW_DEFAULTS, **r}, noise[i]) for i, r in enumerate(rows)]
         assert got == want, trial
+
+
+def _native_and_torch(logits: torch.Tensor, rows: list[dict], monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picks of the loaded native kernels, then of the torch path, for the same logits and rows."""
+    sampler = Sampler(logits.shape[1], torch.device("cpu"))
+    native = sample(logits, rows, sampler).tokens
+    with monkeypatch.context() as m:
+        m.setitem(cpu_kernels._active, "ops", None)
+        return native, sample(logits, rows, sampler).tokens
+
+
+@pytest.mark.parametrize("vocab", [4099, 50000])
+def test_native_picks_equal_the_torch_path_at_every_spread(kernel_isa, monkeypatch, vocab):
+    """Top-p alone over a large vocabulary (the native kernel's mass levels and weighted selection), with top-k
+    (its running-threshold selection), min-p and penalties, on flat to peaked and tied (bfloat16) logits."""
+    if not cpu_kernels.has("sample_rows"):
+        pytest.skip("the sampling unit is unavailable")
+    rng = np.random.default_rng(vocab)
+    kinds = [dict(top_p=0.9), dict(top_p=0.99), dict(top_p=0.3), dict(top_k=40), dict(top_k=1000, top_p=0.95),
+             dict(min_p=0.02), dict(top_p=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+                                    prompt=rng.integers(0, vocab, 500).tolist(), output=rng.integers(0, vocab, 100).tolist()),
+             dict(), dict(temperature=0.0, repetition_penalty=2.0, prompt=list(range(50)))]
+    for scale in (0.05, 1.0, 4.0, 30.0):
+        logits = rand_logits(len(kinds) * 2, vocab, seed=int(scale * 10), scale=scale)
+        rows = [dict(kinds[i % len(kinds)], temperature=kinds[i % len(kinds)].get("temperature", 0.7), seed=i, position=9)
+                for i in range(len(logits))]
+        for x in (logits, logits.bfloat16()):
+            native, reference = _native_and_torch(x, rows, monkeypatch)
+            assert torch.equal(native, reference), (scale, x.dtype)
+
+
+def test_native_all_masked_row_picks_the_first_token(kernel_isa):
+    """A row whose every token is banned or refused: -inf everywhere, and the pick is token 0, as torch's argmax."""
+    logits = torch.full((2, 100), -math.inf)
+    logits[1, 7] = 0.0
+    rows = [dict(temperature=1.0, top_p=0.5, top_k=3, min_p=0.1), dict(temperature=1.0, top_p=0.5)]
+    assert sample(logits, rows).tokens.tolist() == [0, 7]
 
 
 # --- logprobs -------------------------------------------------------------------------------------
@@ -555,16 +624,23 @@ def test_measure_fast_and_general_paths(capsys):
         [dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2,
               prompt=list(range(i, i + 500)), output=list(range(i, i + 100)), seed=i) for i in range(s)]
     )
+    plans = [("greedy_fast", greedy), ("temperature", plain), ("topk_topp_minp", filtered), ("topp_penalties", penalised)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: figures that do not swing with the other workers' load
+    paths = {"torch": None}
+    if cpu_kernels.choice() != "torch" and cpu_kernels.available() and cpu_kernels.has("sample_rows"):
+        paths[f"native {cpu_kernels.isa()}"] = cpu_kernels.ops()
+    active = cpu_kernels._active.get("ops")
+    figures = {}
     try:
-        figures = {
-            name: _median_ms(lambda p=plan: sampler(logits, p, rows), 7)
-            for name, plan in [("greedy_fast", greedy), ("temperature", plain),
-                               ("topk_topp_minp", filtered), ("topp_penalties", penalised)]
-        }
+        for path, ops in paths.items():
+            cpu_kernels._active["ops"] = ops
+            figures[path] = {name: _median_ms(lambda p=plan: sampler(logits, p, rows), 7) for name, plan in plans}
     finally:
         torch.set_num_threads(threads)
+        cpu_kernels._active["ops"] = active
     with capsys.disabled():
-        print(f"\nsampler S={s} V={v} CPU, 1 thread, median ms:",
-              " ".join(f"{k}={ms:.2f}" for k, ms in figures.items()))
+        for path, times in figures.items():
+            print(f"\nsampler S={s} V={v} CPU {path}, 1 thread, median ms:",
+                  " ".join(f"{k}={ms:.2f}" for k, ms in times.items()), end="")
+        print()
