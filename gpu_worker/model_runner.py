@@ -21,6 +21,7 @@ import torch
 
 from metrale.gpu_worker.errors import PlanError
 from metrale.gpu_worker.graph_runner import DecodeGraphs
+from metrale import cpu_isa
 from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.layers.attention_backends import select_backend
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
@@ -106,6 +107,9 @@ class ModelRunner:
             attention=select_backend(self.device, native=self._native), show_progress=show_progress,
             quantization=quantization, group=group,
         )
+        if self._native and self.model.dtype == torch.bfloat16 and not cpu_isa.has_native_bf16(cpu_kernels.isa()):
+            log.info("bfloat16 weights (half the bytes a decode step reads) on %s kernels, which have no bfloat16 "
+                     "product: the linear layers widen them to float32 and multiply in float32", cpu_kernels.isa())
         # A model with recurrent layers keeps their state in one slot per running sequence (max_num_seqs of them,
         # allocated before the KV cache takes what memory is left); the engine core assigns the slots. A step
         # launched ahead then cannot be undone: RepickOnly.

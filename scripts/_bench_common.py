@@ -89,7 +89,11 @@ def _busy_cpu_s() -> float:
 
 
 def emit(record: dict) -> None:
-    """Print the benchmark's one JSON line on stdout."""
+    """Print the benchmark's one JSON line on stdout, with the CPU kernel class it ran (metrale/cpu_isa.py: the
+    forced one or the CPU's best) and the CPU's best."""
+    from metrale import cpu_isa
+
+    record.setdefault("cpu_isa", {"ran": cpu_isa.chosen(), "best": cpu_isa.best()})
     print(json.dumps(record, separators=(",", ":")), flush=True)
 
 
