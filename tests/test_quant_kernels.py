@@ -2,7 +2,8 @@
 against their exact integer reference: the activations quantized by quantization.py's quantize_activations (the
 kernels must give the same codes and scales bit for bit), times the dequantized weight, summed in float64. The
 kernels sum the blocks in float32, so they agree to float32's rounding; ragged shapes cover the zero padding of
-the last panel and the last block.
+the last panel and the last block. The amx class's wide product (many bf16 rows, the weight dequantized to bf16)
+is checked against x times the dequantized weight rounded to bf16.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def test_int8_kernel_is_the_integer_product(kernel_isa, shape, dtype):
     codes, scales = pack_int8(q, d)
     for rows in ROWS:
         x = torch.randn(rows, k).to(dtype)
-        _check(cpu_kernels.ops().int8_linear(x, codes, scales, n), _reference(x, dequantize_int8(q, d)), dtype)
+        _check(cpu_kernels.ops().int8_linear(x, codes, scales, n, False), _reference(x, dequantize_int8(q, d)), dtype)
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 32 == 0])
@@ -70,7 +71,7 @@ def test_int4_kernel_is_the_integer_product(kernel_isa, shape, dtype):
     codes, scales, zeros = pack_int4(q, s, z)
     for rows in ROWS:
         x = torch.randn(rows, k).to(dtype)
-        _check(cpu_kernels.ops().int4_linear(x, codes, scales, zeros, n), _reference(x, dequantize_int4(q, s, z)), dtype)
+        _check(cpu_kernels.ops().int4_linear(x, codes, scales, zeros, n, False), _reference(x, dequantize_int4(q, s, z)), dtype)
 
 
 def test_int8_extremes_do_not_overflow(kernel_isa):
@@ -80,7 +81,28 @@ def test_int8_extremes_do_not_overflow(kernel_isa):
     codes, scales = pack_int8(q, d)
     x = torch.ones(4, k)
     x[1] = -1
-    _check(cpu_kernels.ops().int8_linear(x, codes, scales, n), _reference(x, dequantize_int8(q, d)), torch.float32)
+    _check(cpu_kernels.ops().int8_linear(x, codes, scales, n, False), _reference(x, dequantize_int8(q, d)), torch.float32)
     q4 = torch.full((n, k), 15, dtype=torch.uint8)
     ones = torch.ones(n, k // 32)
-    _check(cpu_kernels.ops().int4_linear(x, *pack_int4(q4, ones, ones), n), _reference(x, dequantize_int4(q4, ones, ones)), torch.float32)
+    _check(cpu_kernels.ops().int4_linear(x, *pack_int4(q4, ones, ones), n, False), _reference(x, dequantize_int4(q4, ones, ones)), torch.float32)
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 32 == 0] + [(50, 100)])
+def test_the_wide_product_is_x_times_the_weight_in_bf16(kernel_isa, shape):
+    n, k = shape
+    w = torch.randn(n, k)
+    q, d = quantize_int8(w)
+    codes, scales = pack_int8(q, d)
+    q4, s4, z4 = quantize_int4(torch.randn(n, k // 32 * 32))
+    packed4 = pack_int4(q4, s4, z4)
+    if kernel_isa != "amx":
+        with pytest.raises(RuntimeError, match="wide"):
+            cpu_kernels.ops().int8_linear(torch.randn(16, k).bfloat16(), codes, scales, n, True)
+        return
+    for rows in (16, 17, 32, 33, 70):
+        x = torch.randn(rows, k).bfloat16()
+        want = x.double() @ dequantize_int8(q, d).bfloat16().double().T
+        _check(cpu_kernels.ops().int8_linear(x, codes, scales, n, True), want, torch.bfloat16)
+        x4 = x[:, : k // 32 * 32].contiguous()
+        want4 = x4.double() @ dequantize_int4(q4, s4, z4).bfloat16().double().T
+        _check(cpu_kernels.ops().int4_linear(x4, *packed4, n, True), want4, torch.bfloat16)

@@ -16,12 +16,19 @@
 // xor) and each block's sum starts at -128 * (sum of the block's activation codes); 4-bit codes are unsigned
 // already. AVX2 has no VNNI: llama.cpp's sign trick (|w| times x with w's sign, pairs summed to int16 by
 // maddubs, which cannot saturate with both below 128) and madd to int32; 4-bit products are small enough to
-// sum a whole block in int16 first. Generic: plain loops.
+// sum a whole block in int16 first. Generic: plain loops. On the amx class, many bf16 rows (`wide`, a prefill)
+// instead take the weight dequantized to bf16 through AMX tiles (see there).
 
 #include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define METRALE_AMX 1
+#endif
 
 namespace {
 
@@ -383,6 +390,177 @@ void over_tiles(int64_t m, int64_t n, Tile&& tile) {
   });
 }
 
+
+// ---- many rows on AMX: the weight dequantized to bf16 a panel pair at a time, AMX-BF16 tiles --------------
+//
+// At a prefill's rows the int8 products are bound by compute, where AMX's bf16 tiles do several times the
+// work of VNNI: each task dequantizes two panels into a bf16 buffer (in cache, reused by every row) and
+// multiplies the bf16 rows by it. The weight rounds once to bf16 (RNE) and x is not quantized: quantization.py's
+// reference takes the same path for the same calls (`wide`).
+#if defined(METRALE_AMX)
+
+// Linux lends a thread AMX's tile state only after the process asks for it once.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes: C 0-3 (two row tiles x two panels, float32), A 4-5 (16 rows x 32 bf16 of
+// x), B 6-7 (16 pairs of inputs x 16 outputs x 2 bf16, one per panel).
+void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// A 64-byte line of one panel (16 rows x 4 consecutive inputs, as bytes in v0..v3: rows 0-3, 4-7, 8-11, 12-15)
+// as two bf16 rows of a B tile: inputs (0, 1) of each row, then inputs (2, 3). w = code * scale (+ offset).
+template <bool Signed, bool Offset>
+inline void dequant_line(const __m128i* v, __m512 scale, __m512 offset, c10::BFloat16* pair0, c10::BFloat16* pair1) {
+  // scale's lane r is row r's; each row's 4 inputs take its lane 4 times.
+  const __m512i spread[4] = {
+      _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
+      _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
+      _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
+  __m512 f[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512i w = Signed ? _mm512_cvtepi8_epi32(v[i]) : _mm512_cvtepu8_epi32(v[i]);
+    f[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_permutexvar_ps(spread[i], scale));
+    if (Offset) f[i] = _mm512_add_ps(f[i], _mm512_permutexvar_ps(spread[i], offset));
+  }
+  // Each dword is one row's pair: (0,1) at even dwords, (2,3) at odd ones.
+  const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(pair0, _mm512_permutex2var_epi32(lo, even, hi));
+  _mm512_storeu_si512(pair1, _mm512_permutex2var_epi32(lo, odd, hi));
+}
+
+// One int8 panel into buf [kp / 2][16][2] bf16.
+void dequant_int8_panel(const int8_t* w, const uint16_t* ws, int64_t blocks, c10::BFloat16* buf) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + b * kPanel)));
+    for (int g = 0; g < kBlock / 4; ++g) {
+      const int8_t* line = w + (b * 8 + g) * 64;
+      __m128i v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm_loadu_si128((const __m128i*)(line + 16 * i));
+      c10::BFloat16* at = buf + (b * 16 + 2 * g) * 32;
+      dequant_line<true, false>(v, scale, scale, at, at + 32);
+    }
+  }
+}
+
+// One 4-bit panel into buf [kp / 2][16][2] bf16.
+void dequant_int4_panel(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, c10::BFloat16* buf) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 scale = _mm512_loadu_ps(ws + b * kPanel), offset = _mm512_loadu_ps(wz + b * kPanel);
+    for (int g = 0; g < kBlock / 8; ++g) {
+      const uint8_t* line = w + (b * 4 + g) * 64;
+      __m128i lo[4], hi[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m128i v = _mm_loadu_si128((const __m128i*)(line + 16 * i));
+        lo[i] = _mm_and_si128(v, low);
+        hi[i] = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      }
+      c10::BFloat16* at = buf + (b * 16 + 4 * g) * 32;
+      dequant_line<false, true>(lo, scale, offset, at, at + 32);
+      dequant_line<false, true>(hi, scale, offset, at + 64, at + 96);
+    }
+  }
+}
+
+// c [32][32] float32 = rows x [16 or 32][kp] (bf16, row stride kp) times the two dequantized panels b0, b1.
+template <bool TwoRowTiles>
+void amx_tile(const c10::BFloat16* x, int64_t kp, const c10::BFloat16* b0, const c10::BFloat16* b1, float* c) {
+  const int64_t stride = kp * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (TwoRowTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < kp; k += 32) {
+    _tile_loadd(4, x + k, stride);
+    _tile_loadd(6, b0 + k * 16, 64);
+    _tile_loadd(7, b1 + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (TwoRowTiles) {
+      _tile_loadd(5, x + 16 * kp + k, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if (TwoRowTiles) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+// y [M, n] = x [M, k] (bf16) @ W.T, `dequant(p, buf)` writing panel p as bf16 into buf.
+template <typename Dequant>
+void amx_linear(const at::Tensor& x, int64_t kp, int64_t n, at::Tensor& y, Dequant&& dequant) {
+  const int64_t m = x.size(0), k = x.size(1), mp = (m + 15) / 16 * 16;
+  // x padded to whole tiles (zero rows and inputs), reused across calls.
+  static thread_local std::vector<c10::BFloat16> padded;
+  if ((int64_t)padded.size() < mp * kp) padded.resize(mp * kp);
+  const c10::BFloat16* src = x.data_ptr<c10::BFloat16>();
+  for (int64_t r = 0; r < mp; ++r) {
+    c10::BFloat16* row = padded.data() + r * kp;
+    if (r < m) std::memcpy(row, src + r * k, k * sizeof(c10::BFloat16));
+    std::memset(row + (r < m ? k : 0), 0, (kp - (r < m ? k : 0)) * sizeof(c10::BFloat16));
+  }
+  const c10::BFloat16* xp = padded.data();
+  c10::BFloat16* out = y.data_ptr<c10::BFloat16>();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<c10::BFloat16> buf;
+    if ((int64_t)buf.size() < 2 * kp * kPanel) buf.resize(2 * kp * kPanel);
+    alignas(64) float c[32 * 32];
+    amx_configure();
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t p0 = 2 * s;
+      const bool pair = p0 + 1 < panels;
+      dequant(p0, buf.data());
+      if (pair) dequant(p0 + 1, buf.data() + kp * kPanel);
+      const c10::BFloat16* b1 = pair ? buf.data() + kp * kPanel : buf.data();
+      for (int64_t m0 = 0; m0 < m; m0 += 32) {
+        const int mr = int(std::min<int64_t>(32, m - m0));
+        if (mr > 16)
+          amx_tile<true>(xp + m0 * kp, kp, buf.data(), b1, c);
+        else
+          amx_tile<false>(xp + m0 * kp, kp, buf.data(), b1, c);
+        store_tile(c, mr, 2, out, n, m0, p0 * kPanel);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+void check_wide(const at::Tensor& x) {
+#if defined(METRALE_AMX)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && amx_permitted(), "wide: bfloat16 rows on a CPU that lends AMX tiles");
+#else
+  TORCH_CHECK(false, "wide: only the amx class multiplies dequantized bf16 tiles");
+#endif
+}
+
 void check_input(const at::Tensor& x, int64_t kp) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
@@ -391,7 +569,7 @@ void check_input(const at::Tensor& x, int64_t kp) {
 
 // y [M, n] = x [M, k] @ W.T for W packed by quantization.py's pack_int8: codes int8 [panels, kp / 4, 16, 4],
 // scales fp16 (as int16 bits) [panels, kp / 32, 16].
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, bool wide) {
   const int64_t blocks = scales.size(1), kp = blocks * kBlock;
   check_input(x, kp);
   TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kShort && codes.is_contiguous() && scales.is_contiguous(),
@@ -399,11 +577,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(scales.size(0) * kPanel >= n && codes.numel() == scales.size(0) * kp * kPanel, "int8_linear: packed sizes do not match");
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
-  QuantRows& q = scratch();
-  quantize_input(x, kp, q);
   const int8_t* w = codes.data_ptr<int8_t>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
   const int64_t panel_bytes = kp * kPanel;
+  if (wide) {
+    check_wide(x);
+#if defined(METRALE_AMX)
+    amx_linear(x, kp, n, y, [&](int64_t p, c10::BFloat16* buf) { dequant_int8_panel(w + p * panel_bytes, ws + p * blocks * kPanel, blocks, buf); });
+#endif
+    return y;
+  }
+  QuantRows& q = scratch();
+  quantize_input(x, kp, q);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   over_tiles(m, n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
     const int8_t* wp = w + p0 * panel_bytes;
@@ -423,7 +608,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // y [M, n] = x [M, k] @ W.T with W = scale * code + offset per group of 32, packed by quantization.py's
 // pack_int4: codes uint8 [panels, kp / 8, 16, 4] (two groups of 4 inputs a byte), scales and offsets float32
 // [panels, kp / 32, 16].
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t n) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t n,
+                       bool wide) {
   const int64_t blocks = scales.size(1), kp = blocks * kBlock;
   check_input(x, kp);
   TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat &&
@@ -433,12 +619,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
               "int4_linear: packed sizes do not match");
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
-  QuantRows& q = scratch();
-  quantize_input(x, kp, q);
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const float* ws = scales.data_ptr<float>();
   const float* wz = zeros.data_ptr<float>();
   const int64_t panel_bytes = kp * kPanel / 2;
+  if (wide) {
+    check_wide(x);
+#if defined(METRALE_AMX)
+    amx_linear(x, kp, n, y, [&](int64_t p, c10::BFloat16* buf) {
+      dequant_int4_panel(w + p * panel_bytes, ws + p * blocks * kPanel, wz + p * blocks * kPanel, blocks, buf);
+    });
+#endif
+    return y;
+  }
+  QuantRows& q = scratch();
+  quantize_input(x, kp, q);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   over_tiles(m, n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
     const uint8_t* wp = w + p0 * panel_bytes;
@@ -472,9 +667,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int
 }  // namespace
 
 METRALE_FRAGMENT(m) {
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n, bool wide) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
-  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int n) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int n, bool wide) -> Tensor");
   m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(int4_linear));
   m.def("quantize_activations(Tensor x, int kp) -> (Tensor, Tensor)");
   m.impl("quantize_activations", c10::DispatchKey::CPU, TORCH_FN(quantize_activations));

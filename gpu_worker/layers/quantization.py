@@ -40,6 +40,7 @@ REFERENCE = "-dequantized"  # int8-dequantized / int4-dequantized: the same inte
 BLOCK = 32  # inputs per scale: GGUF's Q8_0 and 4-bit blocks, and the activations' blocks
 INT4_GROUP = BLOCK
 PANEL = 16  # output rows per panel of the kernels' layout (cpu_quant.cpp)
+WIDE_ROWS = 16  # from this many bfloat16 rows on the amx class: the weight dequantized to bf16, AMX tiles
 
 
 def _staged_weight(layer: nn.Module, rows: int, cols: int, device: torch.device, weight_loader) -> None:
@@ -74,6 +75,7 @@ class Int8LinearMethod(LinearMethod):
         layer.qweight, layer.qscale = q, d
         layer.out_features = q.shape[0]
         layer.int8_op = None if self.reference else _kernel("int8_linear", q.device)
+        layer.wide = _goes_wide(q.device)
         if layer.int8_op is not None:
             layer.packed_codes, layer.packed_scales = pack_int8(q, d)
         else:
@@ -83,9 +85,10 @@ class Int8LinearMethod(LinearMethod):
         """x @ (q * d).T (+ bias) with x quantized per block (quantize_activations), in x's dtype."""
         flat = x.reshape(-1, x.shape[-1])
         if layer.int8_op is not None:
-            y = layer.int8_op(_kernel_input(flat), layer.packed_codes, layer.packed_scales, layer.out_features)
+            wide = layer.wide and _wide(flat)
+            y = layer.int8_op(_kernel_input(flat), layer.packed_codes, layer.packed_scales, layer.out_features, wide)
         else:
-            y = _dense_product(flat, layer.dequantized)
+            y = _dense_product(flat, layer.dequantized, layer.wide)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -129,6 +132,7 @@ class Int4LinearMethod(LinearMethod):
             _release(layer, "weight")
         layer.out_features = q.shape[0]
         layer.int4_op = None if self.reference else _kernel("int4_linear", q.device)
+        layer.wide = _goes_wide(q.device)
         if layer.int4_op is not None:
             layer.packed_codes, layer.packed_scales, layer.packed_zeros = pack_int4(q, s, z)
         else:
@@ -138,9 +142,10 @@ class Int4LinearMethod(LinearMethod):
         """x @ W.T (+ bias) with W the groups' s * q + z and x quantized per block, in x's dtype."""
         flat = x.reshape(-1, x.shape[-1])
         if layer.int4_op is not None:
-            y = layer.int4_op(_kernel_input(flat), layer.packed_codes, layer.packed_scales, layer.packed_zeros, layer.out_features)
+            wide = layer.wide and _wide(flat)
+            y = layer.int4_op(_kernel_input(flat), layer.packed_codes, layer.packed_scales, layer.packed_zeros, layer.out_features, wide)
         else:
-            y = _dense_product(flat, layer.dequantized)
+            y = _dense_product(flat, layer.dequantized, layer.wide)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -153,6 +158,17 @@ def _kernel(name: str, device: torch.device):
     return getattr(cpu_kernels.ops(), name).default
 
 
+def _goes_wide(device: torch.device) -> bool:
+    """True when this process's kernels multiply many bf16 rows by the weight dequantized to bf16 (the amx
+    class: its bf16 tiles outrun int8 products at a prefill's rows); the reference then does the same."""
+    return device.type == "cpu" and cpu_kernels.choice() != "torch" and cpu_kernels.isa() == "amx"
+
+
+def _wide(x: torch.Tensor) -> bool:
+    """True for the rows that take the dequantized bf16 product on a class that has it."""
+    return x.dtype == torch.bfloat16 and x.shape[0] >= WIDE_ROWS
+
+
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels take it: contiguous float32 or bfloat16."""
     if x.dtype not in (torch.float32, torch.bfloat16):
@@ -160,9 +176,12 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _dense_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _dense_product(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> torch.Tensor:
     """The kernels' product done dense: x [rows, in] quantized and dequantized per block, times the dequantized
-    weight, in the weight's dtype (float32 for the reference); in x's dtype."""
+    weight, in the weight's dtype (float32 for the reference); in x's dtype. With `wide` and rows that take the
+    wide product, as the kernel does it: x as it is, times the weight rounded to bf16."""
+    if wide and _wide(x):
+        return F.linear(x.to(weight.dtype), weight.bfloat16().to(weight.dtype)).to(x.dtype)
     codes, scales = quantize_activations(x)
     xq = codes.view(*scales.shape, BLOCK).to(weight.dtype) * scales.to(weight.dtype)[..., None]
     return F.linear(xq.flatten(-2)[:, : weight.shape[1]], weight).to(x.dtype)
