@@ -240,9 +240,13 @@ at::Tensor chunked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
   const c10::BFloat16* bp = b ? b->data_ptr<c10::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, (out + kChunkRows - 1) / kChunkRows, 1, [&](int64_t begin, int64_t end) {
-    at::Tensor wf = at::empty({kChunkRows, in}, xf.options());
-    at::Tensor yf = at::empty({rows, kChunkRows}, xf.options());
-    float* wfp = wf.data_ptr<float>();
+    // The thread's own buffers, kept between calls: a fresh allocation this size is fresh pages to fault in.
+    thread_local std::vector<float> w_buf, y_buf;
+    w_buf.resize(std::max<size_t>(w_buf.size(), kChunkRows * in));
+    y_buf.resize(std::max<size_t>(y_buf.size(), rows * kChunkRows));
+    at::Tensor wf = at::from_blob(w_buf.data(), {kChunkRows, in}, xf.options());
+    at::Tensor yf = at::from_blob(y_buf.data(), {rows, kChunkRows}, xf.options());
+    float* wfp = w_buf.data();
     for (int64_t c = begin; c < end; ++c) {
       const int64_t o0 = c * kChunkRows, n = std::min(kChunkRows, out - o0);
       const c10::BFloat16* src = wp + o0 * in;
