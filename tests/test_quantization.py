@@ -18,6 +18,7 @@ from gguf_models import smollm2_path
 
 from metrale import LLM, SamplingParams
 from metrale.config import EngineArgs
+from metrale.gguf_metadata import open_gguf
 from metrale.frontend.chat import ChatTemplate
 from metrale.gpu_worker.gguf_weights import gguf_tensors
 from metrale.gpu_worker.layers.linear import QKVParallelLinear
@@ -163,6 +164,24 @@ def test_gguf_4bit_codes_are_the_files_weights_exactly(tiny_gguf, outtype):
     assert isinstance(codes.runner.model.model.layers[0].mlp.gate_up_proj.quant_method, Int4LinearMethod)
     ref = LLM(str(path), dtype="float32", quantization="int4-dequantized", show_progress=False)
     assert [o.token_ids for o in codes.generate(PROMPTS, GREEDY)] == [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+
+
+def test_q8_0_codes_and_scales_are_the_files_own(tiny_gguf):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    checked = 0
+    for tensor in open_gguf(tiny_gguf("llama", "q8_0")).tensors:
+        if tensor.tensor_type.name != "Q8_0":
+            continue
+        raw = np.asarray(tensor.data)
+        blocks = raw.reshape(raw.shape[0], -1, 34)  # fp16 scale, then 32 int8 codes
+        values = torch.from_numpy(np.array(dequantize(raw, GGMLQuantizationType.Q8_0), dtype=np.float32))
+        q, d = quantize_int8(values)
+        assert torch.equal(d.view(torch.int16), torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.int16)[..., 0]))
+        assert torch.equal(q, torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).reshape(q.shape))
+        checked += 1
+    assert checked > 0
 
 
 def test_q8_0_gguf_runs_int8_like_its_dequantized_reference(tiny_gguf):

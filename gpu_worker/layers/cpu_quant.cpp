@@ -34,6 +34,15 @@ namespace {
 
 constexpr int kPanel = 16;  // output rows per panel
 constexpr int kBlock = 32;  // inputs per scale block
+// How far ahead of its reads a decode product asks for a panel's lines: one sequential stream per panel
+// leaves the hardware prefetcher too few lines in flight to keep the memory busy.
+constexpr int kPrefetchBytes = 1024;
+
+inline void prefetch(const void* p) {
+#if defined(__SSE__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#endif
+}
 
 // One input row quantized: codes [kp], per block its scale and the sum of its codes.
 struct QuantRows {
@@ -124,8 +133,11 @@ void int8_panels(const int8_t* w, const uint16_t* ws, int64_t blocks, const Quan
     const int8_t* xb = q.codes.data() + m0 * kp + b * kBlock;
     for (int g = 0; g < kBlock / 4; ++g) {
       __m512i wv[NP];
-      for (int p = 0; p < NP; ++p)
-        wv[p] = _mm512_xor_si512(_mm512_loadu_si512(w + p * panel_bytes + (b * 8 + g) * 64), flip);
+      for (int p = 0; p < NP; ++p) {
+        const int8_t* line = w + p * panel_bytes + (b * 8 + g) * 64;
+        prefetch(line + kPrefetchBytes);
+        wv[p] = _mm512_xor_si512(_mm512_loadu_si512(line), flip);
+      }
       for (int m = 0; m < MR; ++m) {
         int32_t x4;
         std::memcpy(&x4, xb + m * kp + g * 4, 4);
@@ -159,6 +171,7 @@ void int8_panels(const int8_t* w, const uint16_t* ws, int64_t blocks, const Quan
     const int8_t* xb = q.codes.data() + m0 * kp + b * kBlock;
     for (int g = 0; g < kBlock / 4; ++g) {
       const int8_t* line = w + (b * 8 + g) * 64;
+      prefetch(line + kPrefetchBytes);
       __m256i wv[2], wabs[2];
       for (int h = 0; h < 2; ++h) {
         wv[h] = _mm256_loadu_si256((const __m256i*)(line + 32 * h));
@@ -231,7 +244,9 @@ void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blo
     for (int g = 0; g < kBlock / 8; ++g) {
       __m512i lo[NP], hi[NP];
       for (int p = 0; p < NP; ++p) {
-        const __m512i v = _mm512_loadu_si512(w + p * panel_bytes + (b * 4 + g) * 64);
+        const uint8_t* line = w + p * panel_bytes + (b * 4 + g) * 64;
+        prefetch(line + kPrefetchBytes);
+        const __m512i v = _mm512_loadu_si512(line);
         lo[p] = _mm512_and_si512(v, low);
         hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
@@ -271,6 +286,7 @@ void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blo
     const int8_t* xb = q.codes.data() + m0 * kp + b * kBlock;
     for (int g = 0; g < kBlock / 8; ++g) {
       const uint8_t* line = w + (b * 4 + g) * 64;
+      prefetch(line + kPrefetchBytes);
       __m256i lo[2], hi[2];
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(line + 32 * h));

@@ -9,12 +9,16 @@
 On a CPU both multiply with cpu_quant.cpp's kernels, as llama.cpp does: each row of x is quantized to int8 per
 block of 32 (`quantize_activations`), each block's dot product is exact in int32 and the blocks are summed in
 float32 with their scales. Decode steps (a few rows) are bound by reading the weight, which is a half (int8) or
-a quarter (4-bit) of bf16's bytes; more rows reuse each panel of the weight from cache for every row. The
-kernels take weights packed in their layout (`pack_int8`, `pack_int4`) once, in process_weights_after_loading.
+a quarter (4-bit) of bf16's bytes; more rows reuse each panel of the weight from cache for every row. On the amx
+class, from WIDE_ROWS bf16 rows (prefill chunks, big batches) a layer is `wide`: the kernels dequantize the
+weight to bf16 a panel pair at a time and multiply x unquantized with AMX's bf16 tiles, which outrun int8 dot
+products there. The kernels take weights packed in their layout (`pack_int8`, `pack_int4`) once, in
+process_weights_after_loading.
 
 `reference=True` keeps the same integers and multiplies them dense: x quantized and dequantized by
-`quantize_activations`, times the dequantized weight, in float32: the kernels' arithmetic up to the order of
-float32 sums, which is what they are checked against. Without the kernels (no compiler, a GPU) a layer runs the
+`quantize_activations`, times the dequantized weight, in float32 (for a wide layer's many bf16 rows: x times
+the weight rounded to bf16): the kernels' arithmetic up to the order of float32 sums, which is what they are
+checked against. Without the kernels (no compiler, a GPU) a layer runs the
 same dense product in the model's dtype.
 
 Both stage the float weight as float32 while loading (the layer's weight loader fills it part by part, fused or
