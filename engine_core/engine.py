@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metrale.config import EngineArgs
+from metrale.settings import DEFAULTS
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, RequestOutputDelta
 from metrale.ipc.plan import Device, DeviceError
@@ -45,41 +46,33 @@ MAX_ENGINE_FAILURES = 2  # a request running at this many failed ticks is failed
 
 @dataclass(slots=True)
 class EngineOptions:
-    """The engine core's knobs (the same names as LLM(...) and `metrale serve` flags)."""
+    """The engine core's knobs: the settings that reach it (metrale/settings.py), by the same names, with the
+    table's defaults."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_waiting: int = 4096
-    enable_prefix_caching: bool = True
-    pipeline: bool = True
-    seed: int | None = None  # draws the seeds of requests that bring none
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
+    max_waiting: int = DEFAULTS.max_waiting
+    enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching
+    pipeline: bool = DEFAULTS.pipeline
+    seed: int | None = DEFAULTS.seed  # draws the seeds of requests that bring none
     recover_from_device_loss: bool = False  # requeue (True) or fail (False) the requests of a dead worker
-    preemption_mode: str = "recompute"  # or "swap" (needs the device's swap space: ModelInfo.num_swap_blocks)
-    decode_burst: int = 1  # most decode steps per tick for final-only plain rows, on a device with await_burst
+    # or "swap" (needs the device's swap space: ModelInfo.num_swap_blocks)
+    preemption_mode: str = DEFAULTS.preemption_mode
+    # Most decode steps per tick for final-only plain rows, on a device with await_burst.
+    decode_burst: int = DEFAULTS.decode_burst
     # A streamed request's tokens are reported every this many (its first and its last at once): the
     # frontend's --stream-interval, applied where the tokens are made, so the ticks between send nothing.
-    stream_interval: int = 1
-    speculative: str | None = None  # "ngram": decode steps verify prompt-lookup drafts (speculative.py)
-    num_speculative_tokens: int = 3
-    speculative_disable_by_batch_size: int | None = None  # steps of this many rows or more decode plainly
+    stream_interval: int = DEFAULTS.stream_interval
+    speculative: str | None = DEFAULTS.speculative  # "ngram": decode steps verify prompt-lookup drafts (speculative.py)
+    num_speculative_tokens: int = DEFAULTS.num_speculative_tokens
+    # Steps of this many rows or more decode plainly.
+    speculative_disable_by_batch_size: int | None = DEFAULTS.speculative_disable_by_batch_size
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
-        """The engine core's share of EngineArgs."""
-        return cls(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_waiting=args.max_waiting,
-            enable_prefix_caching=args.enable_prefix_caching,
-            pipeline=args.pipeline,
-            seed=args.seed,
-            recover_from_device_loss=recover_from_device_loss,
-            preemption_mode=args.preemption_mode,
-            decode_burst=args.decode_burst,
-            speculative=args.speculative,
-            num_speculative_tokens=args.num_speculative_tokens,
-            speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        )
+        """The engine core's share of EngineArgs: each of its fields that EngineArgs has."""
+        shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**shared, recover_from_device_loss=recover_from_device_loss)
 
 
 class EngineCore:

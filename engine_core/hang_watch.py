@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from metrale.settings import DEFAULTS
+
 NS = 1_000_000_000
 
 
@@ -20,7 +22,7 @@ NS = 1_000_000_000
 class HangWatch:
     """Step deadlines that adapt to the model's own step times."""
 
-    floor_s: float = 10.0  # a step may always take this long
+    floor_s: float = DEFAULTS.worker_hang_timeout_s  # a step may always take this long (--worker-hang-timeout)
     factor: float = 20.0  # ... or this many times the slowest recent step, per unit of work
     first_steps_s: float = 300.0  # the allowance of a worker's first `warmup` steps
     warmup: int = 2

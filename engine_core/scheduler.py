@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.plan import FEED_HOST
+from metrale.settings import DEFAULTS
 
 from .kv_blocks import KvBlockPool
 from .sequence import Sequence, SeqStatus
@@ -23,11 +24,14 @@ class SchedulerBusy(Refused):
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    max_waiting: int = 4096
-    preemption_mode: str = "recompute"  # or "swap": KV to host blocks, recompute when they run out
+    """The scheduler's share of the settings (metrale/settings.py's defaults) and the model's resolved length."""
+
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
+    max_model_len: int = 2048  # the model's length as resolved (ModelInfo), not the --max-model-len cap
+    max_waiting: int = DEFAULTS.max_waiting
+    # or "swap": KV to host blocks, recompute when they run out
+    preemption_mode: str = DEFAULTS.preemption_mode
 
 
 @dataclass(slots=True)

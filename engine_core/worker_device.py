@@ -34,6 +34,7 @@ import psutil
 from metrale.ipc.doorbell import Attached, Bell, BellListener, Shutdown, WorkerFailed, WorkerReady, bell_path
 from metrale.ipc.plan import DeviceError, DeviceLost, ModelInfo, StepPlan, StepResult, Ticket
 from metrale.ipc.tickets import SPIN_IS_SAFE, RingGeometry, TicketRing, WorkerStats
+from metrale.settings import DEFAULTS
 
 from .hang_watch import HangWatch
 
@@ -104,8 +105,8 @@ class WorkerDevice:
         env: dict[str, str] | None = None,
         worker_spin_us: float | None = None,
         ready_timeout_s: float = 600.0,
-        tensor_parallel_size: int = 1,
-        all_reduce: str = "auto",
+        tensor_parallel_size: int = DEFAULTS.tensor_parallel_size,
+        all_reduce: str = DEFAULTS.all_reduce,
         **device_kwargs,
     ) -> WorkerDevice:
         """Create a device and start its worker (or its tensor-parallel group of worker processes, meeting at a

@@ -30,12 +30,13 @@ import msgspec
 from metrale import xgrammar_core as xg
 from metrale.ipc.messages import GrammarBlob, GrammarVocab
 from metrale.ipc.sampling import StructuredOutputs
+from metrale.settings import DEFAULTS
 
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("metrale.frontend.grammars")
 
-DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_TIMEOUT_S = DEFAULTS.grammar_timeout_s  # --grammar-timeout
 START_TIMEOUT_S = 60.0  # a fresh helper loads xgrammar and the vocabulary before the limit starts counting
 CACHE_ENTRIES = 128  # compiled grammars (and refusals) kept, least recently used first out
 

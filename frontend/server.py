@@ -63,6 +63,7 @@ from metrale.ipc.errors import ErrorCode
 from metrale.ipc.sampling import SamplingParams
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, StatusSender
 from metrale.model_facts import generation_defaults, resolve_model
+from metrale.settings import DEFAULTS
 
 from .admin_access import admin_refusal, peer_address
 from .api_key import UNAUTHORIZED_MESSAGE, ApiKey
@@ -86,7 +87,8 @@ HealthSource = Callable[[], Health]
 
 @dataclass(slots=True)
 class FrontendConfig:
-    """Where the frontend listens and the limits it enforces."""
+    """Where the frontend listens and the limits it enforces; a setting's field has the table's default
+    (metrale/settings.py)."""
 
     model_dir: str
     engine_input_address: str  # ipc:// the frontend binds; the engine core connects a PULL
@@ -94,34 +96,35 @@ class FrontendConfig:
     # Data parallel: [input, output] addresses of the engine cores of replicas 1 .. N-1 (replica 0's are above).
     replica_addresses: list[list[str]] = field(default_factory=list)
     client_address: str = "tcp://127.0.0.1:7410"  # a port of * binds any free port (see client_endpoint)
-    max_model_len: int | None = None  # until EngineReady says; default the model's (metrale.model_facts)
-    max_frame_bytes: int = 8 << 20  # larger frames get Error "too_long"
+    max_model_len: int | None = DEFAULTS.max_model_len  # until EngineReady says; None: the model's (model_facts)
+    max_frame_bytes: int = DEFAULTS.max_frame_bytes  # larger frames get Error "too_long"
     hard_frame_bytes: int = 64 << 20  # larger frames make libzmq drop the connection
     max_id_chars: int = 256
     client_send_hwm: int = 100_000  # frames queued to one client before it counts as gone
     heartbeat_s: float = 5.0  # ZMTP PINGs; a peer silent for 3 intervals is disconnected (0 disables)
     engine_reply_timeout_s: float = 10.0  # StatsQuery answered with Error "internal" after this
     ready_probe_s: float = 2.0
-    http_host: str = "127.0.0.1"
-    http_port: int | None = None  # serve the OpenAI-compatible HTTP API here too (0: any free port)
+    http_host: str = DEFAULTS.host
+    http_port: int | None = DEFAULTS.http_port  # serve the OpenAI-compatible HTTP API here too (0: any free port)
     # --served-model-name: the names /v1/models lists and requests must give (the first is the one replies
     # carry); none: the model folder's name (its path is accepted too).
     served_model_names: list[str] = field(default_factory=list)
-    chat_template: str | None = None  # --chat-template: a file, or inline Jinja; None: the model's own
-    generation_config: str = "auto"  # HTTP requests' sampling defaults: model_facts.generation_defaults
-    log_requests: bool = True  # an access-log line per HTTP request (--disable-log-requests turns it off)
-    enable_force_include_usage: bool = False  # every HTTP stream ends with its usage (vLLM's flag)
-    stream_interval: int = 1  # a request's tokens go out every this many (its first and last at once)
+    # --chat-template: a file, or inline Jinja; None: the model's own
+    chat_template: str | None = DEFAULTS.chat_template
+    generation_config: str = DEFAULTS.generation_config  # HTTP requests' sampling defaults (generation_defaults)
+    log_requests: bool = not DEFAULTS.disable_log_requests  # an access-log line per HTTP request
+    enable_force_include_usage: bool = DEFAULTS.enable_force_include_usage  # every HTTP stream ends with its usage
+    stream_interval: int = DEFAULTS.stream_interval  # a request's tokens go out every this many (first, last at once)
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
-    shutdown_timeout_s: float = 0.0  # on SIGTERM, live requests get this long to finish before they are ended
+    shutdown_timeout_s: float = DEFAULTS.shutdown_timeout_s  # on SIGTERM, live requests get this long to finish
     stall_s: float = 30.0  # /health is unhealthy when requests are live and the engine was silent this long
-    grammar_timeout_s: float = 10.0  # structured_outputs grammars that take longer to compile are refused
-    tool_call_parser: str = "hermes"  # the chat route's tool-call format (frontend/tool_parsers.py)
+    grammar_timeout_s: float = DEFAULTS.grammar_timeout_s  # grammars that take longer to compile are refused
+    tool_call_parser: str = DEFAULTS.tool_call_parser  # the chat route's tool-call format (frontend/tool_parsers.py)
     # --api-key: every request but health must carry it (frontend/api_key.py). The supervisor hands it over in
     # the environment (METRALE_API_KEY), never on a command line that `ps` shows.
-    api_key: str | None = None
+    api_key: str | None = DEFAULTS.api_key
     admin_address: str | None = None  # the supervisor's admin inbox (ipc/admin_channel.py); None: admin is off
-    admin_allow_remote: bool = False  # take admin requests from non-loopback peers too
+    admin_allow_remote: bool = DEFAULTS.admin_allow_remote  # take admin requests from non-loopback peers too
     admin_timeout_s: float = 5.0
 
 

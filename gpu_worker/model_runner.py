@@ -34,6 +34,7 @@ from metrale.gpu_worker.result_copy import PendingResult, ResultCopier
 from metrale.gpu_worker.sampler import Sampler
 from metrale.gpu_worker.step_staging import StepStaging
 from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
+from metrale.settings import DEFAULTS
 from metrale.ipc.plan import MASK_GRAMMAR, FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
@@ -74,16 +75,16 @@ class ModelRunner:
         self,
         model_dir: str | pathlib.Path,
         *,
-        dtype: str | torch.dtype = "auto",
-        quantization: str | None = None,
-        device: str | torch.device | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        show_progress: bool = True,
+        dtype: str | torch.dtype = DEFAULTS.dtype,
+        quantization: str | None = DEFAULTS.quantization,
+        device: str | torch.device | None = DEFAULTS.device,
+        num_kv_blocks: int | None = DEFAULTS.num_kv_blocks,
+        kv_cache_memory: int | None = DEFAULTS.kv_cache_memory,
+        block_size: int = DEFAULTS.block_size,
+        max_num_seqs: int = DEFAULTS.max_num_seqs,
+        show_progress: bool = DEFAULTS.show_progress,
         swap_space: int = 0,
-        max_model_len: int | None = None,
+        max_model_len: int | None = DEFAULTS.max_model_len,
         group: ParallelGroup = SINGLE,
         decode_graphs: bool | None = None,
     ):

@@ -17,7 +17,8 @@ import socket
 
 import msgspec
 
-ALL_REDUCE_CHOICES = ("auto", "shm", "gloo")
+from metrale.settings import ALL_REDUCE_CHOICES, DEFAULTS
+
 MAX_RING_RANKS = 32  # per-rank worker counters in the ring header (tickets.py)
 KEEPALIVE_S = 10.0  # an idle rank 0 tells off-host ranks it lives this often (plan_broadcast.py)
 
@@ -33,7 +34,7 @@ class GroupSpec(msgspec.Struct, kw_only=True):
     rank0_hosts_store: bool = True  # False: a supervisor hosts it (multi-node), and keys carry the generation
     generation: int = 0
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | gloo | nccl
-    all_reduce: str = "auto"  # on a CPU: auto | shm (one host only) | gloo
+    all_reduce: str = DEFAULTS.all_reduce  # on a CPU: auto | shm (one host only) | gloo
     timeout_s: float = 600.0  # torch.distributed's own timeout: a backstop, the supervisor acts first
     local_rank: int = 0  # the rank's index among its host's ranks (its CUDA device)
 
@@ -65,7 +66,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def group_specs(size: int, *, generation: int = 0, host: str = "127.0.0.1", port: int | None = None,
-                backend: str = "auto", all_reduce: str = "auto", timeout_s: float = 600.0) -> list[GroupSpec]:
+                backend: str = "auto", all_reduce: str = DEFAULTS.all_reduce, timeout_s: float = 600.0) -> list[GroupSpec]:
     """The specs of a group whose ranks all run on this host, meeting at a fresh port (rank 0 hosts the store)."""
     port = free_port(host) if port is None else port
     return [

@@ -12,7 +12,8 @@ import time
 import click
 import msgspec
 
-from metrale.config import QUANTIZATIONS, EngineArgs, ServeConfig
+from metrale import settings
+from metrale.config import EngineArgs, ServeConfig
 from metrale.ipc.sampling import SamplingParams
 
 
@@ -23,88 +24,33 @@ def main() -> None:
     """metrale: an LLM serving engine."""
 
 
+def _option(s: settings.Setting):
+    """A setting's click option: its flag, type, choices or range, default and help, as the table says."""
+    kind = s.flag_type or s.base_type
+    if s.choices is not None:
+        kind = click.Choice(list(s.choices))
+    elif s.min is not None or s.max is not None:
+        kind = (click.IntRange if kind is int else click.FloatRange)(min=s.min, max=s.max)
+    extra = {"metavar": s.metavar} if s.metavar else {}
+    if s.envvar:
+        extra.update(envvar=list(s.envvar), show_envvar=True)
+    if s.is_switch:
+        return click.option(s.flag, s.name, is_flag=True, help=s.help)
+    if s.multiple:
+        return click.option(s.flag, s.name, multiple=True, help=s.help, **extra)
+    return click.option(s.flag, *s.aliases, s.name, default=s.default, type=kind, show_default=s.default is not None,
+                        help=s.help, **extra)
+
+
+def serve_options(f):
+    """`metrale serve`'s options: one per setting with a flag, in the table's order."""
+    for s in reversed([s for s in settings.SETTINGS if s.flag]):
+        f = _option(s)(f)
+    return f
+
+
 @main.command()
-@click.option("--model", default=None, help="Hugging Face model folder or GGUF file (default: the built-in tiny demo model).")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="address to bind the ZMQ and HTTP ports on (loopback unless told otherwise).")
-@click.option("--port", default=7410, show_default=True, help="ZMQ client port (0: any free port).")
-@click.option("--http-port", default=None, type=int, help="also serve the OpenAI-compatible HTTP API on this port.")
-@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True,
-              help="weights' and activations' dtype (auto: the checkpoint's, bfloat16 for a quantized GGUF).")
-@click.option("--quantization", default=None, type=click.Choice(QUANTIZATIONS),
-              help="int8 / int4: quantize every linear layer at load (weight-only); none: all dense "
-                   "(default: as the checkpoint is; a GGUF's Q8_0 and 4-bit layers stay quantized).")
-@click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")
-@click.option("--max-num-seqs", default=64, show_default=True, help="requests running at once, at most.")
-@click.option("--max-num-batched-tokens", default=2048, show_default=True,
-              help="tokens one step runs, at most (prefill chunks and decodes together).")
-@click.option("--block-size", default=16, show_default=True, help="tokens per KV-cache block.")
-@click.option("--num-kv-blocks", default=None, type=int,
-              help="KV-cache blocks (default: from --kv-cache-memory, else what the device's memory allows).")
-@click.option("--kv-cache-memory", default=None, type=float, help="bytes of KV cache (e.g. 2e9).")
-@click.option("--max-waiting", default=4096, show_default=True,
-              help="requests queued beyond the running ones, at most; more are refused as busy.")
-@click.option("--no-prefix-caching", is_flag=True, help="do not reuse the KV blocks of earlier requests' prefixes.")
-@click.option("--preemption-mode", default="recompute", type=click.Choice(["recompute", "swap"]), show_default=True,
-              help="when the KV cache runs dry: drop a request's blocks and recompute them later, or swap them to host memory.")
-@click.option("--swap-space", default=4.0, show_default=True, help="GiB of host memory for swapped-out KV.")
-@click.option("--no-pipeline", is_flag=True, help="run the synchronous loop instead of the pipelined decode lane.")
-@click.option("--enforce-eager", is_flag=True, help="no decode graphs (CUDA graphs on a GPU): every step runs eager.")
-@click.option("--on-worker-fault", default="recover", type=click.Choice(["recover", "fail"]), show_default=True,
-              help="when the worker dies: resume its requests on the new one, or fail them with worker_fault.")
-@click.option("--max-frame-bytes", default=1 << 20, show_default=True,
-              help="largest ZMQ request frame (and HTTP body) taken; larger ones are too_long.")
-@click.option("--stream-interval", default=1, type=click.IntRange(min=1), show_default=True,
-              help="send a request's tokens every N tokens (its first and last at once): less CPU per token, burstier streams.")
-@click.option("--seed", default=None, type=int, help="the engine's seed (requests without one of their own).")
-@click.option("--worker-threads", default=None, type=int, help="torch threads of the worker on a CPU (default: cores - 1, or every core on a box of two or fewer).")
-@click.option("--max-model-len", default=None, type=click.IntRange(min=2), help="cap on prompt + output tokens (default: what the model's config allows).")
-@click.option("--shutdown-timeout", default=0.0, type=click.FloatRange(min=0), show_default=True,
-              help="on Ctrl-C / SIGTERM, let live requests finish for up to this many seconds (new ones get 503 / shutdown).")
-@click.option("--worker-hang-timeout", default=10.0, type=click.FloatRange(min=0.1), show_default=True,
-              help="a worker whose step runs this long (and far longer than its recent steps) is killed as hung and restarted.")
-@click.option("--tensor-parallel-size", "-tp", default=1, type=click.IntRange(min=1), show_default=True,
-              help="worker ranks that split the model's layers and form one device (torch.distributed).")
-@click.option("--data-parallel-size", "-dp", default=1, type=click.IntRange(min=1), show_default=True,
-              help="engine replicas (each with its own worker ranks) behind the one frontend, routed by load and prefix.")
-@click.option("--all-reduce", default="auto", type=click.Choice(["auto", "shm", "gloo"]), show_default=True,
-              help="how tensor-parallel ranks on one CPU host sum: shared memory (auto) or gloo.")
-@click.option("--nnodes", default=1, type=click.IntRange(min=1), show_default=True,
-              help="hosts this server spans (run `metrale serve` on each, with its --node-rank).")
-@click.option("--node-rank", default=0, type=click.IntRange(min=0), show_default=True,
-              help="this host's place among --nnodes (node 0 runs the frontend).")
-@click.option("--master-addr", default="127.0.0.1", show_default=True,
-              help="node 0's address, where the nodes meet (a torch.distributed TCP store).")
-@click.option("--master-port", default=29500, show_default=True,
-              help="the store's port on node 0; replicas on other nodes also use the ports just above it.")
-@click.option("--grammar-timeout", default=10.0, type=click.FloatRange(min=0.01), show_default=True,
-              help="seconds a structured_outputs grammar may take to compile; longer (or invalid) is a 400 for that request.")
-@click.option("--tool-call-parser", default="hermes", type=click.Choice(["hermes", "llama3_json"]), show_default=True,
-              help="how chat outputs are parsed into tool_calls: Hermes/Qwen <tool_call> JSON, or Llama 3 JSON.")
-@click.option("--speculative", default=None, type=click.Choice(["ngram"]),
-              help="speculative decoding: ngram drafts tokens by prompt lookup, verified in one step.")
-@click.option("--num-speculative-tokens", default=3, type=click.IntRange(1, 16), show_default=True,
-              help="draft tokens per verify step (with --speculative).")
-@click.option("--speculative-disable-by-batch-size", default=None, type=click.IntRange(min=2),
-              help="with --speculative: steps of this many running requests or more decode without drafts.")
-@click.option("--served-model-name", "served_model_names", multiple=True, metavar="NAME",
-              help="a name clients give the model (repeat for several; /v1/models lists them, requests must name "
-                   "one, replies carry the first). Default: the model folder's name.")
-@click.option("--chat-template", default=None, metavar="FILE|JINJA",
-              help="a chat template (a file, or the Jinja itself) in place of the model's own.")
-@click.option("--generation-config", default="auto", show_default=True, metavar="auto|vllm|FOLDER",
-              help="HTTP requests' sampling defaults (temperature, top_p, top_k, min_p, penalties) for what they leave "
-                   "out: auto, the model's generation_config.json; vllm, none; or a folder holding one.")
-@click.option("--disable-log-requests", is_flag=True, help="no access-log line per HTTP request.")
-@click.option("--enable-force-include-usage", is_flag=True,
-              help="every HTTP stream ends with its usage, as if it asked stream_options.include_usage.")
-@click.option("--api-key", default=None, envvar=["METRALE_API_KEY", "VLLM_API_KEY"], show_envvar=True,
-              help="clients must send this key (HTTP: Authorization: Bearer KEY on /v1/*; ZMQ: api_key in each "
-                   "message); /health stays open.")
-@click.option("--enable-admin", is_flag=True,
-              help="take admin requests (metrale worker kill / restart) from this machine: for fault tests.")
-@click.option("--admin-allow-remote", is_flag=True,
-              help="with --enable-admin and a non-loopback --host: take admin requests from other machines too.")
+@serve_options
 @click.argument("model_tag", required=False)
 def serve(**o) -> None:
     """Start frontend, engine core and GPU worker, and serve until Ctrl-C.
@@ -119,48 +65,13 @@ def serve(**o) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _check_device(o["device"])
-    engine = EngineArgs(
-        model=o["model"],
-        max_model_len=o["max_model_len"],
-        dtype=o["dtype"],
-        quantization=o["quantization"],
-        device=o["device"],
-        block_size=o["block_size"],
-        num_kv_blocks=o["num_kv_blocks"],
-        kv_cache_memory=int(o["kv_cache_memory"]) if o["kv_cache_memory"] else None,
-        max_num_seqs=o["max_num_seqs"],
-        max_num_batched_tokens=o["max_num_batched_tokens"],
-        max_waiting=o["max_waiting"],
-        enable_prefix_caching=not o["no_prefix_caching"],
-        preemption_mode=o["preemption_mode"],
-        swap_space_gb=o["swap_space"],
-        pipeline=not o["no_pipeline"],
-        enforce_eager=o["enforce_eager"],
-        seed=o["seed"],
-        worker_threads=o["worker_threads"],
-        tensor_parallel_size=o["tensor_parallel_size"],
-        data_parallel_size=o["data_parallel_size"],
-        all_reduce=o["all_reduce"],
-        speculative=o["speculative"],
-        num_speculative_tokens=o["num_speculative_tokens"],
-        speculative_disable_by_batch_size=o["speculative_disable_by_batch_size"],
-    )
+    engine = EngineArgs(**{st.name: st.value(o[st.name]) for st in settings.of_scope("engine") if st.flag})
     try:
         engine.validate()
     except ValueError as e:
         _fail(str(e))
-    config = ServeConfig(
-        engine=engine, host=o["host"], port=o["port"], http_port=o["http_port"], on_worker_fault=o["on_worker_fault"], max_frame_bytes=o["max_frame_bytes"],
-        stream_interval=o["stream_interval"], shutdown_timeout_s=o["shutdown_timeout"],
-        worker_hang_timeout_s=o["worker_hang_timeout"], nnodes=o["nnodes"], node_rank=o["node_rank"],
-        master_addr=o["master_addr"], master_port=o["master_port"], grammar_timeout_s=o["grammar_timeout"],
-        tool_call_parser=o["tool_call_parser"],
-        api_key=o["api_key"] or None,
-        enable_admin=o["enable_admin"], admin_allow_remote=o["admin_allow_remote"],
-        served_model_names=list(o["served_model_names"]), chat_template=o["chat_template"],
-        generation_config=o["generation_config"], disable_log_requests=o["disable_log_requests"],
-        enable_force_include_usage=o["enable_force_include_usage"],
-    )
+    served = {st.name: st.value(o[st.name]) for st in settings.of_scope("serve") if st.flag}
+    config = ServeConfig(engine=engine, **served)
     try:
         sup = Supervisor(config)
     except StartupError as e:

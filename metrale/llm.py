@@ -10,6 +10,7 @@ from typing import Sequence as Seq
 import msgspec
 
 from metrale.config import EngineArgs
+from metrale.settings import DEFAULTS
 from metrale.engine_core.engine import EngineCore, EngineOptions
 from metrale.engine_core.pipeline import SpecialTokens
 from metrale.frontend.chat import ChatTemplate, ChatTemplateError, chat_template_source, special_token_variables
@@ -101,8 +102,8 @@ class LLM:
     """Generate offline, batched, like vLLM's LLM: LLM(model=...).generate(prompts, SamplingParams(...)),
     LLM.chat(messages); outputs read `outputs[i].text` as vLLM's do."""
 
-    def __init__(self, model_dir: str | None = None, dtype: str = "auto", *, model: str | None = None,
-                 generation_config: str = "auto", **kwargs):
+    def __init__(self, model_dir: str | None = None, dtype: str = DEFAULTS.dtype, *, model: str | None = None,
+                 generation_config: str = DEFAULTS.generation_config, **kwargs):
         if model is not None and model_dir is not None and model != model_dir:
             raise ValueError(f"two models: {model_dir!r} and model={model!r}")
         args = EngineArgs(model=model if model is not None else model_dir, dtype=dtype, **kwargs)
