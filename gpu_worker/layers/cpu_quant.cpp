@@ -69,44 +69,91 @@ inline float to_float(T v) {
   return static_cast<float>(v);
 }
 
-// Quantize rows [m0, m1) of x [M, k] into q (row stride kp, zeros past k): per block d = absmax / 127 and
-// code = round_half_even(x * (1 / d)) (0 for a block of zeros), exactly quantization.py's quantize_activations.
-template <typename T>
-void quantize_rows(const T* x, int64_t k, int64_t kp, int64_t m0, int64_t m1, QuantRows& q) {
-  const int64_t blocks = kp / kBlock;
-  float buf[kBlock];
-  for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t base = b * kBlock;
-      const int64_t n = std::min<int64_t>(kBlock, k - base);
-      float amax = 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        buf[i] = i < n ? to_float(x[m * k + base + i]) : 0.f;
-        amax = std::max(amax, std::fabs(buf[i]));
-      }
-      const float d = amax / 127.0f;
-      const float id = d > 0.f ? 1.0f / d : 0.f;
-      int8_t* out = q.codes.data() + m * kp + base;
-      int32_t s = 0;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        float v = std::nearbyint(buf[i] * id);  // the default rounding mode: half to even, as torch.round
-        v = std::min(127.f, std::max(-127.f, v));
-        out[i] = static_cast<int8_t>(v);
-        s += out[i];
-      }
-      q.scale[m * blocks + b] = d;
-      q.sum[m * blocks + b] = s;
-    }
+// One block of 32 floats quantized: its codes into out, its scale d = absmax / 127 and the sum of its codes.
+// code = round_half_even(v * (1 / d)), 0 for a block of zeros: exactly quantization.py's quantize_activations.
+inline void quantize_block(const float* v, int8_t* out, float& scale, int32_t& sum) {
+#if defined(METRALE_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 f[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    f[i] = _mm256_loadu_ps(v + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[i]));
   }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  const __m256 id = _mm256_set1_ps(d > 0.f ? 1.0f / d : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], id));  // MXCSR's default: half to even
+  // Pack to bytes (the packs interleave 128-bit lanes; the permute puts them back in order).
+  const __m256i w16 = _mm256_packs_epi32(q[0], q[1]), z16 = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, z16), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)out, b8);
+  const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  scale = d;
+  sum = _mm_cvtsi128_si32(s4);
+#else
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float d = amax / 127.0f;
+  const float id = d > 0.f ? 1.0f / d : 0.f;
+  int32_t s = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const float c = std::nearbyint(v[i] * id);  // the default rounding mode: half to even, as torch.round
+    out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+    s += out[i];
+  }
+  scale = d;
+  sum = s;
+#endif
+}
+
+// Block b of row r as float32: in place where it is whole float32, else widened (zeros past k) into buf.
+inline const float* block_floats(const float* x, int64_t k, int64_t at, float* buf) {
+  if (at + kBlock <= k) return x + at;
+  for (int64_t i = 0; i < kBlock; ++i) buf[i] = at + i < k ? x[at + i] : 0.f;
+  return buf;
+}
+
+inline const float* block_floats(const c10::BFloat16* x, int64_t k, int64_t at, float* buf) {
+#if defined(METRALE_AVX2)
+  if (at + kBlock <= k) {
+    for (int i = 0; i < 4; ++i) {  // a bf16 is the high half of its float32
+      const __m128i h = _mm_loadu_si128((const __m128i*)(x + at + 8 * i));
+      _mm256_storeu_ps(buf + 8 * i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    return buf;
+  }
+#endif
+  for (int64_t i = 0; i < kBlock; ++i) buf[i] = at + i < k ? static_cast<float>(x[at + i]) : 0.f;
+  return buf;
+}
+
+// Quantize x [M, k] into q (row stride kp, zeros past k); rows spread over the threads in chunks big enough to
+// be worth a thread.
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t kp, QuantRows& q) {
+  const int64_t blocks = kp / kBlock;
+  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / kp), [&](int64_t m0, int64_t m1) {
+    float buf[kBlock];
+    for (int64_t r = m0; r < m1; ++r)
+      for (int64_t b = 0; b < blocks; ++b)
+        quantize_block(block_floats(x + r * k, k, b * kBlock, buf), q.codes.data() + r * kp + b * kBlock, q.scale[r * blocks + b],
+                       q.sum[r * blocks + b]);
+  });
 }
 
 void quantize_input(const at::Tensor& x, int64_t kp, QuantRows& q) {
   const int64_t m = x.size(0), k = x.size(1);
   q.resize(m, kp);
   if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<c10::BFloat16>(), k, kp, 0, m, q);
+    quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, kp, q);
   else
-    quantize_rows(x.data_ptr<float>(), k, kp, 0, m, q);
+    quantize_rows(x.data_ptr<float>(), m, k, kp, q);
 }
 
 inline float half_to_float(uint16_t h) {
