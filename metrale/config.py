@@ -10,40 +10,30 @@ from __future__ import annotations
 import msgspec
 
 from metrale import settings
-from metrale.settings import QUANTIZATIONS  # noqa: F401 - its old home
+from metrale.settings import QUANTIZATIONS  # noqa: F401 - its old home (tests and scripts import it here)
 
 
 class _EngineArgs(msgspec.Struct, kw_only=True):
     """EngineArgs' methods (its fields are the table's)."""
 
     def validate(self) -> None:
-        """Raise ValueError naming the first knob that cannot work."""
-        if self.dtype not in settings.DTYPES:
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "decode_burst"):
-            if getattr(self, name) < 1:
+        """Raise ValueError naming the first knob that cannot work: outside its choices or range in the table, or
+        a count below 1."""
+        for s in settings.of_scope("engine"):
+            value = getattr(self, s.name)
+            if value is None and s.default is None:
+                continue
+            if s.choices is not None and value not in s.choices:
+                raise ValueError(f"{s.name} must be one of {', '.join(s.choices)} (got {value!r})")
+            if (s.min is not None and value < s.min) or (s.max is not None and value > s.max):
+                bound = f">= {s.min}" if s.max is None else f"in [{s.min}, {s.max}]"
+                raise ValueError(f"{s.name} must be {bound} (got {value})")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "decode_burst",
+                     "num_kv_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (got {self.quantization!r})")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap (got {self.preemption_mode!r})")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0 (got {self.swap_space_gb})")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1 (got {self.num_kv_blocks})")
-        for name in ("tensor_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if self.all_reduce not in settings.ALL_REDUCE_CHOICES:
-            raise ValueError(f"all_reduce must be auto, shm or gloo (got {self.all_reduce!r})")
-        if self.speculative not in (None, "ngram"):
-            raise ValueError(f"speculative must be ngram or None (got {self.speculative!r})")
-        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 2:
-            raise ValueError("speculative_disable_by_batch_size must be at least 2 (got "
-                             f"{self.speculative_disable_by_batch_size})")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16] (got {self.num_speculative_tokens})")
-
 
     def runner_kwargs(self, model_dir: str) -> dict:
         """The model runner's keyword arguments (in-process for LLM, as JSON for a worker process)."""

@@ -183,3 +183,14 @@ def test_the_table_imports_neither_torch_nor_click():
     code = ("import sys\nimport metrale.settings, metrale.config, metrale.engine_core.engine\n"
             "assert 'torch' not in sys.modules and 'click' not in sys.modules, 'torch or click imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_engine_args_refuse_what_the_tables_choices_and_ranges_refuse():
+    for s in settings.of_scope("engine"):
+        wrong = ["not-a-choice"] if s.choices else []
+        wrong += [s.min - 1] if s.min is not None else []
+        wrong += [s.max + 1] if s.max is not None else []
+        for value in wrong:
+            with pytest.raises(ValueError, match=f"^{s.name} must be"):
+                EngineArgs(**{s.name: value}).validate()
+    EngineArgs().validate()
