@@ -16,6 +16,9 @@ launch returns, and the loop is the synchronous one). One that counts its steps
 (`steps_executed`) and keeps their logits (`read_logits(step)`) also answers logits tickets: the engine asks for
 a settled ticket's logits (a RepickOnly repair), and the worker writes that step's logits into the ring's logits
 region. The plan's arrays are views into the shared slot: a runner copies what it keeps past execute().
+With METRALE_SIMULATE_DEVICE set (SIMULATE_ENV; "A,B,C" ms, or empty for the defaults) the runner is
+sim_runner.SimRunner, a simulated device (a calibrated step time, no CPU meanwhile, toy tokens): benchmarks and
+tests start `metrale serve` around it with no weights and no GPU.
 
 Tensor parallel (`--group SPEC`, ipc/worker_group.py): each of N ranks is such a process. It joins the group
 (gpu_worker/tp_group.py) before building its runner, which then holds this rank's shards. The ranks on the
@@ -56,6 +59,8 @@ from .result_copy import launch_ticket, run_ticket
 log = logging.getLogger("metrale.gpu_worker")
 
 DEFAULT_FACTORY = "metrale.gpu_worker.model_runner:ModelRunner"
+SIMULATE_ENV = "METRALE_SIMULATE_DEVICE"  # set ("A,B,C" ms, or empty): serve a simulated device (sim_runner.py)
+SIM_FACTORY = "metrale.gpu_worker.sim_runner:SimRunner"
 DEFAULT_SPIN_US = 100.0  # then block on the doorbell; the spin yields the core every turn (TicketRing._spin)
 TICKETS_REMEMBERED = 8  # tickets whose runner step the worker remembers, for logits tickets (the runner keeps fewer)
 WAIT_SLICE_S = 0.02  # how often a blocked worker checks that its parent lives
@@ -472,9 +477,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     for name in ("model_dir", "dtype", "num_kv_blocks", "kv_cache_memory", "block_size"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
+    factory = args.factory
+    if SIMULATE_ENV in os.environ:  # a hidden switch for benchmarks and tests: no model, a timed toy device
+        factory = SIM_FACTORY
+        kwargs["step_ms"] = os.environ[SIMULATE_ENV]
     return WorkerConfig(
         ring_name=args.ring,
-        factory=args.factory,
+        factory=factory,
         runner_kwargs=kwargs,
         spin_us=args.spin_us,
         connect_timeout_s=args.connect_timeout,
