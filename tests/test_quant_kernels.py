@@ -63,15 +63,26 @@ def test_int8_kernel_is_the_integer_product(kernel_isa, shape, dtype):
         _check(cpu_kernels.ops().int8_linear(x, codes, scales, n, False), _reference(x, dequantize_int8(q, d)), dtype)
 
 
+def _int4_weight(n: int, k: int, scales: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scales and offsets of a random weight: quantize_int4's (exact in fp16, packed as fp16), or with
+    scales and offsets that fp16 cannot hold (packed as float32, as Q4_K's)."""
+    q, s, z = quantize_int4(torch.randn(n, k))
+    if scales == "float32":
+        s, z = s * (1 + 2**-13), z + s * 2**-12
+    return q, s, z
+
+
+@pytest.mark.parametrize("scales", ["fp16", "float32"])
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 32 == 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_kernel_is_the_integer_product(kernel_isa, shape, dtype):
+def test_int4_kernel_is_the_integer_product(kernel_isa, shape, dtype, scales):
     n, k = shape
-    q, s, z = quantize_int4(torch.randn(n, k))
-    codes, scales, zeros = pack_int4(q, s, z)
+    q, s, z = _int4_weight(n, k, scales)
+    codes, packed_scales, zeros = pack_int4(q, s, z)
+    assert packed_scales.dtype == (torch.int16 if scales == "fp16" else torch.float32)
     for rows in ROWS:
         x = torch.randn(rows, k).to(dtype)
-        _check(cpu_kernels.ops().int4_linear(x, codes, scales, zeros, n, False), _reference(x, dequantize_int4(q, s, z)), dtype)
+        _check(cpu_kernels.ops().int4_linear(x, codes, packed_scales, zeros, n, False), _reference(x, dequantize_int4(q, s, z)), dtype)
 
 
 def test_int8_extremes_do_not_overflow(kernel_isa):
@@ -93,8 +104,7 @@ def test_the_wide_product_is_x_times_the_weight_in_bf16(kernel_isa, shape):
     w = torch.randn(n, k)
     q, d = quantize_int8(w)
     codes, scales = pack_int8(q, d)
-    q4, s4, z4 = quantize_int4(torch.randn(n, k // 32 * 32))
-    packed4 = pack_int4(q4, s4, z4)
+    int4 = [(parts, pack_int4(*parts)) for parts in (_int4_weight(n, k // 32 * 32, kind) for kind in ("fp16", "float32"))]
     if kernel_isa != "amx":
         with pytest.raises(RuntimeError, match="wide"):
             cpu_kernels.ops().int8_linear(torch.randn(16, k).bfloat16(), codes, scales, n, True)
@@ -104,5 +114,6 @@ def test_the_wide_product_is_x_times_the_weight_in_bf16(kernel_isa, shape):
         want = x.double() @ dequantize_int8(q, d).bfloat16().double().T
         _check(cpu_kernels.ops().int8_linear(x, codes, scales, n, True), want, torch.bfloat16)
         x4 = x[:, : k // 32 * 32].contiguous()
-        want4 = x4.double() @ dequantize_int4(q4, s4, z4).bfloat16().double().T
-        _check(cpu_kernels.ops().int4_linear(x4, *packed4, n, True), want4, torch.bfloat16)
+        for parts, packed in int4:
+            want4 = x4.double() @ dequantize_int4(*parts).bfloat16().double().T
+            _check(cpu_kernels.ops().int4_linear(x4, *packed, n, True), want4, torch.bfloat16)

@@ -10,7 +10,8 @@
 // [panels][in / 4][16][4] (the layout of VNNI's and AMX's int8 products: one 64-byte line is one group for
 // all 16 rows, so a panel is one sequential stream and no sum is ever reduced across lanes). 4-bit codes put
 // two consecutive groups in one byte line (low nibble the first). Per panel and block of 32 inputs, the 16
-// rows' scales (int8: fp16 as in Q8_0; 4-bit: float32 scale and offset) lie side by side too.
+// rows' scales (int8: fp16 as in Q8_0; 4-bit: a scale and an offset, fp16 where they are exact in it, else
+// float32) lie side by side too.
 //
 // Per class: AVX-512 VNNI multiplies unsigned by signed bytes, so an int8 weight is flipped to w + 128 (one
 // xor) and each block's sum starts at -128 * (sum of the block's activation codes); 4-bit codes are unsigned
@@ -160,6 +161,18 @@ inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
+// A 4-bit product's per-block scales and offsets are float32, or fp16 (as its bits) where they are exact in it.
+inline float scalar_of(const float* p) { return *p; }
+inline float scalar_of(const uint16_t* p) { return half_to_float(*p); }
+#if defined(METRALE_AVX512)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#endif
+#if defined(METRALE_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
+
 // ---- int8 ---------------------------------------------------------------------------------------------
 
 // out[m][r] (r < 16 per panel, NP panels) of MR input rows against NP consecutive panels.
@@ -275,8 +288,8 @@ constexpr int kInt8MaxRows = 4;
 // ---- 4-bit --------------------------------------------------------------------------------------------
 
 #if defined(METRALE_AVX512) && defined(__AVX512VNNI__)
-template <int MR, int NP>
-void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
+template <int MR, int NP, typename S>
+void int4_panels(const uint8_t* w, const S* ws, const S* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
                  float* out) {
   const int64_t panel_bytes = blocks * kBlock * kPanel / 2;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -305,8 +318,8 @@ void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blo
       }
     }
     for (int p = 0; p < NP; ++p) {
-      const __m512 sw = _mm512_loadu_ps(ws + p * blocks * kPanel + b * kPanel);
-      const __m512 zw = _mm512_loadu_ps(wz + p * blocks * kPanel + b * kPanel);
+      const __m512 sw = load16(ws + p * blocks * kPanel + b * kPanel);
+      const __m512 zw = load16(wz + p * blocks * kPanel + b * kPanel);
       for (int m = 0; m < MR; ++m) {
         const float xs = q.scale[(m0 + m) * blocks + b];
         const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(xs));
@@ -319,8 +332,8 @@ void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blo
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(out + m * NP * kPanel + p * kPanel, acc[m][p]);
 }
 #elif defined(METRALE_AVX2)
-template <int MR, int NP>
-void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
+template <int MR, int NP, typename S>
+void int4_panels(const uint8_t* w, const S* ws, const S* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
                  float* out) {
   static_assert(NP == 1, "AVX2 has registers for one panel");
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -349,8 +362,8 @@ void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blo
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 sw = _mm256_loadu_ps(ws + b * kPanel + 8 * h);
-      const __m256 zw = _mm256_loadu_ps(wz + b * kPanel + 8 * h);
+      const __m256 sw = load8(ws + b * kPanel + 8 * h);
+      const __m256 zw = load8(wz + b * kPanel + 8 * h);
       for (int m = 0; m < MR; ++m) {
         const float xs = q.scale[(m0 + m) * blocks + b];
         const __m256i isum = _mm256_madd_epi16(psum[m][h], ones);
@@ -363,8 +376,8 @@ void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blo
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * kPanel + 8 * h, acc[m][h]);
 }
 #else
-template <int MR, int NP>
-void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
+template <int MR, int NP, typename S>
+void int4_panels(const uint8_t* w, const S* ws, const S* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
                  float* out) {
   const int64_t panel_bytes = blocks * kBlock * kPanel / 2;
   for (int m = 0; m < MR; ++m) {
@@ -383,8 +396,8 @@ void int4_panels(const uint8_t* w, const float* ws, const float* wz, int64_t blo
         const float xsum = xs * float(q.sum[(m0 + m) * blocks + b]);
         const int64_t at = p * blocks * kPanel + b * kPanel;
         for (int r = 0; r < kPanel; ++r) {
-          acc[r] += float(isum[r]) * (ws[at + r] * xs);
-          acc[r] += wz[at + r] * xsum;
+          acc[r] += float(isum[r]) * (scalar_of(ws + at + r) * xs);
+          acc[r] += scalar_of(wz + at + r) * xsum;
         }
       }
       std::memcpy(out + m * NP * kPanel + p * kPanel, acc, sizeof(acc));
@@ -428,8 +441,8 @@ struct Int8Tile {
 
 template <int MR, int NP>
 struct Int4Tile {
-  static void run(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp,
-                  float* out) {
+  template <typename S>
+  static void run(const uint8_t* w, const S* ws, const S* wz, int64_t blocks, const QuantRows& q, int64_t m0, int64_t kp, float* out) {
     int4_panels<MR, NP>(w, ws, wz, blocks, q, m0, kp, out);
   }
 };
@@ -526,10 +539,11 @@ void dequant_int8_panel(const int8_t* w, const uint16_t* ws, int64_t blocks, c10
 }
 
 // One 4-bit panel into buf [kp / 2][16][2] bf16.
-void dequant_int4_panel(const uint8_t* w, const float* ws, const float* wz, int64_t blocks, c10::BFloat16* buf) {
+template <typename S>
+void dequant_int4_panel(const uint8_t* w, const S* ws, const S* wz, int64_t blocks, c10::BFloat16* buf) {
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 scale = _mm512_loadu_ps(ws + b * kPanel), offset = _mm512_loadu_ps(wz + b * kPanel);
+    const __m512 scale = load16(ws + b * kPanel), offset = load16(wz + b * kPanel);
     for (int g = 0; g < kBlock / 8; ++g) {
       const uint8_t* line = w + (b * 4 + g) * 64;
       __m128i lo[4], hi[4];
@@ -668,24 +682,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
-// y [M, n] = x [M, k] @ W.T with W = scale * code + offset per group of 32, packed by quantization.py's
-// pack_int4: codes uint8 [panels, kp / 8, 16, 4] (two groups of 4 inputs a byte), scales and offsets float32
-// [panels, kp / 32, 16].
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t n,
-                       bool wide) {
-  const int64_t blocks = scales.size(1), kp = blocks * kBlock;
-  check_input(x, kp);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat &&
-                  codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
-              "int4_linear: codes uint8, scales and offsets float32, contiguous");
-  TORCH_CHECK(scales.size(0) * kPanel >= n && codes.numel() == scales.size(0) * kp * kPanel / 2 && zeros.sizes() == scales.sizes(),
-              "int4_linear: packed sizes do not match");
-  const int64_t m = x.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const uint8_t* w = codes.data_ptr<uint8_t>();
-  const float* ws = scales.data_ptr<float>();
-  const float* wz = zeros.data_ptr<float>();
-  const int64_t panel_bytes = kp * kPanel / 2;
+template <typename S>
+void int4_product(const at::Tensor& x, const uint8_t* w, const S* ws, const S* wz, int64_t blocks, int64_t n, bool wide, at::Tensor& y) {
+  const int64_t m = x.size(0), kp = blocks * kBlock, panel_bytes = kp * kPanel / 2;
   if (wide) {
     check_wide(x);
 #if defined(METRALE_AMX)
@@ -693,7 +692,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
       dequant_int4_panel(w + p * panel_bytes, ws + p * blocks * kPanel, wz + p * blocks * kPanel, blocks, buf);
     });
 #endif
-    return y;
+    return;
   }
   QuantRows& q = scratch();
   quantize_input(x, kp, q);
@@ -710,6 +709,28 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     else
       store_tile(buf, mr, np, y.data_ptr<float>(), n, m0, p0 * kPanel);
   });
+}
+
+// y [M, n] = x [M, k] @ W.T with W = scale * code + offset per group of 32, packed by quantization.py's
+// pack_int4: codes uint8 [panels, kp / 8, 16, 4] (two groups of 4 inputs a byte), scales and offsets
+// [panels, kp / 32, 16], float32 or fp16 bits as int16.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t n,
+                       bool wide) {
+  const int64_t blocks = scales.size(1), kp = blocks * kBlock;
+  check_input(x, kp);
+  const bool half = scales.scalar_type() == at::kShort;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && (half || scales.scalar_type() == at::kFloat) &&
+                  zeros.scalar_type() == scales.scalar_type() && codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
+              "int4_linear: codes uint8, scales and offsets both float32 or both fp16 bits (int16), contiguous");
+  TORCH_CHECK(scales.size(0) * kPanel >= n && codes.numel() == scales.size(0) * kp * kPanel / 2 && zeros.sizes() == scales.sizes(),
+              "int4_linear: packed sizes do not match");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  if (half)
+    int4_product(x, w, reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), reinterpret_cast<const uint16_t*>(zeros.data_ptr<int16_t>()),
+                 blocks, n, wide, y);
+  else
+    int4_product(x, w, scales.data_ptr<float>(), zeros.data_ptr<float>(), blocks, n, wide, y);
   return y;
 }
 
