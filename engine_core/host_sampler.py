@@ -2,7 +2,7 @@
 
 The host samples a step's logits when a RepickOnly model's step was launched ahead and a row's mask went stale
 (decode_lane.py): the forward stands, the pick is redone under the mask as it is now. So the host must pick what
-the device would have: penalties (repetition over prompt and output, then frequency times the count and presence
+the device would have: logit_bias (added in float32 before anything else), penalties (repetition over prompt and output, then frequency times the count and presence
 over the output), a grammar row's bitmask (its matcher's allowed tokens), bans, forced tokens, greedy rows (by
 temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
 (seed, position) — the same float32 values at each step, the same splitmix64 noise bits, the same tie rules (a
@@ -123,6 +123,8 @@ class SamplingRow:
     prompt_len: int  # the first prompt_len history tokens are the prompt
 
     allowed: np.ndarray | None = None  # bool [>= V]: a MASK_GRAMMAR row's grammar bitmask, unpacked
+    bias_ids: np.ndarray | None = None  # int32: the row's logit_bias ids (None: none) ...
+    bias_values: np.ndarray | None = None  # float32: ... and the values added to their logits
 
     @property
     def penalised(self) -> bool:
@@ -142,6 +144,8 @@ class SamplingRow:
             plan.presence_penalty[r], plan.frequency_penalty[r], int(plan.seeds[r]), int(plan.seq_lens[r]),
             kind, int(plan.force_token[r]), tuple(int(b) for b in plan.ban_ids[r] if b >= 0),
             plan.hist_tokens[h0:h1], int(plan.hist_prompt_len[r]), allowed,
+            plan.bias_ids[plan.bias_start[r] : plan.bias_start[r + 1]],
+            plan.bias_values[plan.bias_start[r] : plan.bias_start[r + 1]],
         )
 
     @classmethod
@@ -152,10 +156,12 @@ class SamplingRow:
         f32 = np.float32
         history = np.array(seq.tokens, dtype=np.int32) if p.has_penalties else np.zeros(0, np.int32)
         allowed = allowed_tokens(seq, vocab_size) if mask.kind & MASK_GRAMMAR else None
+        bias = p.logit_bias or {}
         return cls(
             f32(p.temperature), p.top_k if p.top_k > 0 else 0, f32(p.top_p), f32(p.min_p), f32(p.repetition_penalty),
             f32(p.presence_penalty), f32(p.frequency_penalty), int(seq.seed), position, mask.kind, mask.force_token,
             mask.ban, history, seq.num_prompt, allowed,
+            np.fromiter(bias.keys(), np.int32, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)),
         )
 
 
@@ -163,6 +169,9 @@ def sample_row(logits: np.ndarray, row: SamplingRow) -> int:
     """The token the device sampler picks from float32 [V] logits for this row."""
     x = logits.astype(np.float32)  # a copy: the device's work buffer
     vocab = len(x)
+    if row.bias_ids is not None and len(row.bias_ids):
+        inside = (row.bias_ids >= 0) & (row.bias_ids < vocab)
+        np.add.at(x, row.bias_ids[inside], row.bias_values[inside])  # float32 additions, as the device's
     if row.penalised and len(row.history):
         _penalise(x, row)
     if row.mask_kind & MASK_GRAMMAR:

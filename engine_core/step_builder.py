@@ -61,6 +61,9 @@ class _Buffers:
     grammar_bitmask: np.ndarray  # [max_rows, W]: the grammar rows' bitmasks, first rows first
     num_drafts: np.ndarray
     state_slots: np.ndarray
+    bias_start: np.ndarray
+    bias_ids: np.ndarray  # grown when a step's logit_bias entries exceed it
+    bias_values: np.ndarray
 
     @classmethod
     def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> "_Buffers":
@@ -96,6 +99,9 @@ class _Buffers:
             grammar_bitmask=np.zeros((max_rows, words), i32),
             num_drafts=np.zeros(max_rows, i32),
             state_slots=np.zeros(max_rows, i32),
+            bias_start=np.zeros(max_rows + 1, i32),
+            bias_ids=np.zeros(1024, i32),
+            bias_values=np.zeros(1024, np.float32),
         )
 
 
@@ -108,6 +114,7 @@ class _Entry:
     table: list[int]
     hist: np.ndarray | None = None
     hist_len: int = 0
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int32 ids, float32 values); None: none
 
     def history(self, seq: Sequence) -> np.ndarray:
         """seq's tokens as int32, converting only those added since the last call (tokens only grow)."""
@@ -139,6 +146,7 @@ class _Mirror:
         self.int32s = np.zeros((2, capacity), np.int32)  # top_k, num_logprobs
         self.seeds = np.zeros(capacity, np.int64)
         self.penalties = np.zeros(capacity, np.bool_)
+        self.biased = np.zeros(capacity, np.bool_)
         self._entries: dict[Sequence, _Entry] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -178,6 +186,10 @@ class _Mirror:
         self.int32s[:, e.row] = top_k, num_logprobs
         self.seeds[e.row] = seed
         self.penalties[e.row] = seq.params.has_penalties
+        bias = seq.params.logit_bias
+        self.biased[e.row] = bool(bias)
+        if bias:
+            e.bias = np.fromiter(bias.keys(), np.int32, len(bias)), np.fromiter(bias.values(), np.float32, len(bias))
         return e
 
     def _write_table(self, e: _Entry, table: list[int]) -> None:
@@ -243,6 +255,7 @@ class StepBuilder:
         if drafts is not None:
             b.num_drafts[:R] = [len(d) for d in drafts]
         h = self._history(b, seqs, rows)
+        n_bias = self._bias(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
         state_slots = _NO_STATE
         if self.state_slots:  # state slot (recurrent models)
@@ -277,6 +290,9 @@ class StepBuilder:
             grammar_bitmask=b.grammar_bitmask[:g] if g else b.grammar_bitmask[:0, :0],
             num_drafts=b.num_drafts[:R],
             state_slots=state_slots,
+            bias_start=b.bias_start[: R + 1],
+            bias_ids=b.bias_ids[:n_bias],
+            bias_values=b.bias_values[:n_bias],
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray,
@@ -372,6 +388,28 @@ class StepBuilder:
                 b.hist_prompt_len[r] = 0
             b.hist_start[r + 1] = h
         return h
+
+
+    def _bias(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray) -> int:
+        """The biased rows' logit_bias, end to end; returns the entries' count (0: no row biased)."""
+        R = len(seqs)
+        biased = self._mirror.biased[rows]
+        b.bias_start[: R + 1] = 0
+        if not biased.any():
+            return 0
+        entries = [self._mirror.entry(seq).bias if p else None for seq, p in zip(seqs, biased)]
+        need = sum(len(e[0]) for e in entries if e is not None)
+        if need > len(b.bias_ids):  # rare: grow, and keep the larger size from now on
+            b.bias_ids, b.bias_values = np.zeros(need * 2, np.int32), np.zeros(need * 2, np.float32)
+        n = 0
+        for r, e in enumerate(entries):
+            if e is not None:
+                ids, values = e
+                b.bias_ids[n : n + len(ids)] = ids
+                b.bias_values[n : n + len(ids)] = values
+                n += len(ids)
+            b.bias_start[r + 1] = n
+        return n
 
 
 def sampling_row(seq: Sequence) -> tuple[tuple[float, ...], tuple[int, ...]]:

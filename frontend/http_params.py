@@ -126,9 +126,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                        "structured_outputs", param="tool_choice", code="invalid_value")
     kw["structured_outputs"] = asked or structured
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    refuse_logit_bias(body, vocab_size)
     params = SamplingParams(max_tokens=max_tokens, logprobs=_num_logprobs(logprobs, vocab_size), stop=stop,
-                            stop_token_ids=list(body.stop_token_ids or []), **kw)
+                            stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias(body, vocab_size), **kw)
     try:
         params.validate(vocab_size)
     except ValueError as exc:
@@ -194,14 +193,16 @@ def _num_logprobs(asked: int | None, vocab_size: int) -> int | None:
     return asked
 
 
-def refuse_logit_bias(body: SamplingFields, vocab_size: int) -> None:
-    """400 for logit_bias: one naming an id that is not a token of the vocabulary, else one saying it is not applied
-    (the device sampler has no bias stage yet, and a bias silently ignored would mislead)."""
+def logit_bias(body: SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    """logit_bias with its keys (JSON's strings) as token ids; None when absent or empty; 400 naming the first key
+    that is not a token of the vocabulary (SamplingParams.validate checks the count and the values)."""
     if not body.logit_bias:
-        return
-    for key in body.logit_bias:
-        token = int(key) if key.lstrip("-").isdigit() else -1
+        return None
+    out = {}
+    for key, value in body.logit_bias.items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else -1
         if not 0 <= token < vocab_size:
             raise ApiError(400, f"logit_bias: token id {key!r} is not in the vocabulary [0, {vocab_size})",
                            param="logit_bias", code="invalid_value")
-    raise ApiError(400, "logit_bias is not supported yet", param="logit_bias", code="unsupported_value")
+        out[token] = value
+    return out

@@ -1,7 +1,8 @@
 """The device-side sampler: penalties, masks, temperature, top-k/top-p/min-p, seeded picks and logprobs.
 
 Everything is batched over the S sampling rows; the only per-row Python is numpy over the plan's small
-per-row arrays. Semantics follow vLLM: penalties (and bans) change the logits every pick sees, greedy
+per-row arrays. Semantics follow vLLM: logit_bias is added first (to a copy: logprobs stay the raw logits'),
+penalties (and bans) change the logits every pick sees, greedy
 rows take the argmax of those, sampled rows divide by the temperature, then top-k, top-p (over the
 top-k survivors) and min-p mask tokens out, and the pick is a Gumbel-max draw.
 
@@ -179,6 +180,7 @@ class _Batch:
     banned: np.ndarray  # bool [S]
     forced: np.ndarray  # bool [S]
     grammar: np.ndarray  # bool [S]: the pick is limited to the row's grammar bitmask
+    biased: np.ndarray  # bool [S]: the row has a logit_bias
     top_k_on: np.ndarray  # bool [S]
     top_p_on: np.ndarray  # bool [S]
     min_p_on: np.ndarray  # bool [S]
@@ -201,6 +203,7 @@ def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int, keys: np.ndarray 
         banned=(mask & MASK_BAN) != 0,
         forced=(mask & MASK_FORCE) != 0,
         grammar=(mask & MASK_GRAMMAR) != 0,
+        biased=plan.bias_start[rows + 1] > plan.bias_start[rows],
         top_k_on=~greedy & (top_k > 0) & (top_k < vocab_size),
         top_p_on=~greedy & (plan.top_p[rows] < 1.0),
         min_p_on=~greedy & (plan.min_p[rows] > 0.0),
@@ -211,12 +214,14 @@ def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int, keys: np.ndarray 
 
 def _plain_greedy(plan: StepPlan, rows: np.ndarray | None) -> bool:
     """True when a plain argmax of the logits is the whole answer: every sampling row greedy (by temperature
-    or mask), with no ban, forced token, penalty or logprobs. rows None: every row of the plan (whole-array
-    reductions, no gather)."""
+    or mask), with no ban, forced token, penalty, logit_bias or logprobs. rows None: every row of the plan
+    (whole-array reductions, no gather)."""
     pick = (lambda a: a) if rows is None else (lambda a: a[rows])
     mask = pick(plan.mask_kind)
+    biased = len(plan.bias_ids) and (pick(plan.bias_start[1:]) > pick(plan.bias_start[:-1])).any()
     return bool(
-        not (mask & (MASK_BAN | MASK_FORCE | MASK_GRAMMAR)).any()
+        not biased
+        and not (mask & (MASK_BAN | MASK_FORCE | MASK_GRAMMAR)).any()
         and ((pick(plan.temperature) < GREEDY_EPS) | ((mask & MASK_GREEDY) != 0)).all()
         and pick(plan.num_logprobs).max(initial=-1) < 0
         and (pick(plan.repetition_penalty) == 1.0).all()
@@ -258,6 +263,9 @@ class Sampler:
         if greedy:
             return SamplerOutput(argmax(logits, out), None, None, None)
         batch = _gather(plan, rows_np, self.vocab_size, keys)
+        raw = logits
+        if batch.biased.any():
+            logits = self._with_bias(logits, plan, batch)
         if self._native(logits):
             tokens = self._pick_native(logits, plan, batch)
         else:
@@ -273,7 +281,7 @@ class Sampler:
         if batch.forced.any():
             forced = self._to_device(plan.force_token[batch.rows].astype(np.int64))
             tokens = torch.where(self._to_device(batch.forced), forced, tokens)
-        return self._with_logprobs(logits, tokens, batch.max_logprobs)
+        return self._with_logprobs(raw, tokens, batch.max_logprobs)
 
     @staticmethod
     def plain_greedy(plan: StepPlan) -> bool:
@@ -402,6 +410,23 @@ class Sampler:
         # Through (cached) pinned memory so the copy is truly asynchronous: the host never waits on
         # the kernels queued ahead of it.
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _with_bias(self, logits: torch.Tensor, plan: StepPlan, batch: _Batch) -> torch.Tensor:
+        """A float32 copy of the logits with each biased row's logit_bias added (one float32 addition a cell, as
+        the host sampler's), the stage before every other; ids outside the vocabulary are skipped."""
+        rows = batch.rows
+        starts = plan.bias_start[rows].astype(np.int64)
+        lens = np.where(batch.biased, plan.bias_start[rows + 1] - starts, 0)
+        total = int(lens.sum())
+        within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        at = np.repeat(starts, lens) + within
+        ids = plan.bias_ids[at].astype(np.int64)
+        valid = (ids >= 0) & (ids < self.vocab_size)
+        cells = (np.repeat(np.arange(len(rows)), lens) * self.vocab_size + ids)[valid]
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        out.copy_(logits)
+        out.view(-1).index_add_(0, self._to_device(cells), self._to_device(plan.bias_values[at][valid]))
+        return out
 
     def _apply_penalties(self, work: torch.Tensor, plan: StepPlan, batch: _Batch) -> None:
         """vLLM's penalties, touching only the (row, token) cells that occur in a row's history.

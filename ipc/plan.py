@@ -112,10 +112,17 @@ class StepPlan:
     # int32[R]: each row's recurrent state slot (a row whose tokens start at position 0 finds it reset);
     # empty for a model without recurrent state, so its plans carry nothing more.
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    # logit_bias: row r adds bias_values[i] to token bias_ids[i]'s logit for i in bias_start[r]:bias_start[r+1],
+    # before every other stage (the same ids and values in every step of a request).
+    bias_start: np.ndarray | None = None  # int32[R+1]; None: no row biased (all zeros)
+    bias_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # int32[BI]
+    bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # float32[BI]
 
     def __post_init__(self) -> None:
         if self.num_drafts is None:
             self.num_drafts = np.zeros(len(self.seq_lens), dtype=np.int32)
+        if self.bias_start is None:
+            self.bias_start = np.zeros(len(self.seq_lens) + 1, dtype=np.int32)
 
     @property
     def num_rows(self) -> int:

@@ -13,6 +13,8 @@ MAX_STOP_TOKEN_IDS = 32
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # lower runs first and may preempt higher; any client may set it
 MAX_GRAMMAR_CHARS = 65536  # a schema, regex or grammar's text (a choice list's, as JSON)
 MAX_CHOICES = 256
+MAX_LOGIT_BIAS = 300  # ids one request may bias (OpenAI's limit)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range of a bias value
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -86,6 +88,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     adaptive_sampling: bool = False  # greedy inside a code fence or a tool call
     priority: int = 0  # lower runs first (vLLM's convention); FCFS among equals
     structured_outputs: StructuredOutputs | None = None  # a grammar the output follows (JSON schema, regex, ...)
+    # Added to the named tokens' logits before every other stage (penalties, bans, temperature), as vLLM's
+    # logits processor does; logprobs stay those of the raw logits. -100 all but bans a token, +100 all but forces it.
+    logit_bias: dict[int, float] | None = None
     # Samples per prompt (the offline LLM; over HTTP the body's `n`). Sample j runs with seed + j when seeded
     # (seeded_for_choice), so they differ yet repeat; greedy samples are copies. A ZMQ request is one sample.
     n: int = 1
@@ -126,9 +131,24 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.max_thinking_tokens is None or (isinstance(self.max_thinking_tokens, int) and self.max_thinking_tokens >= 0), "max_thinking_tokens", "must be >= 0", self.max_thinking_tokens)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        if self.logit_bias:
+            self._validate_logit_bias(vocab_size)
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids must be in [0, {vocab_size})", bad)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        """Raise ValueError naming the first id of logit_bias that is not a token (of the vocabulary, when known)
+        or whose value is outside LOGIT_BIAS_RANGE."""
+        bias = self.logit_bias
+        _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases", len(bias))
+        lo, hi = LOGIT_BIAS_RANGE
+        where = "[0, ...)" if vocab_size is None else f"[0, {vocab_size})"
+        for token, value in bias.items():
+            inside = isinstance(token, int) and token >= 0 and (vocab_size is None or token < vocab_size)
+            _check(inside, "logit_bias", f"ids must be token ids of the vocabulary {where}", token)
+            if not (_finite(value) and lo <= value <= hi):
+                raise ValueError(f"logit_bias values must be in [{lo:g}, {hi:g}] (got {value!r} for token id {token})")
 
 
 def seeded_for_choice(params: SamplingParams, j: int) -> SamplingParams:

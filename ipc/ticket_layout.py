@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import StepPlan, StepResult
+from .sampling import MAX_LOGIT_BIAS
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 5  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets
+VERSION = 6  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
+# 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias)
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -40,13 +42,15 @@ H_WORKER = 16  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_
 C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI, C_G, C_W, C_STEPS = range(11)  # C_STEPS: a burst's steps
 C_S = 11  # state_slots entries (0 or R)
 C_LOGITS_OF = 12  # a logits ticket (C_STEPS 0): the seq of the step whose logits it asks for
+C_BI = 13  # logit_bias entries (bias_ids, bias_values)
 LOGITS_TICKET = 0  # C_STEPS of a ticket that asks for a step's logits instead of running a plan
 C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_RES_STEPS = range(16, 24)
 HAS_LOGPROBS, HAS_TOP = 1, 2
 
 # Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
 # RB rows × block-table width, RK rows × ban width, H history tokens, SO / SI swap pairs × 2,
-# GW grammar rows × bitmask words, S state slots (R for a model with recurrent state, else 0).
+# GW grammar rows × bitmask words, S state slots (R for a model with recurrent state, else 0), BI logit_bias entries
+# (at most MAX_LOGIT_BIAS per row).
 PLAN_FIELDS = (
     ("input_ids", np.int32, "T"),
     ("positions", np.int32, "T"),
@@ -76,6 +80,9 @@ PLAN_FIELDS = (
     ("grammar_bitmask", np.int32, "GW"),
     ("num_drafts", np.int32, "R"),
     ("state_slots", np.int32, "S"),
+    ("bias_start", np.int32, "R1"),
+    ("bias_ids", np.int32, "BI"),
+    ("bias_values", np.float32, "BI"),
 )
 assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fields(StepPlan)), (
     "StepPlan changed: update the ticket layout"
@@ -126,6 +133,7 @@ class RingGeometry:
             "SI": 2 * self.max_swaps,
             "GW": self.max_rows * self.max_bitmask_words,
             "S": self.max_rows,
+            "BI": self.max_rows * MAX_LOGIT_BIAS,
         }[kind]
 
     @property
@@ -161,15 +169,15 @@ def regions(base: np.ndarray, slot_at: int, offsets: dict[str, int], g: RingGeom
 
 
 def region_lengths(
-    t: int, r: int, b: int, k: int, h: int, so: int, si: int, g: int, w: int, s: int,
+    t: int, r: int, b: int, k: int, h: int, so: int, si: int, g: int, w: int, s: int, bi: int,
 ) -> dict[str, int]:
     """Element count of each length kind for a plan's counts."""
     return {"T": t, "R": r, "R1": r + 1, "RB": r * b, "RK": r * k, "H": h, "SO": 2 * so, "SI": 2 * si, "GW": g * w,
-            "S": s}
+            "S": s, "BI": bi}
 
 
 def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
-    """(T, R, B, K, H, SO, SI, G, W, S) of a plan, checked against its own arrays and the ring's capacity."""
+    """(T, R, B, K, H, SO, SI, G, W, S, BI) of a plan, checked against its own arrays and the ring's capacity."""
     t, r, h = len(plan.input_ids), len(plan.seq_lens), len(plan.hist_tokens)
     so, si = len(plan.swap_out), len(plan.swap_in)
     gr, w = plan.grammar_bitmask.shape if plan.grammar_bitmask.ndim == 2 else (-1, -1)
@@ -179,6 +187,9 @@ def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
     s = len(plan.state_slots)
     if s not in (0, r):
         raise ValueError(f"plan has {s} state slots for {r} rows (expected {r}, or none)")
+    bi = len(plan.bias_ids)
+    if bi > g.capacity("BI"):
+        raise ValueError(f"plan has {bi} logit_bias entries, the ticket ring holds at most {g.capacity('BI')}")
     if so > g.max_swaps or si > g.max_swaps:
         raise ValueError(f"plan has {max(so, si)} block copies, the ticket ring holds at most {g.max_swaps}")
     b = _width(plan.block_tables, r, "block_tables")
@@ -195,12 +206,12 @@ def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
                 raise ValueError(f"plan has {value} {what}, the ticket ring holds at most {limit}")
     shapes = {
         "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
-        "GW": (gr, w), "S": (s,),
+        "GW": (gr, w), "S": (s,), "BI": (bi,),
     }
     for name, _, kind in PLAN_FIELDS:
         if getattr(plan, name).shape != shapes[kind]:
             raise ValueError(f"plan.{name} has shape {getattr(plan, name).shape}, expected {shapes[kind]}")
-    return t, r, b, k, h, so, si, gr, w, s
+    return t, r, b, k, h, so, si, gr, w, s, bi
 
 
 def result_counts(results: list[StepResult], g: RingGeometry) -> tuple[int, int, int]:

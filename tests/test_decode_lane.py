@@ -29,7 +29,7 @@ PREFIXES = [[7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33
 @st.composite
 def requests(draw) -> Req:
     """A request as serving traffic brings them: often sharing a prompt prefix (blocks of 4 in the harness),
-    with any sampling knob, mask kind and priority, arriving while others decode, sometimes aborted."""
+    with any sampling knob (logit_bias too), mask kind and priority, arriving while others decode, sometimes aborted."""
     prompt = draw(st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24))
     if draw(st.booleans()):
         prompt = draw(st.sampled_from(PREFIXES)) + prompt[: draw(st.integers(0, 6))]
@@ -54,6 +54,8 @@ def requests(draw) -> Req:
         adaptive_sampling=draw(st.booleans()),
         ignore_eos=draw(st.booleans()),
         priority=draw(st.sampled_from([0, 0, 0, 1, -1])),
+        logit_bias=draw(st.one_of(st.none(), st.none(), st.dictionaries(
+            st.integers(0, VOCAB - 1), st.sampled_from([-100.0, 100.0, 4.0, -2.5, 0.75]), min_size=1, max_size=4))),
     )
     return Req(
         prompt=prompt,
@@ -118,6 +120,27 @@ def test_plain_batches_really_run_as_bursts():
     steps = run_workload(reqs, pipeline=True)
     assert bursts.streams == steps.streams
     assert bursts.device._launched < steps.device._launched / 2
+
+
+def test_biased_rows_stream_in_the_lane_and_bursts_what_the_synchronous_loop_streams():
+    """Requests with a logit_bias (plain rows: it never changes) beside unbiased ones, greedy and seeded: the
+    pipelined lane and bursts stream what the synchronous loop does; +100 puts its token in every pick, -100
+    keeps its token out, and the unbiased requests stream what they stream alone."""
+    def params(i: int, bias: dict | None) -> SamplingParams:
+        return SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True, logit_bias=bias)
+
+    free = [Req([5 + i, 9, 11 + i], params(i, None)) for i in range(4)]
+    biased = [Req([6, 9, 12], params(4, {13: 100.0})), Req([7, 9, 13], params(5, {13: 100.0, 14: 3.0})),
+              Req([8, 9, 14], params(6, {t: -100.0 for t in range(20, 30)}))]
+    reference = run_workload(free + biased, pipeline=False, max_num_seqs=8)
+    for kw in ({"pipeline": True}, {"pipeline": True, "stream_interval": 4, "max_burst": 4}):
+        run = run_workload(free + biased, max_num_seqs=8, **kw)
+        assert run.streams == reference.streams and run.finish == reference.finish
+    alone = run_workload(free, pipeline=True, max_num_seqs=8)
+    streams = [reference.streams[str(i)] for i in range(7)]
+    assert [alone.streams[str(i)] for i in range(4)] == streams[:4]
+    assert streams[4] == streams[5] == [13] * 12
+    assert not set(streams[6]) & set(range(20, 30))
 
 
 def _finishing_workload() -> list[Req]:
@@ -243,6 +266,7 @@ def test_rewind_host_rewrite_is_an_overrun_and_is_redone(monkeypatch):
         (SamplingParams(presence_penalty=0.5), False),
         (SamplingParams(max_thinking_tokens=4), False),
         (SamplingParams(adaptive_sampling=True), False),
+        (SamplingParams(logit_bias={7: 100.0, 9: -100.0}), True),  # the same ids and values at every pick
     ],
 )
 def test_only_rows_whose_masks_and_state_never_matter_are_plain(params, plain):

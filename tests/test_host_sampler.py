@@ -194,3 +194,59 @@ def test_host_sample_reads_each_sequence_as_the_step_builder_lays_it_out():
     host = host_sample(logits.numpy(), seqs, masks, positions, [True] * 4 + [False])
     assert host[:4].tolist() == device[:4].tolist()
     assert host[4] == -1
+
+
+def _with_random_bias(rng: np.random.Generator, plan: StepPlan, vocab: int) -> StepPlan:
+    """The plan with a random logit_bias on about half its rows (ids distinct within a row, values in [-100, 100])."""
+    per_row = [rng.choice(vocab, size=int(rng.integers(1, 30)), replace=False) if rng.random() < 0.5 else [] for _ in range(plan.num_rows)]
+    plan.bias_start = np.concatenate([[0], np.cumsum([len(ids) for ids in per_row])]).astype(np.int32)
+    plan.bias_ids = np.concatenate([np.asarray(ids, np.int32) for ids in per_row]).astype(np.int32)
+    plan.bias_values = rng.choice([-100.0, 100.0, 0.5, -3.25, 7.0, float(rng.uniform(-100, 100))], size=len(plan.bias_ids)).astype(np.float32)
+    return plan
+
+
+def test_host_picks_equal_the_device_sampler_with_logit_bias(device_path):
+    """Biased rows among rows of every other kind: the host adds the bias where the device does (first, one float32
+    addition a token), so every pick is equal."""
+    rng = np.random.default_rng(2026)
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    rows = 32
+    for _ in range(20):
+        plan = _with_random_bias(rng, _random_plan(rng, rows, VOCAB), VOCAB)
+        logits = _random_logits(rng, rows, VOCAB)
+        device = sampler(logits, plan, torch.arange(rows)).tokens.numpy()
+        host = [sample_row(logits[r].numpy(), SamplingRow.of_plan(plan, r)) for r in range(rows)]
+        assert host == device.tolist()
+
+
+def test_host_sample_reads_a_sequences_logit_bias_as_the_step_builder_lays_it_out():
+    """A repair's rows (from sequences) with logit_bias pick what the device picks from the builder's plan, whose
+    bias_start / bias_ids / bias_values hold each biased row's entries and nothing for the others."""
+    from metrale.engine_core.step_builder import StepBuilder
+
+    rng = np.random.default_rng(6)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+        SamplingParams(temperature=0.9, seed=3),
+        SamplingParams(temperature=1.1, top_p=0.8, seed=4, logit_bias={7: -100.0, 8: 2.5, 300: 9.0}),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=5, logit_bias={1: 4.0}),
+    ]
+    seqs = []
+    for i, p in enumerate(params):
+        tokens = rng.integers(0, VOCAB, size=6 + i).tolist()
+        seq = Sequence(str(i), p, p.seed or 0, tokens, 4, i)
+        seq.num_computed = len(tokens) - 1
+        seq.block_table = [i]
+        seqs.append(seq)
+    builder = StepBuilder(max_tokens=8, max_rows=8, max_model_len=64, block_size=16)
+    masks = [RowMask()] * len(seqs)
+    plan = builder.build(seqs, [1] * len(seqs), masks)
+    assert plan.bias_start.tolist() == [0, 1, 1, 4, 5]
+    assert plan.bias_ids.tolist() == [5, 7, 8, 300, 1] and plan.bias_values.tolist() == [100.0, -100.0, 2.5, 9.0, 4.0]
+    for _ in range(10):
+        logits = _random_logits(rng, len(seqs), VOCAB)
+        device = Sampler(VOCAB, torch.device("cpu"))(logits, plan, torch.arange(len(seqs))).tokens.numpy()
+        host = host_sample(logits.numpy(), seqs, masks, [s.num_computed + 1 for s in seqs], [True] * len(seqs))
+        assert host.tolist() == device.tolist() and host[0] == 5
+    unbiased = builder.build(seqs[1:2], [1], masks[:1])
+    assert unbiased.bias_start.tolist() == [0, 0] and len(unbiased.bias_ids) == 0

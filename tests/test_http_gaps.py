@@ -72,6 +72,65 @@ def test_logit_bias_names_an_id_outside_the_vocabulary(server, tokenizer, route)
     assert bad in answer["error"]["message"]
 
 
+def _ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def test_logit_bias_plus_100_makes_its_token_every_greedy_pick(api, tokenizer):
+    token = tokenizer.encode(" hello")[-1]
+    bias = {str(token): 100}
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    out = api.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=0, logit_bias=bias, extra_body=extra)
+    assert _ids(out.choices[0]) == [token] * 5
+    chat = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logit_bias=bias,
+                                       extra_body=extra)
+    assert _ids(chat.choices[0]) == [token] * 5
+    sampled = api.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=1.0, seed=3, logit_bias=bias,
+                                     extra_body=extra)
+    assert _ids(sampled.choices[0]) == [token] * 5
+
+
+def test_logit_bias_minus_100_bans_a_token_and_logprobs_stay_raw(api):
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    plain = api.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0, logprobs=2, extra_body=extra)
+    first = _ids(plain.choices[0])[0]
+    banned = api.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0, logprobs=1,
+                                    logit_bias={str(first): -100}, extra_body=extra)
+    ids = _ids(banned.choices[0])
+    assert first not in ids and len(ids) == 6
+    # The ban leaves the raw distribution's second choice as the first greedy pick, and its logprob is the raw one:
+    # the number the unbiased request reports for that token among its top 2.
+    second = min(plain.choices[0].logprobs.top_logprobs[0].values())
+    assert banned.choices[0].logprobs.token_logprobs[0] == pytest.approx(second, abs=1e-5)
+
+
+def test_logit_bias_leaves_the_other_requests_of_a_batch_alone(api, tokenizer):
+    """Greedy requests without a bias answer the same while biased ones run beside them (batch invariance)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    alone = _ids(api.completions.create(model=MODEL, prompt="Sort a list", max_tokens=8, temperature=0,
+                                        extra_body=extra).choices[0])
+    token = tokenizer.encode(" hello")[-1]
+
+    def run(biased: bool) -> list[int]:
+        bias = {str(token): 100} if biased else None
+        out = api.completions.create(model=MODEL, prompt="Sort a list", max_tokens=8, temperature=0, logit_bias=bias,
+                                     extra_body=extra)
+        return _ids(out.choices[0])
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(run, [False, True] * 3))
+    assert answers[0::2] == [alone] * 3 and answers[1::2] == [[token] * 8] * 3
+
+
+@pytest.mark.parametrize("bias, says", [({"1": 101}, "[-100, 100]"), ({str(i): 1 for i in range(301)}, "at most 300")])
+def test_logit_bias_out_of_range_or_too_many_ids_is_a_400(server, bias, says):
+    status, answer = http("POST", f"{server.http}/v1/completions", {"prompt": "x", "logit_bias": bias})
+    assert_error(status, answer, 400, param="logit_bias")
+    assert says in answer["error"]["message"]
+
+
 # ---- 4: GET /v1/models/{id} -------------------------------------------------------------------
 
 

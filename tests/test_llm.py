@@ -127,6 +127,24 @@ def test_text_is_what_pushing_each_token_gives(llm, skip):
     assert any(t in specials for o in outs for t in o.token_ids)
 
 
+def test_logit_bias_steers_greedy_and_seeded_picks_and_leaves_the_batch_alone(llm):
+    """+100 on a token makes it every pick (greedy and seeded), -100 keeps one out, logprobs stay the raw
+    distribution's, and unbiased requests in the same batch give what they give alone."""
+    prompts = _prompts(6, seed=7)
+    free = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True) for i in range(4)]
+    alone = [o.token_ids for o in llm.generate(prompts[:4], free)]
+    first = alone[1][0]  # a greedy request's first pick, banned below
+    biased = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={77: 100.0}, logprobs=0),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={first: -100.0})]
+    out = llm.generate(prompts[:4] + [prompts[4], prompts[1]], free + biased)
+    assert [o.token_ids for o in out[:4]] == alone
+    assert out[4].token_ids == [77] * 12
+    assert all(lp.logprob < -1e-3 for lp in out[4].logprobs)  # raw: +100 would make them ~0
+    assert first not in out[5].token_ids
+    seeded = llm.generate([prompts[5]], SamplingParams(max_tokens=8, temperature=1.2, seed=9, logit_bias={78: 100.0}))
+    assert seeded[0].token_ids == [78] * 8
+
+
 def test_logprobs_are_returned_per_token(llm):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True))[0]
     assert len(out.logprobs) == 5
@@ -143,6 +161,8 @@ def test_logprobs_are_returned_per_token(llm):
         ([5, 6], SamplingParams(top_p=1.5), "top_p"),
         ([5] * 5000, SamplingParams(max_tokens=4), "prompt has 5000 tokens"),
         ([5, 10**7], SamplingParams(max_tokens=4), "token_ids"),
+        ([5, 6], SamplingParams(logit_bias={10**7: 1.0}), "logit_bias ids must be token ids of the vocabulary"),
+        ([5, 6], SamplingParams(logit_bias={5: -101.0}), "logit_bias values"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_field(llm, prompt, params, field):

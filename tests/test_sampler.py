@@ -17,7 +17,7 @@ from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MA
 ROW_DEFAULTS = dict(
     temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
     frequency_penalty=0.0, seed=0, position=10, mask_kind=MASK_NONE, force_token=0, ban=(),
-    num_logprobs=-1, prompt=(), output=(), allowed=None,
+    num_logprobs=-1, prompt=(), output=(), allowed=None, bias={},
 )
 
 
@@ -87,6 +87,9 @@ def make_plan(rows: list[dict]) -> StepPlan:
         hist_tokens=np.array([t for h in histories for t in h], dtype=np.int32),
         hist_start=np.concatenate([[0], np.cumsum([len(h) for h in histories])]).astype(np.int32),
         hist_prompt_len=np.array([len(r["prompt"]) for r in rows], dtype=np.int32),
+        bias_start=np.concatenate([[0], np.cumsum([len(r["bias"]) for r in rows])]).astype(np.int32),
+        bias_ids=np.array([t for r in rows for t in r["bias"]], dtype=np.int32),
+        bias_values=np.array([v for r in rows for v in r["bias"].values()], dtype=np.float32),
     )
 
 
@@ -468,13 +471,64 @@ def test_greedy_mask_takes_the_argmax_whatever_the_temperature(device_path):
     assert (banned == 0).all()  # the argmax of what the ban left (all zeros: the first)
 
 
+# --- logit_bias -----------------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_greedy_and_sampled_picks(device_path):
+    """+100 makes a token the pick, greedy or sampled; -100 all but bans one; a small bias tips a close call."""
+    logits = _two_way(3.0, 2.0)
+    assert sample(logits, [dict(bias={9: 100.0})]).tokens.tolist() == [9]
+    assert sample(logits, [dict(bias={3: -100.0})]).tokens.tolist() == [4]
+    assert sample(logits, [dict(bias={4: 1.5})]).tokens.tolist() == [4]
+    assert (draws(logits[0], 200, temperature=1.0, top_p=0.9, bias={7: 100.0}) == 7).all()
+    assert not np.isin(draws(logits[0], 300, temperature=2.0, bias={3: -100.0, 4: -100.0}), [3, 4]).any()
+
+
+def test_logit_bias_leaves_unbiased_rows_of_the_batch_alone(device_path):
+    """A biased row beside unbiased ones: theirs are the picks they make alone (greedy and seeded)."""
+    logits = rand_logits(4, 300, seed=17)
+    rows = [dict(), dict(temperature=0.9, seed=5), dict(bias={1: 100.0}), dict(temperature=0.9, seed=6, bias={2: 50.0})]
+    together = sample(logits, rows).tokens.tolist()
+    alone = [sample(logits[i : i + 1], [rows[i]]).tokens.tolist()[0] for i in (0, 1)]
+    assert together[:2] == alone and together[2:] == [1, 2]
+
+
+def test_logit_bias_applies_before_penalties_and_leaves_logprobs_raw(device_path):
+    """The bias is added first (a repetition penalty then divides the biased logit), and logprobs are the raw
+    distribution's, as vLLM's default."""
+    logits = _two_way(3.0, 2.0)  # token 3 at 3.0, token 4 at 2.0
+    # 2.0 + 4.0 = 6.0, halved by the penalty to 3.0: a tie with token 3 goes to the first index.
+    out = sample(logits, [dict(bias={4: 4.0}, repetition_penalty=2.0, output=[4], num_logprobs=2)])
+    assert out.tokens.tolist() == [3]
+    out = sample(logits, [dict(bias={4: 4.5}, num_logprobs=2)])
+    raw = torch.log_softmax(logits, -1)
+    assert out.tokens.tolist() == [4]
+    assert float(out.logprobs[0]) == pytest.approx(float(raw[0, 4]), abs=1e-6)
+    assert out.top_ids[0].tolist() == [3, 4]
+
+
+def test_biased_rows_leave_the_greedy_fast_path():
+    plan = make_plan([dict(), dict(bias={1: 2.0})])
+    assert not Sampler.plain_greedy(plan)
+    logits = rand_logits(2, 50, seed=4)
+    assert Sampler(50, torch.device("cpu"))(logits, plan, torch.arange(2)).tokens.tolist()[1] == int((logits[1] + torch.nn.functional.one_hot(torch.tensor(1), 50) * 2.0).argmax())
+
+
+def test_logit_bias_on_bfloat16_logits_picks_as_on_their_float32_values(device_path):
+    logits = rand_logits(6, 400, seed=23).bfloat16()
+    rows = [dict(temperature=t, seed=s, bias={s: 3.0, 100 + s: -2.0}) for s, t in enumerate((0.0, 0.7, 1.3) * 2)]
+    assert sample(logits, rows).tokens.tolist() == sample(logits.float(), rows).tokens.tolist()
+
+
 # --- against a reference -------------------------------------------------------------------------
 
 
 def _vllm_reference_row(logits: torch.Tensor, r: dict, noise: torch.Tensor) -> int:
-    """One row picked the way vLLM's sampler code reads (penalties, temperature, top-k/top-p, min-p)."""
+    """One row picked the way vLLM's sampler code reads (logit_bias, penalties, temperature, top-k/top-p, min-p)."""
     x = logits.clone()
     vocab = x.shape[0]
+    for token, value in r["bias"].items():
+        x[token] += value
     seen = torch.zeros(vocab, dtype=torch.bool)
     seen[list(r["prompt"]) + list(r["output"])] = True
     counts = torch.bincount(torch.tensor(list(r["output"]), dtype=torch.long), minlength=vocab).float()
@@ -530,6 +584,23 @@ def test_picks_equal_a_row_by_row_reference_of_vllm_semantics(device_path):
     for trial in range(8):
         rows = [_random_row(rng, vocab) for _ in range(16)]
         logits = rand_logits(16, vocab, seed=100 + trial, scale=2.0)
+        got = sample(logits, rows, sampler).tokens.tolist()
+        plan = make_plan(rows)
+        noise = sampler.noise(plan.seeds, plan.seq_lens)
+        want = [_vllm_reference_row(logits[i], {**ROW_DEFAULTS, **r}, noise[i]) for i, r in enumerate(rows)]
+        assert got == want, trial
+
+
+def test_picks_with_logit_bias_equal_the_reference_of_vllm_semantics(device_path):
+    """Random rows, most with a random logit_bias, against the reference that adds the bias first."""
+    vocab, rng = 500, np.random.default_rng(31)
+    sampler = Sampler(vocab, torch.device("cpu"))
+    for trial in range(4):
+        rows = [_random_row(rng, vocab) for _ in range(16)]
+        for r in rows[::3] + rows[1::3]:
+            ids = rng.choice(vocab, size=int(rng.integers(1, 40)), replace=False)
+            r["bias"] = {int(t): float(v) for t, v in zip(ids, rng.uniform(-100, 100, len(ids)).astype(np.float32))}
+        logits = rand_logits(16, vocab, seed=300 + trial, scale=2.0)
         got = sample(logits, rows, sampler).tokens.tolist()
         plan = make_plan(rows)
         noise = sampler.noise(plan.seeds, plan.seq_lens)

@@ -54,7 +54,7 @@ def random_plan(
     g = int(rng.integers(0, r + 1))
     shapes = {
         "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
-        "GW": (g, 4 if g else 0), "S": (r if state else 0,),
+        "GW": (g, 4 if g else 0), "S": (r if state else 0,), "BI": (int(rng.integers(0, 3 * r + 1)),),
     }
     arrays = {}
     for name, (dtype, kind) in PLAN_FIELDS.items():
@@ -93,6 +93,30 @@ def test_plan_round_trip_is_bit_exact_for_random_shapes(ring):
         ring.publish_plan(slot, i + 1)
         assert ring.plan_seq(slot) == i + 1
         assert_plans_equal(ring.read_plan(slot), plan)
+
+
+def test_logit_bias_round_trips_and_its_capacity_is_300_ids_a_row(ring):
+    """A plan's logit_bias (CSR: bias_start per row, ids and values) comes back as written; a plan with more entries
+    than MAX_LOGIT_BIAS per row of the ring is refused before anything is written."""
+    from metrale.ipc.sampling import MAX_LOGIT_BIAS
+
+    plan = random_plan(np.random.default_rng(21), 3, 3, 1, 1, 0)
+    plan.bias_start = np.array([0, 2, 2, 5], np.int32)  # row 1 unbiased
+    plan.bias_ids = np.array([7, 3, 0, 11, 5], np.int32)
+    plan.bias_values = np.array([100.0, -100.0, 0.5, -2.25, 3.0], np.float32)
+    ring.write_plan(0, plan)
+    back = ring.read_plan(0)
+    assert back.bias_start.tolist() == [0, 2, 2, 5] and back.bias_ids.tolist() == [7, 3, 0, 11, 5]
+    assert back.bias_values.tolist() == [100.0, -100.0, 0.5, -2.25, 3.0]
+    assert_plans_equal(back, plan)
+    unbiased = dataclasses.replace(plan, bias_start=None, bias_ids=np.zeros(0, np.int32),
+                                   bias_values=np.zeros(0, np.float32))
+    ring.write_plan(1, unbiased)
+    assert ring.read_plan(1).bias_start.tolist() == [0, 0, 0, 0] and len(ring.read_plan(1).bias_ids) == 0
+    n = GEOMETRY.max_rows * MAX_LOGIT_BIAS + 1
+    over = dataclasses.replace(plan, bias_ids=np.zeros(n, np.int32), bias_values=np.zeros(n, np.float32))
+    with pytest.raises(ValueError, match="logit_bias entries"):
+        ring.write_plan(2, over)
 
 
 def test_result_round_trip_is_bit_exact_with_and_without_logprobs(ring):
@@ -320,7 +344,7 @@ def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_hea
         ring.write_plan(1, plan, steps=3)
         other = TicketRing.attach(ring.name)
         try:
-            assert other.geometry == geometry and ticket_layout.VERSION == 5
+            assert other.geometry == geometry and ticket_layout.VERSION == 6
             assert other.plan_steps(1) == 3
             assert_plans_equal(other.read_plan(1), plan)
             ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
@@ -333,7 +357,7 @@ def test_control_block_fields_are_distinct_and_in_the_engine_half():
     """The engine-written counts (grammar rows and words, steps, state slots, a logits ticket's step) never
     share an int64, and all sit before the worker-written half."""
     engine = [getattr(ticket_layout, n) for n in ("C_PLAN_SEQ", "C_T", "C_R", "C_B", "C_K", "C_H", "C_SO", "C_SI",
-                                                   "C_G", "C_W", "C_STEPS", "C_S", "C_LOGITS_OF")]
+                                                   "C_G", "C_W", "C_STEPS", "C_S", "C_LOGITS_OF", "C_BI")]
     assert len(set(engine)) == len(engine) and max(engine) < ticket_layout.C_RESULT_SEQ
     assert ticket_layout.C_RESULT_SEQ * 8 >= ticket_layout.CTRL_BYTES // 2
     assert ticket_layout.N_GEOMETRY == len(dataclasses.fields(RingGeometry))
