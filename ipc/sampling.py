@@ -141,7 +141,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Raise ValueError naming the first id of logit_bias that is not a token (of the vocabulary, when known)
         or whose value is outside LOGIT_BIAS_RANGE."""
         bias = self.logit_bias
-        _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases", len(bias))
+        _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"must map at most {MAX_LOGIT_BIAS} token ids to biases", len(bias))
         lo, hi = LOGIT_BIAS_RANGE
         where = "[0, ...)" if vocab_size is None else f"[0, {vocab_size})"
         for token, value in bias.items():

@@ -201,7 +201,8 @@ def _with_random_bias(rng: np.random.Generator, plan: StepPlan, vocab: int) -> S
     per_row = [rng.choice(vocab, size=int(rng.integers(1, 30)), replace=False) if rng.random() < 0.5 else [] for _ in range(plan.num_rows)]
     plan.bias_start = np.concatenate([[0], np.cumsum([len(ids) for ids in per_row])]).astype(np.int32)
     plan.bias_ids = np.concatenate([np.asarray(ids, np.int32) for ids in per_row]).astype(np.int32)
-    plan.bias_values = rng.choice([-100.0, 100.0, 0.5, -3.25, 7.0, float(rng.uniform(-100, 100))], size=len(plan.bias_ids)).astype(np.float32)
+    values = [-100.0, 100.0, 0.5, -3.25, 7.0, float(rng.uniform(-100, 100))]
+    plan.bias_values = rng.choice(values, size=len(plan.bias_ids)).astype(np.float32)
     return plan
 
 

@@ -124,6 +124,22 @@ def test_logit_bias_leaves_the_other_requests_of_a_batch_alone(api, tokenizer):
     assert answers[0::2] == [alone] * 3 and answers[1::2] == [[token] * 8] * 3
 
 
+def test_logit_bias_over_zmq(server, tokenizer):
+    """The ZeroMQ protocol's SamplingParams.logit_bias (integer keys) steers the picks as over HTTP; a bad id is a
+    bad_request naming logit_bias."""
+    from metrale.frontend.client import RequestError
+    from metrale.ipc.sampling import SamplingParams
+
+    token = tokenizer.encode(" hello")[-1]
+    with server.client(timeout=60) as client:
+        done = client.complete("x", params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                          logit_bias={token: 100.0}))
+        assert done.token_ids == [token] * 4
+        with pytest.raises(RequestError) as err:
+            client.complete("x", params=SamplingParams(max_tokens=4, logit_bias={tokenizer.vocab_size: 1.0}))
+        assert err.value.code == "bad_request" and "logit_bias" in err.value.message
+
+
 @pytest.mark.parametrize("bias, says", [({"1": 101}, "[-100, 100]"), ({str(i): 1 for i in range(301)}, "at most 300")])
 def test_logit_bias_out_of_range_or_too_many_ids_is_a_400(server, bias, says):
     status, answer = http("POST", f"{server.http}/v1/completions", {"prompt": "x", "logit_bias": bias})
