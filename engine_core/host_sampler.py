@@ -3,8 +3,8 @@
 The host samples a step's logits when a RepickOnly model's step was launched ahead and a row's mask went stale
 (decode_lane.py): the forward stands, the pick is redone under the mask as it is now. So the host must pick what
 the device would have: logit_bias (added in float32 before anything else), penalties (repetition over prompt and
-output, then frequency times the count and presence over the output), a grammar row's bitmask (its matcher's allowed tokens), bans, forced tokens, greedy rows (by
-temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
+output, then frequency times the count and presence over the output), a grammar row's bitmask (its matcher's
+allowed tokens), bans, forced tokens, greedy rows (by temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
 (seed, position) — the same float32 values at each step, the same splitmix64 noise bits, the same tie rules (a
 cutoff keeps every token at or above it; an argmax takes the first index). The transcendental steps are defined
 here, not borrowed from a library: `log32` (the noise's two logs, min-p's log) and `exp_weights` (top-p's integer
