@@ -501,20 +501,25 @@ void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
+// A block's 16 per-row values (scales or offsets) spread for dequant_line: part i holds rows 4i..4i+3, each
+// row's value 4 times (once per input of its group).
+struct Spread {
+  __m512 part[4];
+  explicit Spread(__m512 v) {
+    for (int i = 0; i < 4; ++i)
+      part[i] = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * i), _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)), v);
+  }
+};
+
 // A 64-byte line of one panel (16 rows x 4 consecutive inputs, as bytes in v0..v3: rows 0-3, 4-7, 8-11, 12-15)
 // as two bf16 rows of a B tile: inputs (0, 1) of each row, then inputs (2, 3). w = code * scale (+ offset).
 template <bool Signed, bool Offset>
-inline void dequant_line(const __m128i* v, __m512 scale, __m512 offset, c10::BFloat16* pair0, c10::BFloat16* pair1) {
-  // scale's lane r is row r's; each row's 4 inputs take its lane 4 times.
-  const __m512i spread[4] = {
-      _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
-      _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
-      _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
+inline void dequant_line(const __m128i* v, const Spread& scale, const Spread& offset, c10::BFloat16* pair0, c10::BFloat16* pair1) {
   __m512 f[4];
   for (int i = 0; i < 4; ++i) {
     const __m512i w = Signed ? _mm512_cvtepi8_epi32(v[i]) : _mm512_cvtepu8_epi32(v[i]);
-    f[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_permutexvar_ps(spread[i], scale));
-    if (Offset) f[i] = _mm512_add_ps(f[i], _mm512_permutexvar_ps(spread[i], offset));
+    f[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(w), scale.part[i]);
+    if (Offset) f[i] = _mm512_add_ps(f[i], offset.part[i]);
   }
   // Each dword is one row's pair: (0,1) at even dwords, (2,3) at odd ones.
   const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
@@ -527,7 +532,7 @@ inline void dequant_line(const __m128i* v, __m512 scale, __m512 offset, c10::BFl
 // One int8 panel into buf [kp / 2][16][2] bf16.
 void dequant_int8_panel(const int8_t* w, const uint16_t* ws, int64_t blocks, c10::BFloat16* buf) {
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + b * kPanel)));
+    const Spread scale(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ws + b * kPanel))));
     for (int g = 0; g < kBlock / 4; ++g) {
       const int8_t* line = w + (b * 8 + g) * 64;
       __m128i v[4];
@@ -543,7 +548,7 @@ template <typename S>
 void dequant_int4_panel(const uint8_t* w, const S* ws, const S* wz, int64_t blocks, c10::BFloat16* buf) {
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 scale = load16(ws + b * kPanel), offset = load16(wz + b * kPanel);
+    const Spread scale(load16(ws + b * kPanel)), offset(load16(wz + b * kPanel));
     for (int g = 0; g < kBlock / 8; ++g) {
       const uint8_t* line = w + (b * 4 + g) * 64;
       __m128i lo[4], hi[4];
