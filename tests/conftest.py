@@ -191,15 +191,22 @@ def _kernel_classes() -> list[str]:
 def kernel_isa(request, monkeypatch) -> str:
     """Each kernel class this CPU can run in turn: cpu_kernels' wrappers call that class's build for the test
     (a test that takes it checks every path the box has, whatever the process's own class is)."""
+    return use_kernel_class(request.param, monkeypatch)
+
+
+def use_kernel_class(cls: str, monkeypatch, unit: str | None = None, op: str | None = None) -> str:
+    """Point cpu_kernels' wrappers at class cls's build for one test (skipped when it cannot be built here, or
+    when `op` of `unit` did not build, unless METRALE_CPU_KERNELS=native asks for a failure instead)."""
     from metrale.gpu_worker.layers import cpu_kernels
 
-    cls = request.param
     try:
         ns = cpu_kernels.ops(cls)
     except RuntimeError as exc:
         if cpu_kernels.choice() == "native":
             raise
         pytest.skip(f"{cls} kernels unavailable: {exc}")
+    if op is not None and not cpu_kernels.has(op, cls):
+        pytest.skip(f"the {cls} {unit} unit is unavailable: {cpu_kernels._errors.get(f'{cls}/{unit}')}")
     monkeypatch.setitem(cpu_kernels._active, "isa", cls)
     monkeypatch.setitem(cpu_kernels._active, "ops", ns)
     return cls

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import use_kernel_class
 from metrale.gpu_worker.layers import cpu_kernels
 from metrale.gpu_worker.sampler import Sampler, row_keys
 from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, StepPlan
@@ -38,17 +39,7 @@ def device_path(request, monkeypatch) -> str | None:
     if cls is None:
         monkeypatch.setitem(cpu_kernels._active, "ops", None)
         return None
-    try:
-        ns = cpu_kernels.ops(cls)
-    except RuntimeError as exc:
-        if cpu_kernels.choice() == "native":
-            raise
-        pytest.skip(f"{cls} kernels unavailable: {exc}")
-    if not cpu_kernels.has("sample_rows", cls):
-        pytest.skip(f"the {cls} sampling unit is unavailable: {cpu_kernels._errors.get(f'{cls}/sampling')}")
-    monkeypatch.setitem(cpu_kernels._active, "isa", cls)
-    monkeypatch.setitem(cpu_kernels._active, "ops", ns)
-    return cls
+    return use_kernel_class(cls, monkeypatch, unit="sampling", op="sample_rows")
 
 
 def make_plan(rows: list[dict]) -> StepPlan:
