@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads for metrale and its floor")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers (metrale and floor only)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="also run metrale sampling (temperature 0.8, top_p 0.95, seeded) beside greedy")
     ap.add_argument("--mixed", action="store_true", help="also run the mixed workload (slow: minutes per dtype)")
     ap.add_argument("--mixed-requests", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=32, help="transformers' static batch on the mixed workload")
@@ -95,9 +97,13 @@ class Metrale:
         self.name = "metrale" if pipeline else "sync"
         self.llm = LLM(str(path), dtype=dtype, pipeline=pipeline, show_progress=False)
 
+    def params(self, new_tokens: int):
+        """Greedy: the benchmark's default sampling."""
+        return bc.greedy_params(new_tokens)
+
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict:
         """Throughput of one generate() over the batch."""
-        params = bc.greedy_params(new_tokens)
+        params = self.params(new_tokens)
         start = time.perf_counter()
         outs = self.llm.generate(prompts, params)
         wall = time.perf_counter() - start
@@ -108,6 +114,23 @@ class Metrale:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class Sampled(Metrale):
+    """The pipelined LLM (shared with "metrale") sampling as OpenAI clients ask: temperature 0.8, top_p 0.95,
+    seeded per request (--sampled)."""
+
+    def __init__(self, greedy: Metrale):
+        self.name = "sampled"
+        self.llm = greedy.llm
+
+    def params(self, new_tokens: int):
+        from metrale.ipc.sampling import SamplingParams
+
+        return SamplingParams(max_tokens=new_tokens, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+
+    def close(self) -> None:
+        """The LLM is the greedy engine's: it closes it."""
 
 
 class Floor:
@@ -220,6 +243,8 @@ def run_dtype(args: argparse.Namespace, dtype: str, batches: list[int]) -> tuple
         engines["metrale"] = Metrale(path, dtype, pipeline=True)
         engines["sync"] = Metrale(path, dtype, pipeline=False)
         engines["floor"] = Floor(engines["metrale"].llm)
+        if args.sampled:
+            engines["sampled"] = Sampled(engines["metrale"])
         if not args.no_transformers:
             engines["transformers"] = Transformers(path, dtype)
         warm = bc.random_prompts(2, args.prompt_len, WARMUP_SEED, vocab_end)
@@ -249,6 +274,7 @@ def run_batch(args: argparse.Namespace, dtype: str, batch: int, engines: dict, v
     row["sync_vs_floor"] = _paired(runs["sync"], runs["floor"])
     row["pipelined_vs_sync"] = _paired(runs["metrale"], runs["sync"])
     row["engine_vs_transformers"] = _paired(runs["metrale"], runs["transformers"]) if "transformers" in runs else None
+    row["sampled_vs_greedy"] = _paired(runs["sampled"], runs["metrale"]) if "sampled" in runs else None
     return row
 
 
