@@ -12,7 +12,7 @@ import time
 import click
 import msgspec
 
-from metrale import settings
+from metrale import cpu_isa, settings
 from metrale.config import EngineArgs, ServeConfig
 from metrale.ipc.sampling import SamplingParams
 
@@ -65,6 +65,10 @@ def serve(**o) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _check_device(o["device"])
+    try:  # a CPU kernel class the CPU lacks (METRALE_CPU_ISA) is a start-up mistake, not a worker crash loop
+        cpu_isa.chosen()
+    except ValueError as e:
+        _fail(str(e))
     engine = EngineArgs(**{st.name: st.value(o[st.name]) for st in settings.of_scope("engine") if st.flag})
     try:
         engine.validate()

@@ -112,6 +112,21 @@ def test_usual_mistakes_are_one_line_and_exit_2(model_dir, args, says):
     assert says in one_error_line(serve(*args))
 
 
+def test_a_cpu_kernel_class_the_cpu_lacks_is_one_line(model_dir, monkeypatch):
+    """METRALE_CPU_ISA naming an unknown class, or one this CPU cannot run, fails at start-up naming it."""
+    from metrale import cpu_isa
+
+    monkeypatch.setenv("METRALE_CPU_ISA", "avx1024")
+    result = serve("--model", str(model_dir))
+    assert one_error_line(result) == ("metrale serve: error: METRALE_CPU_ISA must be auto or one of "
+                                      f"{', '.join(cpu_isa.CLASSES)} (got 'avx1024')")
+    assert "frontend" not in result.stderr, "named before any process starts"
+    lacking = [c for c in cpu_isa.CLASSES if c not in cpu_isa.supported()]
+    if lacking:  # on a CPU that has every class there is none to ask for
+        monkeypatch.setenv("METRALE_CPU_ISA", lacking[-1])
+        assert f"METRALE_CPU_ISA={lacking[-1]}, but this CPU lacks" in one_error_line(serve("--model", str(model_dir)))
+
+
 def test_a_folder_that_is_not_a_model_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
     assert "no config.json" in one_error_line(serve("--model", str(tmp_path)))
