@@ -155,7 +155,11 @@ def test_greedy_tokens_and_logits_match_transformers(variant, tiny_model_dir, pl
         tokens, logits = hf_generate(hf, prompt, NUM_NEW)
         assert seq.out == tokens, f"{variant}: prompt {i} (len {len(prompt)}) diverges"
         worst = max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits))
-        assert worst < LOGIT_ATOL, f"{variant}: prompt {i} logits differ by {worst}"
+        # Logits reach ~40 here, where float32 sums taken in another order (the generic CPU class's scalar kernels
+        # and SSE-capped oneDNN against transformers') part by a few dozen ulps: LOGIT_ATOL for logits up to 16,
+        # in proportion above.
+        scale = max(1.0, max(float(np.abs(b).max()) for b in logits) / 16)
+        assert worst < LOGIT_ATOL * scale, f"{variant}: prompt {i} logits differ by {worst} (scale {scale:.1f})"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -295,7 +299,11 @@ def test_transformers_made_checkpoints_match_transformers(variant, hf_model_dir,
         tokens, logits = hf_generate(hf, prompt, HF_NUM_NEW)
         assert seq.out == tokens, f"{variant}: prompt {i} (len {len(prompt)}) diverges"
         worst = max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, logits))
-        assert worst < LOGIT_ATOL, f"{variant}: prompt {i} logits differ by {worst}"
+        # Logits reach ~40 here, where float32 sums taken in another order (the generic CPU class's scalar kernels
+        # and SSE-capped oneDNN against transformers') part by a few dozen ulps: LOGIT_ATOL for logits up to 16,
+        # in proportion above.
+        scale = max(1.0, max(float(np.abs(b).max()) for b in logits) / 16)
+        assert worst < LOGIT_ATOL * scale, f"{variant}: prompt {i} logits differ by {worst} (scale {scale:.1f})"
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "bamba"])
