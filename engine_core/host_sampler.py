@@ -7,10 +7,10 @@ output, then frequency times the count and presence over the output), a grammar 
 allowed tokens), bans, forced tokens, greedy rows (by temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
 (seed, position) — the same float32 values at each step, the same splitmix64 noise bits, the same tie rules (a
 cutoff keeps every token at or above it; an argmax takes the first index). The transcendental steps are defined
-here, not borrowed from a library: `log32` (the noise's two logs, min-p's log) and `exp_weights` (top-p's integer
-weights) are IEEE + - * / and bit operations in a fixed order, which the device computes op for op (torch in
-sampler.py, the native kernels in cpu_sampling.cpp on every instruction-set class), so the values are equal bit for
-bit wherever float32 is IEEE. Top-p compares exact integer masses, so no sum depends on an order either.
+in ipc/sampling_rules.py, not borrowed from a library: `log32` (the noise's two logs, min-p's log) and `exp_weights`
+(top-p's integer weights) are IEEE + - * / and bit operations in a fixed order, which the device computes op for op
+(torch in sampler.py, the native kernels in cpu_sampling.cpp on every instruction-set class), so the values are
+equal bit for bit wherever float32 is IEEE. Top-p compares exact integer masses, so no sum depends on an order either.
 FakeDevice samples with it too.
 
 The engine core imports no torch: this is numpy, row by row (a repair is rare and its rows are few).
@@ -24,80 +24,18 @@ import numpy as np
 
 from metrale.ipc.messages import TokenLogprob
 from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, StepResult, unpack_bitmask
+from metrale.ipc.sampling_rules import GOLDEN, GREEDY_EPS, NOISE_BITS, exp_weights, log32, mix64, row_keys
 
 from .grammar import allowed_tokens
 from .pipeline import Inflight, RowMask, row_mask
 from .sequence import Sequence
 from .step_io import StepIo
 
-GREEDY_EPS = 1e-5  # the device sampler's: temperatures below it pick greedily
-NOISE_BITS = 23  # the device sampler's uniform draws (k + 0.5) / 2**23
-
-# splitmix64 (the device sampler's constants and key derivation).
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser over uint64 values (wrapping)."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
-def _f32(bits: int) -> np.float32:
-    """The float32 with these bits (the rules' constants: no decimal conversion to disagree on)."""
-    return np.array(bits, dtype=np.uint32).view(np.float32)[()]
-
-
-# log32: fdlibm's logf polynomial and ln 2 split; exp_weights: Cephes' expf (ln 2 split, polynomial, log2 e).
-_LG1, _LG2, _LG3, _LG4 = _f32(0x3F2AAAAA), _f32(0x3ECCCE13), _f32(0x3E91E9EE), _f32(0x3E789E26)
-_LN2_HI, _LN2_LO = _f32(0x3F317180), _f32(0x3717F7D1)
-_LOG2E, _C1, _C2 = _f32(0x3FB8AA3B), _f32(0x3F318000), _f32(0xB95E8083)
-_P = tuple(_f32(b) for b in (0x39506967, 0x3AB743CE, 0x3C088908, 0x3D2AA9C1, 0x3E2AAAAA, 0x3F000000))
-_ONE, _TWO, _HALF = np.float32(1.0), np.float32(2.0), np.float32(0.5)
-WEIGHT_BITS = 30  # top-p weights are floor(e^(x - max) * 2^30): exact integer masses
-
-
-def log32(x: np.ndarray) -> np.ndarray:
-    """float32 log of positive normal float32 values, within a few ulp: fdlibm's logf (one branch) in + - * /, so
-    the same bits as the device's (sampler._log32_, cpu_sampling.cpp's log32), whatever libm or vector unit."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    ix = x.view(np.int32)
-    m = ix & np.int32(0x7FFFFF)
-    i = (m + np.int32(0x4AFB20)) & np.int32(0x800000)  # a mantissa >= sqrt(2) is halved
-    f = (m | (i ^ np.int32(0x3F800000))).view(np.float32) - _ONE
-    dk = ((ix >> np.int32(23)) + np.int32(-127) + (i >> np.int32(23))).astype(np.float32)
-    s = f / (f + _TWO)
-    z = s * s
-    w = z * z
-    r = (w * _LG3 + _LG1) * z + (w * _LG4 + _LG2) * w
-    hfsq = f * _HALF * f
-    return dk * _LN2_HI - ((hfsq - ((hfsq + r) * s + dk * _LN2_LO)) - f)
-
-
-def exp_weights(t: np.ndarray) -> np.ndarray:
-    """int32 floor(e^t * 2^30) for float32 t <= 0 (t below -64 weighs 0): Cephes' expf in + - * / and a power of
-    two, the same bits as the device's (sampler._exp_weights, cpu_sampling.cpp's exp_weight)."""
-    t = np.maximum(np.asarray(t, dtype=np.float32), np.float32(-64.0))
-    n = np.floor(t * _LOG2E + _HALF)
-    r = (t - n * _C1) - n * _C2
-    p = _P[0] * r + _P[1]
-    for c in _P[2:]:
-        p = p * r + c
-    e = (p * (r * r) + r) + _ONE
-    scale = ((n.astype(np.int32) + np.int32(157)) << np.int32(23)).view(np.float32)  # 2^(n + 30)
-    return (e * scale).astype(np.int32)
-
-
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     """float32 [vocab]: the device's Gumbel noise of the row keyed by (seed, position), -log32(-log32(u))."""
+    key = row_keys(np.array([seed]), np.array([position])).view(np.uint64)
     with np.errstate(over="ignore"):
-        s = np.array([seed], dtype=np.int64).view(np.uint64)
-        p = np.array([position], dtype=np.int64).view(np.uint64)
-        key = _mix64(_mix64(s + _GOLDEN) + (p + np.uint64(1)) * _GOLDEN)
-        z = _mix64(key + np.arange(1, vocab + 1, dtype=np.uint64) * _GOLDEN)
+        z = mix64(key + np.arange(1, vocab + 1, dtype=np.uint64) * np.uint64(GOLDEN))
     k = (z >> np.uint64(64 - NOISE_BITS)).astype(np.float32)
     u = (k + np.float32(0.5)) * np.float32(2.0**-NOISE_BITS)  # exact in float32, strictly inside (0, 1)
     return -log32(-log32(u))

@@ -12,7 +12,7 @@ rows nor on a shared generator — and every filter is a row-local operation who
 for rows that do not ask for it.
 
 Agreement: the noise's logs, min-p's log and top-p's weights are not torch's log and exp but the rules
-engine_core/host_sampler.py defines (log32, exp_weights: IEEE + - * / in a fixed order), computed here
+ipc/sampling_rules.py defines (log32, exp_weights: IEEE + - * / in a fixed order), computed here
 op for op, so the device, the native kernels and the host's repick give the same bits on every CPU and
 vector unit; top-p compares exact integer masses.
 
@@ -31,44 +31,25 @@ import numpy as np
 import torch
 
 from metrale.gpu_worker.layers import cpu_kernels
+from metrale.ipc import sampling_rules as rules
 from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan
+from metrale.ipc.sampling_rules import GREEDY_EPS, NOISE_BITS, row_keys
 
-GREEDY_EPS = 1e-5  # temperatures below this pick greedily (vLLM's _SAMPLING_EPS)
-NOISE_BITS = 23  # uniform draws are (k + 0.5) / 2**23: exact in float32 and strictly inside (0, 1)
 # Elements hashed per chunk (whole rows): bounds the integer scratch whatever S is. On CPU the size
 # barely matters; on an accelerator a big chunk keeps kernel launches few (scratch 2 x 128 + 2 x 64 MiB at most).
 NOISE_CHUNK_CPU = 1 << 17
 NOISE_CHUNK_DEVICE = 1 << 24
 
-# splitmix64 constants (Steele, Lea & Flood 2014; the finaliser of Vigna's splitmix64).
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-_U64 = np.uint64
-
-
-def _f32(bits: int) -> float:
-    """The float32 with these bits, as a Python float (exact): the rules' constants, never a decimal."""
-    return float(np.array(bits, dtype=np.uint32).view(np.float32)[()])
-
-
-# engine_core/host_sampler.py's log32 and exp_weights constants (fdlibm's logf, Cephes' expf).
-_LG1, _LG2, _LG3, _LG4 = _f32(0x3F2AAAAA), _f32(0x3ECCCE13), _f32(0x3E91E9EE), _f32(0x3E789E26)
-_LN2_HI, _LN2_LO = _f32(0x3F317180), _f32(0x3717F7D1)
-_LOG2E, _C1, _C2 = _f32(0x3FB8AA3B), _f32(0x3F318000), _f32(0xB95E8083)
-_P = tuple(_f32(b) for b in (0x39506967, 0x3AB743CE, 0x3C088908, 0x3D2AA9C1, 0x3E2AAAAA, 0x3F000000))
+# The shared rules' float32 constants (ipc/sampling_rules.py) as Python floats (exact) for torch's scalars.
+_LG1, _LG2, _LG3, _LG4 = (float(c) for c in (rules.LG1, rules.LG2, rules.LG3, rules.LG4))
+_LN2_HI, _LN2_LO = float(rules.LN2_HI), float(rules.LN2_LO)
+_LOG2E, _C1, _C2 = float(rules.LOG2E), float(rules.C1), float(rules.C2)
+_P = tuple(float(c) for c in rules.P)
 
 
 def _as_int64(x: int) -> int:
     """The signed int64 with the same bits as the unsigned 64-bit x (what torch holds)."""
     return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _mix64_np(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser over uint64 numpy values (wrapping arithmetic)."""
-    z = (z ^ (z >> _U64(30))) * _U64(_MIX1)
-    z = (z ^ (z >> _U64(27))) * _U64(_MIX2)
-    return z ^ (z >> _U64(31))
 
 
 def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
@@ -77,7 +58,7 @@ def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
     torch's int64 multiply wraps like uint64's does; its right shift is arithmetic, so each shifted
     value is masked to the bits a logical shift would keep.
     """
-    for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None)):
+    for shift, mult in ((30, rules.MIX1), (27, rules.MIX2), (31, None)):
         torch.bitwise_right_shift(z, shift, out=tmp)
         tmp.bitwise_and_((1 << (64 - shift)) - 1)
         z.bitwise_xor_(tmp)
@@ -86,7 +67,7 @@ def _mix64_(z: torch.Tensor, tmp: torch.Tensor) -> None:
 
 
 def _log32_(x: torch.Tensor, scratch: tuple[torch.Tensor, ...]) -> None:
-    """x = log32(x) in place for positive normal float32 x: host_sampler.log32, operation for operation (the
+    """x = log32(x) in place for positive normal float32 x: sampling_rules.log32, operation for operation (the
     same bits on any device). scratch: five float32 tensors of x's shape (any strides)."""
     a, b, c, d, e = scratch
     xi, ai, bi, ci, di = (t.view(torch.int32) for t in (x, a, b, c, d))
@@ -120,7 +101,7 @@ def _log32_(x: torch.Tensor, scratch: tuple[torch.Tensor, ...]) -> None:
 
 
 def _exp_weights(t: torch.Tensor) -> torch.Tensor:
-    """int32 floor(e^t * 2^30) for float32 t <= 0: host_sampler.exp_weights, operation for operation."""
+    """int32 floor(e^t * 2^30) for float32 t <= 0: sampling_rules.exp_weights, operation for operation."""
     t = t.clamp_min(-64.0)
     n = torch.mul(t, _LOG2E).add_(0.5).floor_()
     r = torch.sub(t, torch.mul(n, _C1)).sub_(torch.mul(n, _C2))
@@ -149,15 +130,6 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return cpu_kernels.argmax_rows(x.contiguous(), out)
     indices = x.max(dim=-1).indices
     return indices if out is None else out.copy_(indices)
-
-
-def row_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Each row's noise key (int64 bits): a hash of its (seed, position) and nothing else."""
-    with np.errstate(over="ignore"):
-        s = seeds.astype(np.int64).view(np.uint64)
-        p = positions.astype(np.int64).view(np.uint64)
-        key = _mix64_np(_mix64_np(s + _U64(_GOLDEN)) + (p + _U64(1)) * _U64(_GOLDEN))
-    return key.view(np.int64)
 
 
 @dataclass(slots=True)
@@ -238,7 +210,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         with np.errstate(over="ignore"):
-            steps = (np.arange(1, vocab_size + 1, dtype=np.uint64) * _U64(_GOLDEN)).view(np.int64)
+            steps = (np.arange(1, vocab_size + 1, dtype=np.uint64) * np.uint64(rules.GOLDEN)).view(np.int64)
         self._vocab_steps = torch.from_numpy(steps).to(self.device)  # splitmix64's stream increments
         self._capacity = 0
         self._work = self._hash = self._scratch = self._noise = self._mask = None
