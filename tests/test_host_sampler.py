@@ -165,6 +165,18 @@ def test_native_noise_keys_are_the_samplers_row_keys(kernel_isa):
     assert np.array_equal(out[0].numpy(), gumbel_noise(5, 9, 300))
 
 
+def _decoding_sequences(rng: np.random.Generator, params: list[SamplingParams]) -> list[Sequence]:
+    """One decoding sequence per params (random tokens, all but the last computed, block i), as a repair sees them."""
+    seqs = []
+    for i, p in enumerate(params):
+        tokens = rng.integers(0, VOCAB, size=6 + i).tolist()
+        seq = Sequence(str(i), p, p.seed or 0, tokens, 4, i)
+        seq.num_computed = len(tokens) - 1
+        seq.block_table = [i]
+        seqs.append(seq)
+    return seqs
+
+
 def test_host_sample_reads_each_sequence_as_the_step_builder_lays_it_out():
     """host_sample from sequences and masks (a repair's inputs) equals the device sampler on the plan the step
     builder would make of them; rows that do not sample pick nothing."""
@@ -178,13 +190,7 @@ def test_host_sample_reads_each_sequence_as_the_step_builder_lays_it_out():
         SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, seed=5),
         SamplingParams(temperature=0.8, seed=6, min_tokens=5),
     ]
-    seqs = []
-    for i, p in enumerate(params):
-        tokens = rng.integers(0, VOCAB, size=6 + i).tolist()
-        seq = Sequence(str(i), p, p.seed or 0, tokens, 4, i)
-        seq.num_computed = len(tokens) - 1
-        seq.block_table = [i]
-        seqs.append(seq)
+    seqs = _decoding_sequences(rng, params)
     masks = [RowMask(), RowMask(), RowMask(MASK_GREEDY), RowMask(), RowMask(MASK_BAN, -1, (2, 9, 11))]
     builder = StepBuilder(max_tokens=8, max_rows=8, max_model_len=64, block_size=16)
     plan = builder.build(seqs, [1] * len(seqs), masks)
@@ -232,13 +238,7 @@ def test_host_sample_reads_a_sequences_logit_bias_as_the_step_builder_lays_it_ou
         SamplingParams(temperature=1.1, top_p=0.8, seed=4, logit_bias={7: -100.0, 8: 2.5, 300: 9.0}),
         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=5, logit_bias={1: 4.0}),
     ]
-    seqs = []
-    for i, p in enumerate(params):
-        tokens = rng.integers(0, VOCAB, size=6 + i).tolist()
-        seq = Sequence(str(i), p, p.seed or 0, tokens, 4, i)
-        seq.num_computed = len(tokens) - 1
-        seq.block_table = [i]
-        seqs.append(seq)
+    seqs = _decoding_sequences(rng, params)
     builder = StepBuilder(max_tokens=8, max_rows=8, max_model_len=64, block_size=16)
     masks = [RowMask()] * len(seqs)
     plan = builder.build(seqs, [1] * len(seqs), masks)
