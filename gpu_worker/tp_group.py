@@ -11,6 +11,7 @@ fresh set of processes meeting at a fresh rendezvous, so no process group is eve
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -39,12 +40,18 @@ class JoinedGroup:
     shm: ShmAllReduce | None = None
 
     def close(self) -> None:
-        """Unmap the shared memory and destroy the process groups (idempotent)."""
+        """Unmap the shared memory and destroy the process groups (idempotent). The collectives drop their
+        process group first, so gloo's threads are joined here and not in the interpreter's teardown, where
+        a thread still running aborts the process."""
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        if self.group.comm is not None:
+            self.group.comm.release()
+        self.plan_pg = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()
 
 
 def join_group(spec: GroupSpec, device: torch.device) -> JoinedGroup:

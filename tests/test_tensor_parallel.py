@@ -113,6 +113,7 @@ def test_gloo_all_reduce_gives_the_same_tokens(tiny_model_dir, tmp_path):
     path = tiny_model_dir("qwen3")
     got = _run_group([(path, "float32")], tmp_path, all_reduce="gloo")
     assert got["all_reduce"] == "gloo"
+    assert got["threads_after_close"] == [], "closing the group left gloo's threads running"
     want = tp_ranks.run_schedule(ModelRunner(path, dtype="float32", device="cpu", num_kv_blocks=256, show_progress=False))
     assert got["runs"][0] == want
 

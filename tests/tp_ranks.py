@@ -9,6 +9,7 @@ compares: one group start covers every family, where an LLM per family would sta
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -62,12 +63,19 @@ def main(spec_json: str, job_json: str) -> int:
         for path, dtype in job["models"]:
             runner = ModelRunner(path, dtype=dtype, device="cpu", num_kv_blocks=256, show_progress=False, group=joined.group)
             runs.append(run_schedule(runner))
-        if spec.rank == 0:
-            with open(job["out"], "w") as f:
-                json.dump({"runs": runs, "all_reduce": joined.all_reduce}, f)
     finally:
         joined.close()
+    if spec.rank == 0:
+        with open(job["out"], "w") as f:
+            json.dump({"runs": runs, "all_reduce": joined.all_reduce, "threads_after_close": _group_threads()}, f)
     return 0
+
+
+def _group_threads() -> list[str]:
+    """The names of this process's gloo and store threads: a closed group must have joined every one (one
+    still running when the interpreter tears down aborts the process)."""
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if "gloo" in n or "tcpstore" in n)
 
 
 if __name__ == "__main__":

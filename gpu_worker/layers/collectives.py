@@ -25,6 +25,10 @@ class TorchCollectives:
         """pg: the group's process group (size ranks); device: where min_int's scalar lives (CUDA for NCCL)."""
         self.pg, self.size, self.device = pg, size, device
 
+    def release(self) -> None:
+        """Drop the process group (the group is closing: no collective runs after this)."""
+        self.pg = None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the group, in place."""
         try:

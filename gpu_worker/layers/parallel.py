@@ -34,6 +34,10 @@ class Collectives(Protocol):
         """The smallest of every rank's value (ranks agree on sizes chosen from local memory)."""
         ...
 
+    def release(self) -> None:
+        """Let go of the process group: the group is closing and runs no collective after this."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ParallelGroup:
