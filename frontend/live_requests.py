@@ -37,8 +37,12 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger("metrale.frontend.server")
 
-# A request running at this many engine-core deaths is failed instead of resubmitted again: it may be what kills it.
+# A request live at this many engine-core deaths in a row, with no token from it in between, is failed instead of
+# resubmitted again: it may be what kills them. A token after a resubmission clears it (a request that kills the
+# engine does so at the same point each time; one that was merely running when a process was killed moves on).
 MAX_ENGINE_DEATHS = 2
+# ...and one live at this many deaths in all, tokens or not (a request that kills every engine one token later).
+MAX_ENGINE_DEATHS_IN_ALL = 8
 _SYNC_ENCODE_CHARS = 8192  # longer prompts are tokenized off the event loop (~1 ms per 1,500 characters)
 
 LocalSink = Callable[[Delta | Error], None]
@@ -65,7 +69,8 @@ class RequestState:
     held_text: str = ""
     held_logprobs: list | None = None
     sent_tokens: bool = False  # a Delta with tokens went out (the first tokens are never held)
-    engine_deaths: int = 0  # engine cores that died while running it (MAX_ENGINE_DEATHS fails it)
+    engine_deaths: int = 0  # engine cores that died while running it, since its last token (MAX_ENGINE_DEATHS)
+    engine_deaths_in_all: int = 0  # ... in its whole life (MAX_ENGINE_DEATHS_IN_ALL)
     cache_salt: str | None = None
     # max_tokens must fit beside the prompt (the HTTP API, as vLLM and OpenAI: a 400 with the numbers);
     # else the engine core stops the request at max_model_len (finish_reason "length").
@@ -268,8 +273,8 @@ class LiveRequests:
         """A fresh engine core of replica k is up: submit again every live request it had (under a new engine id,
         aborting the id it had) and every request still waiting for an engine core.
 
-        A request that was running at MAX_ENGINE_DEATHS engine-core deaths is failed instead: it may be the
-        request that kills the engine, and resubmitting it again would kill the next one."""
+        A request that was running at MAX_ENGINE_DEATHS engine-core deaths with no token between them is failed
+        instead: it may be the request that kills the engine, and resubmitting it again would kill the next one."""
         lost = [req for req in self._each() if req.engine_id and req.replica == k]
         self.replicas.links[k].abort([req.engine_id for req in lost])
         self._vocab_sent.discard(k)  # a fresh engine core (or one this frontend has not told yet)
@@ -298,11 +303,14 @@ class LiveRequests:
         return len(lost)
 
     def _resubmit(self, req: RequestState, exclude: int | None = None) -> None:
-        """Submit a request whose engine core died again, or fail it at its MAX_ENGINE_DEATHS-th death."""
+        """Submit a request whose engine core died again, or fail it at its MAX_ENGINE_DEATHS-th death in a row
+        (or its MAX_ENGINE_DEATHS_IN_ALL-th)."""
         req.engine_deaths += 1
-        if req.engine_deaths >= MAX_ENGINE_DEATHS:
-            message = (f"the engine core died {req.engine_deaths} times while running this request; "
-                       "it is not resubmitted again")
+        req.engine_deaths_in_all += 1
+        if req.engine_deaths >= MAX_ENGINE_DEATHS or req.engine_deaths_in_all >= MAX_ENGINE_DEATHS_IN_ALL:
+            in_a_row = " in a row" if req.engine_deaths >= MAX_ENGINE_DEATHS else ""
+            message = (f"the engine core died {req.engine_deaths if in_a_row else req.engine_deaths_in_all} times"
+                       f"{in_a_row} while running this request; it is not resubmitted again")
             log.error("frontend: failing request %r: %s", req.client_id, message)
             self.send_final(req, Error(id=req.client_id, code=ErrorCode.INTERNAL.value, message=message))
             return
@@ -337,6 +345,8 @@ class LiveRequests:
             message = out.error or "the engine core failed the request"
             self.send_final(req, Error(id=req.client_id, code=code, message=message))
             return
+        if out.new_token_ids:
+            req.engine_deaths = 0  # it ran on: whatever killed the engine before did not come with it
         before = len(req.detok.output_ids)
         text, stopped = req.detok.push(out.new_token_ids)
         accepted = req.detok.output_ids[before:]

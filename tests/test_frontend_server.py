@@ -19,6 +19,7 @@ import pytest
 import uvloop
 import zmq
 
+from metrale.frontend import live_requests
 from metrale.frontend.client import AsyncClient, Client, RequestError
 from metrale.frontend.server import FrontendConfig, FrontendServer
 from metrale.frontend.tokenizer import Tokenizer
@@ -48,7 +49,9 @@ class Script:
     """What the fake engine core generates for one request."""
 
     tokens: list[int] = field(default_factory=list)
-    finish: str = "length"  # "length" | "stop" | "error" | "endless" (cycle tokens forever) | "hold" (emit nothing)
+    # "length" | "stop" | "error" | "endless" (cycle tokens forever) | "hold" (emit nothing) | "pause" (one tick's
+    # tokens after each AddRequest, then nothing)
+    finish: str = "length"
     error: str | None = None
     error_code: str | None = None
 
@@ -117,7 +120,7 @@ class FakeEngine:
                 self.adds[msg.request_id] = msg
                 script = self.reply(msg)
                 self._live[msg.request_id] = [script, len(msg.output_token_ids), msg.params.max_tokens,
-                                              msg.params.logprobs is not None]
+                                              msg.params.logprobs is not None, False]
             elif isinstance(msg, AbortRequest):
                 for rid in msg.request_ids:
                     self.aborted.add(rid)
@@ -132,9 +135,10 @@ class FakeEngine:
         outputs = []
         with self.cond:
             for rid, entry in list(self._live.items()):
-                script, pos, max_tokens, wants_logprobs = entry
-                if script.finish == "hold":
+                script, pos, max_tokens, wants_logprobs, paused = entry
+                if script.finish == "hold" or paused:
                     continue
+                entry[4] = script.finish == "pause"
                 if script.finish == "error":
                     outputs.append(RequestOutputDelta(rid, [], "error", None, script.error, script.error_code))
                     del self._live[rid]
@@ -148,7 +152,7 @@ class FakeEngine:
                 finish = None
                 if pos >= max_tokens:
                     finish = "length"
-                elif script.finish != "endless" and pos >= len(script.tokens):
+                elif script.finish not in ("endless", "pause") and pos >= len(script.tokens):
                     finish = script.finish
                 logprobs = [TokenLogprob(t, -0.25) for t in new] if wants_logprobs else None
                 outputs.append(RequestOutputDelta(rid, new, finish, logprobs))
@@ -672,6 +676,38 @@ def test_a_request_live_at_two_engine_core_deaths_is_failed_not_resubmitted(mode
             assert err.value.code == "internal" and "died 2 times" in err.value.message
             assert engines[2].add_for_prompt(deadly) is None, "not resubmitted a third time"
             assert client.complete("fine", params=SamplingParams(max_tokens=4)).finish_reason == "length"
+    finally:
+        for e in engines:
+            e.stop()
+        stop_server(server, thread)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_a_request_that_streams_between_engine_core_deaths_is_resubmitted_until_the_cap_in_all(model_dir, monkeypatch):
+    """Tokens between two deaths clear the suspicion (a request merely running when an engine core is killed is
+    not failed at the second death); the cap on deaths in all still fails one that dies with every engine."""
+    monkeypatch.setattr(live_requests, "MAX_ENGINE_DEATHS_IN_ALL", 3)
+    ipc_dir = tempfile.mkdtemp(prefix="mfe-")
+    server, thread = start_server(model_dir, ipc_dir, ready_probe_s=60.0)
+    engines: list[FakeEngine] = []
+    try:
+        s = Stack(server, None, None, server.tokenizer, server.client_endpoint, ipc_dir, {})
+        s.scripts["steady"] = Script(tokens=list(range(20, 60)), finish="pause")  # a token, then nothing
+        with Client(address=server.client_endpoint, timeout=WAIT_S) as client:
+            steady = server.tokenizer.encode("steady")
+            stream = client.generate("steady", params=SamplingParams(max_tokens=32))
+            streamed = []
+            for k in range(3):
+                engines.append(s.new_engine().start())
+                assert engines[k].wait_for(lambda: engines[k].add_for_prompt(steady) is not None), k
+                assert len(engines[k].add_for_prompt(steady).output_token_ids) == len(streamed)
+                streamed += next(stream).token_ids  # it ran on this engine core ...
+                engines[k].stop()  # ... which dies
+            engines.append(s.new_engine().start())
+            with pytest.raises(RequestError) as err:
+                next(stream)
+            assert err.value.code == "internal" and "died 3 times while" in err.value.message
+            assert engines[3].add_for_prompt(steady) is None, "not resubmitted a fourth time"
     finally:
         for e in engines:
             e.stop()
