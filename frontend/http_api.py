@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 _STATS_ON_SCRAPE_S = 1.0  # how long /metrics waits for the engine core's counters before using the last ones
 _SHUTDOWN_S = 1.0  # open streams get this long to end when the server stops
+# What a load balancer, an orchestrator or a scraper probes without the key (as vLLM leaves /health and /metrics open).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
 
 
 class HttpApi:
@@ -81,8 +83,9 @@ class HttpApi:
 
     @web.middleware
     async def _require_key(self, request: web.Request, handler) -> web.StreamResponse:
-        """--api-key: /v1/* answers 401 without `Authorization: Bearer KEY`; /health and /metrics stay open."""
-        if request.path.startswith("/v1/") and not self.server.api_key.allows_header(request.headers.get("Authorization")):
+        """--api-key: every route but the probes (OPEN_PATHS) answers 401 without `Authorization: Bearer KEY` —
+        a route that runs the model or the tokenizer (/invocations, /tokenize) is as closed as /v1/*."""
+        if request.path not in OPEN_PATHS and not self.server.api_key.allows_header(request.headers.get("Authorization")):
             raise ApiError(401, UNAUTHORIZED_MESSAGE, code="invalid_api_key")
         return await handler(request)
 

@@ -49,6 +49,50 @@ def test_http_without_the_right_key_is_401_in_openai_shape(stack, key):
         assert reply["error"]["code"] == "invalid_api_key" and "API key" in reply["error"]["message"]
 
 
+def test_every_http_route_but_the_probes_is_401_without_the_key(stack):
+    """Each route the app serves (so a route added later is covered too): only the probes answer without the key."""
+    from metrale.frontend.http_api import OPEN_PATHS, HttpApi
+
+    base = stack.server.http_endpoint
+    app = HttpApi(stack.server).app  # the routes the running server serves (built the same way; never started)
+    routes = {(r.method, r.resource.canonical.replace("{id:.+}", "some-model")) for r in app.router.routes()
+              if r.method in ("GET", "POST")}
+    assert {"/tokenize", "/invocations", "/v1/completions"} <= {path for _, path in routes}
+    for method, path in sorted(routes):
+        req = urllib.request.Request(base + path, data=b"{}" if method == "POST" else None, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=WAIT_S) as resp:
+                status, text = resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            status, text = err.code, err.read()
+        if path in OPEN_PATHS:
+            assert status != 401, path
+        else:
+            assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key", (method, path)
+    assert http(base + "/not-a-route", None)[0] == 401  # an unknown path says nothing without the key
+
+
+def test_every_zmq_message_but_health_is_refused_without_the_key(stack):
+    """Each client message type (admin included) is answered `unauthorized` and does nothing without the key."""
+    from metrale.ipc.messages import ClientMessage
+
+    bodies = {"generate": {"prompt": "Once", "sampling": {"max_tokens": 2}}, "admin": {"action": "kill", "signal": "STOP"}}
+    tags = {t.__struct_config__.tag for t in ClientMessage.__args__}
+    assert "admin" in tags and "generate" in tags
+    ctx, sock = raw_dealer(stack.endpoint)
+    try:
+        for tag in sorted(tags):
+            reply = raw_ask(sock, {"type": tag, "id": f"q-{tag}", **bodies.get(tag, {})})
+            if tag == "health":
+                assert reply["type"] == "health_reply"
+            else:
+                assert (reply["type"], reply.get("code")) == ("error", "unauthorized"), (tag, reply)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 def test_http_with_the_key_is_served_and_health_stays_open(stack):
     status, reply = http(stack.server.http_endpoint + "/v1/completions", COMPLETION, KEY)
     assert status == 200 and reply["usage"]["completion_tokens"] == 3
