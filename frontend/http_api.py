@@ -16,6 +16,7 @@ what still runs in the engine.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 from typing import TYPE_CHECKING
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _STATS_ON_SCRAPE_S = 1.0  # how long /metrics waits for the engine core's counters before using the last ones
 _SHUTDOWN_S = 1.0  # open streams get this long to end when the server stops
+_LINGER_S = 2.0  # after an answer sent before its body was read (408, 413), how long the rest is read and dropped
 # What a load balancer, an orchestrator or a scraper probes without the key (as vLLM leaves /health and /metrics open).
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
 
@@ -62,7 +64,7 @@ class HttpApi:
         tokenization = Tokenization(server, self.model, self.chat)
         sagemaker = SageMaker(self)
         middlewares = [access_log] if cfg.log_requests else []  # outermost: it sees the status errors_as_json sends
-        self.app = web.Application(middlewares=[*middlewares, errors_as_json, self._require_key],
+        self.app = web.Application(middlewares=[*middlewares, errors_as_json, self._require_key, self._body_in_time],
                                    client_max_size=cfg.max_frame_bytes)
         self.app.add_routes([
             web.post("/v1/completions", self.completions.handle),
@@ -89,10 +91,26 @@ class HttpApi:
             raise ApiError(401, UNAUTHORIZED_MESSAGE, code="invalid_api_key")
         return await handler(request)
 
+    @web.middleware
+    async def _body_in_time(self, request: web.Request, handler) -> web.StreamResponse:
+        """A body that does not arrive whole within http_body_timeout_s is a 408 (a client trickling its body
+        would hold the connection and its handler forever); the handler reads the body aiohttp kept."""
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(self.server.config.http_body_timeout_s):
+                    await request.read()
+            except TimeoutError:
+                resp = ApiError(408, f"the request body did not arrive within {self.server.config.http_body_timeout_s:g} s",
+                                type="timeout_error", code="request_timeout").response()
+                resp.force_close()  # the rest of that body must not be read as the next request
+                return resp
+        return await handler(request)
+
     async def start(self, host: str, port: int) -> str:
         """Listen on host:port (0: any free port); return the base URL."""
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=_SHUTDOWN_S)
+                                     shutdown_timeout=_SHUTDOWN_S, keepalive_timeout=self.server.config.http_idle_timeout_s,
+                                     lingering_time=_LINGER_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()

@@ -25,6 +25,7 @@ import errno
 import itertools
 import logging
 import os
+import resource
 import signal
 import threading
 import time
@@ -126,6 +127,10 @@ class FrontendConfig:
     admin_address: str | None = None  # the supervisor's admin inbox (ipc/admin_channel.py); None: admin is off
     admin_allow_remote: bool = DEFAULTS.admin_allow_remote  # take admin requests from non-loopback peers too
     admin_timeout_s: float = 5.0
+    # HTTP clients that hold a connection without sending: a body must arrive whole within http_body_timeout_s
+    # (else 408), and a connection with no request in flight is closed after http_idle_timeout_s.
+    http_body_timeout_s: float = 30.0
+    http_idle_timeout_s: float = 75.0
 
 
 class BindError(OSError):
@@ -658,10 +663,23 @@ def _of(link: EngineLink) -> str:
     return f" of replica {link.index}" if link.index else ""
 
 
+def _raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one: every HTTP connection and ZMQ peer holds a descriptor,
+    and a soft limit of 1024 (a common default) would refuse clients long before the machine is out of them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("frontend: open files stay limited to %d (raising it to %d failed: %s)", soft, target, exc)
+
+
 def main(config: FrontendConfig, health_source: HealthSource | None = None) -> None:
     """The frontend process: serve on uvloop until SIGTERM or SIGINT."""
     import uvloop
 
+    _raise_open_files_limit()
     server = FrontendServer(config, health_source=health_source)
 
     async def serve() -> None:
