@@ -1,8 +1,9 @@
 """What a public HTTP endpoint gets from clients that misbehave, each contained while another client is served:
 a body trickled byte by byte (408), headers never finished (closed), a stream nobody reads (the request runs on
 without holding anyone up, and is aborted when its client goes), and ten thousand idle connections on a server
-started under a soft limit of 1024 open files (the frontend lifts it; they all close without a descriptor left).
-The first three run on a real frontend with a fake engine core (test_frontend_server); the last on `metrale serve`.
+started under a soft limit of 1024 open files (the frontend lifts it; they all close without a descriptor left),
+and a tenant probing another's prefix cache (two cache_salts never share a block). The first three run on a real
+frontend with a fake engine core (test_frontend_server); the last two on `metrale serve`.
 """
 
 from __future__ import annotations
@@ -139,3 +140,21 @@ def wait_until(condition) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_a_tenant_never_hits_another_tenants_prefix_cache(server_at_1024_files):
+    """Two cache_salts with one prompt share no KV block: the second tenant's prompt is computed in full (its
+    time to first token cannot tell it the first tenant sent that prompt); the same salt again does hit."""
+    server, base = server_at_1024_files
+    prompt = " ".join(f"secret{i}" for i in range(40))
+
+    def hit_tokens(**salt) -> int:
+        with server.client() as c:
+            before = c.stats().prefix_cache_hit_tokens
+            post(base, {**COMPLETION, "prompt": prompt, **salt})
+            return c.stats().prefix_cache_hit_tokens - before
+
+    assert hit_tokens(cache_salt="tenant-a") == 0
+    assert hit_tokens(cache_salt="tenant-b") == 0
+    assert hit_tokens() == 0
+    assert hit_tokens(cache_salt="tenant-a") > 0  # the cache is on: the owner's repeat hits
