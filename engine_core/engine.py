@@ -398,6 +398,7 @@ class EngineCore:
                         seq.pending_logprobs or None,
                         seq.error if finishing else None,
                         seq.error_code.value if finishing and seq.error_code is not None else None,
+                        seq.num_cached_tokens if finishing or pending == seq.num_output else None,
                     )
                 )
                 self.generated_tokens += len(seq.pending)

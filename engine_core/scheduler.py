@@ -293,6 +293,8 @@ class Scheduler:
             seq.num_computed = 0
             return False
         heapq.heappop(self._waiting)
+        if seq.num_cached_tokens is None:  # the first admission's hit counts (a recompute's does not)
+            seq.num_cached_tokens = seq.num_computed
         self.pool.allocate(seq, seq.num_computed + k)
         self._start(seq, k, step)
         return True

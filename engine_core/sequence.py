@@ -67,6 +67,8 @@ class Sequence:
     # Prefix caching (kv_blocks): how many leading blocks are hashed, and the last one's hash.
     hashed_blocks: int = 0
     prefix_hash: bytes = b""
+    # Prompt tokens its first admission found in the prefix cache (usage's cached_tokens); None until admitted.
+    num_cached_tokens: int | None = None
     # The engine's outbox (id -> sequence): a sequence files itself there when it has tokens or a finish to
     # report, so collecting a tick's outputs visits those only, not every request.
     outbox: dict | None = field(default=None, repr=False)

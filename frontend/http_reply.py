@@ -108,7 +108,10 @@ def usage(choices: list[Choice]) -> dict:
     """Token counts: each distinct prompt once, every choice's completion (so far, for a choice still running)."""
     prompt = sum({c.prompt_index: c.prompt_tokens or len(c.prompt_ids or ()) for c in choices}.values())
     completion = sum(c.completion_tokens or len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # A prompt's cached tokens as its first choice's engine request found them (n > 1: the others hit its blocks).
+    cached = sum({c.prompt_index: c.cached_tokens for c in sorted(choices, key=lambda c: -c.index)}.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class TokenTexts:

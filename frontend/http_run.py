@@ -39,6 +39,7 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held
     started: bool = False  # a streamed chat choice sends its role first
     text_chars: int = 0  # characters of output text seen so far (and, under echo, of the prompt in front)
     pending_ids: list[int] = field(default_factory=list)  # tokens whose text is not out yet (a split character)
@@ -69,6 +70,7 @@ class Choice:
             self.finish_reason = msg.finish_reason
             self.prompt_tokens = msg.prompt_tokens or 0
             self.completion_tokens = msg.completion_tokens or 0
+            self.cached_tokens = msg.cached_tokens or 0
 
 
 class Run:

@@ -90,6 +90,7 @@ class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
     prompt_tokens: int | None = None  # on the last delta
     completion_tokens: int | None = None  # on the last delta
+    cached_tokens: int | None = None  # on the last delta: prompt tokens the prefix cache held
 
 
 class Error(msgspec.Struct, tag="error", kw_only=True):
@@ -264,6 +265,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
     error_code: str | None = None  # with finish_reason "error": an ErrorCode value (ipc/errors.py)
+    num_cached_tokens: int | None = None  # on a request's first delta and its last: prompt tokens the prefix cache held
 
 
 class EngineLoad(msgspec.Struct, array_like=True):

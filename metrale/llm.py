@@ -51,6 +51,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt: str | None = None  # the prompt's text (a chat's rendered template), None when given as token ids
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (its first sample's request)
 
     @property
     def finished(self) -> bool:
@@ -204,6 +205,7 @@ class LLM:
         results = [RequestOutput(f"offline-{next(self._ids)}", ids, prompt=text)
                    for text, ids in zip(texts, token_lists)]
         samples: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
+        firsts: dict[str, RequestOutput] = {}  # each prompt's first sample's id -> its result
         added = []
         try:
             for result, p, g in zip(results, plist, grammars):
@@ -214,6 +216,8 @@ class LLM:
                     result.outputs.append(out)
                     detok = IncrementalDetokenizer(self.tokenizer, result.prompt_token_ids, sample_params)
                     samples[rid] = (out, detok)
+                    if j == 0:
+                        firsts[rid] = result
                     # Only a request with stop strings needs its tokens as they come (to detokenize them).
                     self.engine.add_request(rid, result.prompt_token_ids, msgspec.structs.replace(sample_params),
                                             stream=detok.has_stop_strings, grammar=g)
@@ -230,6 +234,8 @@ class LLM:
                 if rid not in open_ids:
                     continue
                 out, detok = samples[rid]
+                if delta.num_cached_tokens is not None and rid in firsts:
+                    firsts[rid].num_cached_tokens = delta.num_cached_tokens
                 out.token_ids.extend(delta.new_token_ids)
                 if delta.logprobs:
                     if out.logprobs is None:

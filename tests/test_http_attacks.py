@@ -149,10 +149,13 @@ def test_a_tenant_never_hits_another_tenants_prefix_cache(server_at_1024_files):
     prompt = " ".join(f"secret{i}" for i in range(40))
 
     def hit_tokens(**salt) -> int:
+        """The prefix-cache hits of one request, as the engine counts them and as its usage says."""
         with server.client() as c:
             before = c.stats().prefix_cache_hit_tokens
-            post(base, {**COMPLETION, "prompt": prompt, **salt})
-            return c.stats().prefix_cache_hit_tokens - before
+            usage = post(base, {**COMPLETION, "prompt": prompt, **salt})["usage"]
+            hits = c.stats().prefix_cache_hit_tokens - before
+        assert usage["prompt_tokens_details"]["cached_tokens"] == hits
+        return hits
 
     assert hit_tokens(cache_salt="tenant-a") == 0
     assert hit_tokens(cache_salt="tenant-b") == 0

@@ -45,6 +45,9 @@ def test_prefix_cache_hits_and_changes_no_token(model):
     plain, _ = _run(model, prompts, params, enable_prefix_caching=False, max_num_batched_tokens=4096)
     assert cached == plain
     assert hit_rate > 0.8
+    # Each request says what it found: nothing for the first, the prefix's whole blocks for the rest.
+    assert first[0].num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in rest] == [512] * len(rest)
 
 
 def test_reset_prefix_cache_forgets_every_cached_block(model):
