@@ -311,6 +311,41 @@ def _functions(tools: list | None) -> dict[str, dict]:
 
 def _required_schema(functions: dict[str, dict]) -> dict:
     """A JSON array of one or more calls, each {"name": one tool's name, "parameters": its schema}."""
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+    defs: dict[str, dict] = {}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _hoisted(name, params, defs)},
               "required": ["name", "parameters"]} for name, params in functions.items()]
-    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+_LOCAL_REFS = ("#/$defs/", "#/definitions/")
+
+
+def _hoisted(name: str, params: dict, defs: dict[str, dict]) -> dict:
+    """A tool's parameters for use inside the combined schema: in there "#" is the array, so the tool's own
+    $defs / definitions move to the root's $defs under "<tool>__<def>" and its local $refs are rewritten to
+    them ("#" itself, a recursive schema, to "<tool>__" holding the parameters)."""
+    prefix = f"{name}__"
+    recursive = []
+
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+        ref = node.get("$ref")
+        if ref == "#":
+            recursive.append(True)
+            out["$ref"] = f"#/$defs/{prefix}"
+        elif isinstance(ref, str) and ref.startswith(_LOCAL_REFS):
+            out["$ref"] = "#/$defs/" + prefix + ref.split("/", 2)[2]
+        return out
+
+    for key in ("definitions", "$defs"):
+        for def_name, sub in (params.get(key) or {}).items():
+            defs[prefix + def_name] = rewrite(sub)
+    body = rewrite(params)
+    if recursive:
+        defs[prefix] = body
+    return body

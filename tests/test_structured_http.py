@@ -148,6 +148,20 @@ def test_tool_choice_required_makes_at_least_one_call(api):
         jsonschema.validate(_loads(call.function.arguments), schemas[call.function.name])
 
 
+def test_tool_choice_required_with_a_tool_whose_parameters_use_local_refs(api):
+    """$ref "#/$defs/..." inside a tool's parameters (as pydantic writes them) works under "required" too."""
+    place = {"type": "function", "function": {"name": "find_place", "parameters": {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}}}}}
+    reply = api.chat.completions.create(model=MODEL, messages=CHAT, tools=[place, TIME], tool_choice="required",
+                                        max_tokens=120, temperature=0.0)
+    calls = reply.choices[0].message.tool_calls
+    assert calls and reply.choices[0].finish_reason in ("tool_calls", "length")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (place, TIME)}
+    for call in calls:
+        jsonschema.validate(_loads(call.function.arguments), schemas[call.function.name])
+
+
 def test_tool_choice_auto_and_none_leave_plain_text_as_content(api):
     """The random model writes no <tool_call> block: auto and none answer with content and no calls."""
     for choice in ("auto", "none"):

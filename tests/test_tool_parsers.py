@@ -93,6 +93,36 @@ def test_tool_choice_modes_and_their_schemas():
     assert required.schema["type"] == "array" and len(required.schema["items"]["anyOf"]) == 2
 
 
+# Parameters with their own $defs (what pydantic writes), definitions, and a recursive "#".
+PLACE = {"type": "function", "function": {"name": "find_place", "parameters": {
+    "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}, "near": {"$ref": "#/$defs/Spot"}},
+                        "required": ["city"]},
+              "Spot": {"enum": ["north", "south"]}}}}}
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}},
+                                     "tag": {"$ref": "#/definitions/Tag"}},
+    "definitions": {"Tag": {"type": "string", "maxLength": 3}}}}}
+
+
+def test_required_calls_keep_each_tools_local_refs():
+    """In the combined schema "#" is the array of calls: each tool's $defs / definitions (and "#") are hoisted
+    and its $refs rewritten, so a call valid for its tool is valid for the whole, and an invalid one is not."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = tool_choice_of([PLACE, TREE, WEATHER], "required").schema
+    jsonschema.Draft202012Validator.check_schema(schema)
+    good = [{"name": "find_place", "parameters": {"where": {"city": "Oslo", "near": "north"}}},
+            {"name": "tree", "parameters": {"tag": "a", "kids": [{"tag": "b", "kids": []}]}},
+            {"name": "get_weather", "parameters": {"city": "Rome"}}]
+    jsonschema.validate(good, schema)
+    for bad in ([{"name": "find_place", "parameters": {"where": {"city": "Oslo", "near": "east"}}}],
+                [{"name": "tree", "parameters": {"kids": [{"tag": "long"}]}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    inner = json.dumps(schema["items"])
+    assert '"$defs":' not in inner and '"definitions":' not in inner  # no definitions left inside a call
+
+
 @pytest.mark.parametrize("tools, choice, why", [
     (None, "required", "needs tools"),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
