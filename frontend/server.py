@@ -434,7 +434,7 @@ class FrontendServer:
             me = ProcessHealth(name="frontend", pid=os.getpid(), uptime_s=uptime, restarts=0, alive=True)
             health = Health(id=request_id, healthy=True, processes=[me])
         health.ready = self.replicas.any_up and not self._draining
-        health.replicas_ready = [link.up for link in self.replicas.links]
+        health.replicas_ready = [link.up and not self.replicas.paused[link.index] for link in self.replicas.links]
         stalled = self.clock() - self._engine_heard_at if self.requests.num_submitted else 0.0
         health.progress_s = stalled
         if self._draining:

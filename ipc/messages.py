@@ -184,7 +184,7 @@ class Health(msgspec.Struct, tag="health_reply", kw_only=True):
     ready: bool = True  # an engine core is up and the server takes requests
     waiting_for: str | None = None  # why it is not healthy now: what it waits for
     progress_s: float = 0.0  # seconds since the engine core last reported progress, while requests are live
-    replicas_ready: list[bool] = []  # data parallel: which replicas' engine cores are up, in order
+    replicas_ready: list[bool] = []  # which replicas can run a step now (engine core up, its worker serving), in order
 
 
 class ModelInfoReply(msgspec.Struct, tag="model_info_reply", kw_only=True):

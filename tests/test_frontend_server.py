@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from metrale.ipc.messages import (
     StatsRequest,
     StatsResponse,
     TokenLogprob,
+    WorkerBack,
+    WorkerLost,
 )
 from metrale.ipc.sampling import SamplingParams
 
@@ -73,13 +76,19 @@ class FakeEngine:
         self.aborted: set[str] = set()
         self.stats_requests = 0
         self.cond = threading.Condition()
-        self._live: dict[str, list] = {}  # engine id -> [script, position, max_tokens, wants_logprobs]
+        self._live: dict[str, list] = {}  # engine id -> [script, position, max_tokens, wants_logprobs, paused]
+        self._say: list[msgspec.Struct] = []  # messages to send as they are (WorkerLost, WorkerBack)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-engine", daemon=True)
 
     def start(self) -> FakeEngine:
         self._thread.start()
         return self
+
+    def say(self, msg: msgspec.Struct) -> None:
+        """Send msg to the frontend from the engine's thread (at its next turn)."""
+        with self.cond:
+            self._say.append(msg)
 
     def stop(self) -> None:
         self._stop.set()
@@ -107,6 +116,10 @@ class FakeEngine:
                 while pull.poll(timeout_ms):
                     self._on_input(decoder.decode(pull.recv()), push)
                     timeout_ms = 0
+                with self.cond:
+                    said, self._say = self._say, []
+                for msg in said:
+                    push.send(msgspec.msgpack.encode(msg))
                 if self._live:
                     self._tick(push)
         finally:
@@ -713,3 +726,21 @@ def test_a_request_that_streams_between_engine_core_deaths_is_resubmitted_until_
             e.stop()
         stop_server(server, thread)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_a_replica_whose_worker_is_being_replaced_is_not_ready(stack):
+    """WorkerLost takes the replica out of replicas_ready (it holds its requests, runs nothing) until WorkerBack;
+    the server stays healthy meanwhile: requests are queued, not refused."""
+
+    def ready_becomes(want: list[bool]) -> bool:
+        deadline = time.monotonic() + WAIT_S
+        while (health := stack.client.health()).replicas_ready != want:
+            if time.monotonic() > deadline:
+                return False
+        return health.healthy
+
+    assert ready_becomes([True])
+    stack.engine.say(WorkerLost(why="a test"))
+    assert ready_becomes([False])
+    stack.engine.say(WorkerBack())
+    assert ready_becomes([True])
