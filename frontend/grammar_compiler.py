@@ -78,6 +78,18 @@ class _Helper:
     def send(self, obj: object) -> None:
         _write_frame(self.process.stdin, obj)
 
+    def send_in_background(self, obj: object) -> None:
+        """Send a frame larger than a pipe holds (the vocabulary) from a thread: the write blocks until the
+        helper, still starting, reads it, and the event loop must not block with it. The helper's ready frame
+        comes only after it has read the whole frame; a helper killed first ends the write (ignored)."""
+        def write() -> None:
+            try:
+                self.send(obj)
+            except (OSError, ValueError):
+                pass
+
+        threading.Thread(target=write, name="grammar-vocab", daemon=True).start()
+
     def recv(self) -> object:
         """The next answer; EOFError when the helper is gone. (An event loop's reader may have made the pipe
         non-blocking; the rest of an answer that has started to arrive is read blocking.)"""
@@ -197,7 +209,7 @@ class GrammarCompiler:
             process = subprocess.Popen([sys.executable, "-m", "metrale.frontend.grammar_compiler"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self._helper = _Helper(process)
-            self._helper.send(msgspec.structs.asdict(self.vocab))
+            self._helper.send_in_background(msgspec.structs.asdict(self.vocab))
         return self._helper
 
 
@@ -267,4 +279,8 @@ def _write_frame(stream, obj: object) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The lowest CPU priority: a grammar built to take long to compile gets a core only when the worker leaves
+    # one free (at equal priority it took one of a 2-core box's two for its whole time limit, and the worker's
+    # threads, which wait on each other, slowed several-fold).
+    os.nice(19)
     _serve()

@@ -95,6 +95,12 @@ class HttpApi:
     async def _body_in_time(self, request: web.Request, handler) -> web.StreamResponse:
         """A body that does not arrive whole within http_body_timeout_s is a 408 (a client trickling its body
         would hold the connection and its handler forever); the handler reads the body aiohttp kept."""
+        limit = self.server.config.max_frame_bytes
+        if request.content_length is not None and request.content_length > limit:  # refused before a byte is read
+            resp = ApiError(413, f"the request body ({request.content_length} bytes) is over the limit of {limit} bytes "
+                            "(--max-frame-bytes)", code="request_too_large").response()
+            resp.force_close()
+            return resp
         if request.body_exists:
             try:
                 async with asyncio.timeout(self.server.config.http_body_timeout_s):

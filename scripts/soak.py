@@ -175,10 +175,17 @@ def figures(specs: list[Spec], chaos: dict, replay: dict | None, faults: list[Fa
         "rss_mib_warm": {k: round(v / 2**20) for k, v in warm.items()},
         "rss_mib_end": {k: round(v / 2**20) for k, v in end.items()},
         "rss_growth": round(sum(end.values()) / sum(warm.values()) - 1, 4) if warm and end else None,
+        # The processes that live through every fault: a leak shows here (restarted ones start afresh).
+        "rss_growth_long_lived": _growth(warm, end, ("supervisor", "frontend")),
         "fds_at_start": res["fds_at_start"], "fds_at_end": res["fds_at_end"],
         "shm_at_start": len(res["shm_at_start"]), "shm_at_end": len(res["shm_at_end"]),
         "shm_after_shutdown": res["shm_after_shutdown"], "left_after_shutdown": res["left_after_shutdown"],
     }
+
+
+def _growth(warm: dict, end: dict, roles: tuple[str, ...]) -> float | None:
+    a, b = sum(warm.get(r, 0) for r in roles), sum(end.get(r, 0) for r in roles)
+    return round(b / a - 1, 4) if a else None
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -276,6 +283,7 @@ def main() -> int:
                                     "done": None if o.done_at is None else round(o.done_at - start, 3),
                                     "chunks": len(o.chunk_times)}) + "\n")
         (out / "mismatches.json").write_text(json.dumps(record.pop("mismatch_details"), indent=1))
+        (out / "series.json").write_text(json.dumps(chaos["series"]))  # RSS and health once a second
     record["png"] = plot(out / "soak.png", chaos, faults, specs)
     (out / "soak.json").write_text(json.dumps(record) + "\n")
     emit(record)
