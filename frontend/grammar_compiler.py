@@ -279,8 +279,8 @@ def _write_frame(stream, obj: object) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # The lowest CPU priority: a grammar built to take long to compile gets a core only when the worker leaves
-    # one free (at equal priority it took one of a 2-core box's two for its whole time limit, and the worker's
-    # threads, which wait on each other, slowed several-fold).
+    # The lowest CPU priority among the processes of its session (an offline LLM's worker threads): a grammar built
+    # to compile for the whole time limit then yields the cores. `metrale serve` runs each child in its own session,
+    # hence its own scheduler autogroup, which nice does not reach (docs/performance.md, "Chaos soak").
     os.nice(19)
     _serve()
