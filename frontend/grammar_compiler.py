@@ -270,6 +270,21 @@ def _serve() -> None:
         _write_frame(stdout, answer)
 
 
+def _lowest_priority() -> None:
+    """Yield the CPU to everything else: a grammar built to compile for the whole time limit must not take a core
+    from the worker, whose threads wait on each other. Nice alone reaches only the processes of one scheduler
+    autogroup (one session: `metrale serve` starts each child in its own), so the helper takes a session of its
+    own and sets that autogroup's nice too. It stays its parent's child: the supervisor still stops it with the
+    frontend, and it ends itself when its parent goes."""
+    try:
+        os.setsid()
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except OSError:
+        pass  # no autogroups here (or not Linux): the process's nice is what counts
+    os.nice(19)
+
+
 def _write_frame(stream, obj: object) -> None:
     """One length-prefixed msgpack frame."""
     data = msgspec.msgpack.encode(obj)
@@ -279,8 +294,5 @@ def _write_frame(stream, obj: object) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # The lowest CPU priority among the processes of its session (an offline LLM's worker threads): a grammar built
-    # to compile for the whole time limit then yields the cores. `metrale serve` runs each child in its own session,
-    # hence its own scheduler autogroup, which nice does not reach (docs/performance.md, "Chaos soak").
-    os.nice(19)
+    _lowest_priority()
     _serve()
