@@ -205,7 +205,8 @@ class GrammarCompiler:
         """The running helper, started when there is none."""
         if self._helper is None or self._helper.process.poll() is not None:
             # A plain subprocess (not multiprocessing's spawn, which would re-run an offline user's script).
-            # In our process group: whatever stops us (a killpg, a terminal's Ctrl-C) stops it too.
+            # It takes a session of its own (_lowest_priority) but stays our child: whoever stops us stops it
+            # (the supervisor stops a child with its descendants), and it ends itself when we are gone.
             process = subprocess.Popen([sys.executable, "-m", "metrale.frontend.grammar_compiler"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self._helper = _Helper(process)
