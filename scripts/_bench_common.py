@@ -284,6 +284,10 @@ class ServeProcess:
                 raise RuntimeError(f"metrale serve not ready within {timeout_s:.0f} s:\n{self.log_text()[-3000:]}")
             time.sleep(0.1)  # the server's only sign of life is its log; there is no event to wait on
 
+    def http_base(self) -> str:
+        """The HTTP API's base URL, from the serving line (started with --http-port)."""
+        return "http://127.0.0.1:" + re.search(r"HTTP on http://[^:]+:(\d+)", self.log_text()).group(1)
+
     def log_text(self) -> str:
         """What the server has logged so far."""
         with open(self.log.name, errors="replace") as f:

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import resource
 import socket
 import statistics
@@ -35,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_common import ServeProcess, build_model, emit, git_commit, note  # noqa: E402
 
-HTTP = re.compile(r"HTTP on http://[^:]+:(\d+)")
 BOMB = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{3,30}[0-9]{2,9}"} for i in range(800)},
         "required": [f"p{i}" for i in range(800)]}  # tests/test_grammar_compiler.py's SLOW
 
@@ -63,10 +61,6 @@ async def victims(base: str, clients: int, window_s: float, stop: asyncio.Event)
     return {"tok_s": tokens[0] / window_s, "failures": failures[0]}
 
 
-async def _raw(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_connection(host, port)
-
-
 async def attack(kind: str, host: str, port: int, stop: asyncio.Event) -> dict:
     """Run one attack until stop is set; what came of its requests."""
     outcome: dict[str, int] = {}
@@ -79,7 +73,7 @@ async def attack(kind: str, host: str, port: int, stop: asyncio.Event) -> dict:
         if kind in ("slowloris", "slow_body", "idle"):
             n = {"slowloris": 1000, "slow_body": 200, "idle": 10_000}[kind]
             for i in range(n):
-                _, w = await _raw(host, port)
+                _, w = await asyncio.open_connection(host, port)
                 if kind == "slowloris":
                     w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
                 elif kind == "slow_body":
@@ -88,7 +82,7 @@ async def attack(kind: str, host: str, port: int, stop: asyncio.Event) -> dict:
                 writers.append(w)
                 if i % 500 == 499:
                     await asyncio.sleep(0)  # let the victims' requests interleave with the connecting
-            count("connections")
+            outcome["connections"] = len(writers)
             while not stop.is_set():
                 if kind != "idle":
                     for w in writers:
@@ -100,12 +94,12 @@ async def attack(kind: str, host: str, port: int, stop: asyncio.Event) -> dict:
             # Few tokens each: what is measured is the frontend holding unread streams, not the engine's work for them.
             body = json.dumps({"prompt": "Once upon a time", "max_tokens": 16, "stream": True, "ignore_eos": True}).encode()
             for _ in range(50):
-                _, w = await _raw(host, port)
+                _, w = await asyncio.open_connection(host, port)
                 w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # never drained
                 w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
                 writers.append(w)
-            count("streams")
+            outcome["streams"] = len(writers)
             await stop.wait()
         else:
             async with aiohttp.ClientSession() as session:
@@ -153,8 +147,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="metrale-attacks-") as tmp:
         model = Path(args.model) if args.model else build_model(tmp, args.preset)
         with ServeProcess(model, "--http-port", "0", "--grammar-timeout", "1") as server:
-            port = int(HTTP.search(server.log_text()).group(1))
-            host, base = "127.0.0.1", f"http://127.0.0.1:{port}"
+            base = server.http_base()
+            host, port = "127.0.0.1", int(base.rsplit(":", 1)[1])
             asyncio.run(run_pair(base, host, port, None, argparse.Namespace(clients=args.clients, window_s=3.0)))  # warm-up
             per: dict[str, list] = {k: [] for k in kinds}
             failures = 0

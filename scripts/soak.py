@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -42,14 +41,13 @@ from _soak_faults import Fault, draw_faults, inject, open_fds, rss_by_role, shm_
 from _soak_traffic import Outcome, Spec, draw_requests, reset_live, run_request  # noqa: E402
 
 MODEL_NAME = "soak"
-HTTP = re.compile(r"HTTP on http://[^:]+:(\d+)")
 
 
 def start_server(model: Path, args: argparse.Namespace) -> tuple[ServeProcess, str]:
     server = ServeProcess(model, "--http-port", "0", "-dp", str(args.dp), "-tp", str(args.tp), "--served-model-name",
                           MODEL_NAME, "--worker-hang-timeout", str(args.hang_timeout_s), "--max-model-len", "1024",
                           "--dtype", args.dtype)
-    return server, f"http://127.0.0.1:{HTTP.search(server.log_text()).group(1)}"
+    return server, server.http_base()
 
 
 async def healthy(session: aiohttp.ClientSession, base: str, gone: tuple[int, ...] = ()) -> bool:
