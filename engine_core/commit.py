@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from metrale.ipc.errors import ErrorCode
 from metrale.ipc.messages import TokenLogprob
 from metrale.ipc.plan import StepResult
 
@@ -28,13 +29,16 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
             continue
         seq.tokens.append(tok)
         seq.pending.append(tok)
-        if seq.outbox is not None:
-            seq.outbox[id(seq)] = seq
+        seq.post()
         if logprobs and seq.params.logprobs is not None:
             seq.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
         update_row_state(seq, tok, toks)
         if seq.grammar is not None:  # structured outputs: the matcher follows the committed tokens
-            advance_grammar(seq, tok)
+            ended = advance_grammar(seq, tok)
+            if ended == "stop":
+                seq.finish("stop")
+            elif ended is not None:
+                seq.finish("error", ended, ErrorCode.INTERNAL)
         _check_stop(io, seq, tok)
     for seq in seqs:
         io.pool.cache_full_blocks(seq)

@@ -239,8 +239,7 @@ class EngineCoreProcess:
         self.recoveries += 1
         self.recovery = WorkerRecovery(cause=lost, lost_at=time.time() - (time.monotonic() - t_lost), requests=live)
         if self.args.serve.on_worker_fault == "fail":
-            for seq in self.engine.scheduler.running:
-                seq.finish("error", f"the GPU worker died ({lost}); the request was stopped", ErrorCode.WORKER_FAULT)
+            self.engine.fail_running(f"the GPU worker died ({lost}); the request was stopped", ErrorCode.WORKER_FAULT)
         self.engine.recover()  # nothing runs on the dead worker: requeue (or, failed, free) what it held
         failed = self.engine.drain()  # nothing is in flight any more: this only collects the errors
         if failed:

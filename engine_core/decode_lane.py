@@ -1,4 +1,9 @@
-"""The pipelined lane: launch ahead, settle, validate, drain (the seed's names), under churn.
+"""The lane: one launch and one settle for every kind of step; launch ahead, validate, drain (the seed's names).
+
+Every step (StepKind: a STEP of prefill chunks and decodes, a BURST of decode steps, a VERIFY of drafts) goes
+through `launch` (masks, plan, device launch; its rows hold their positions in flight) and `settle` (await,
+advance num_computed, commit); the synchronous loop is the same lane at depth 0 (settled in the tick that
+launched it), the pipelined loop keeps a STEP in flight and launches the next one ahead of it.
 
 While the device computes step t+1, the host commits step t. Step t+1 is scheduled while t is in flight and may
 differ from it: every row of t that samples decodes again, fed from t's token on the device (no host round
@@ -7,8 +12,8 @@ newly admitted requests join with their first chunk, and rows that t did not run
 input, all host-fed. Once t is committed, t+1 is validated against the state the commit produced: a fed row
 that finished, whose last token differs from the token it was fed, or whose length moved is an over-run (its
 reserved KV goes back at once); a row whose mask changed is stale (Rewind: discarded and run again; RepickOnly:
-the forward stands and the host samples). Survivors get their launch bookkeeping (num_computed += 1); host-fed
-rows got theirs at launch, since their inputs were committed.
+the forward stands and the host samples). A discarded row gives its positions in flight back at once and runs
+again host-fed from num_computed; a row's num_computed moves only when its own step is settled.
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ import logging
 import numpy as np
 
 from metrale.ipc.errors import ErrorCode
-from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy
+from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, StepKind
 
 from .commit import commit_tokens
 from .host_sampler import repick
-from .pipeline import Inflight, Pipeline, Settled, row_mask
+from .pipeline import NO_MASK, Inflight, Pipeline, Settled, row_mask
 from .scheduler import ScheduledStep
 from .sequence import Sequence
 from .step_io import ReadLogits, Rollback, StepIo
@@ -36,36 +41,44 @@ POISONED = (
 
 
 def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool = False) -> Inflight | None:
-    """Launch a scheduled step (its fed rows take their input from the step in flight) and return it in
-    flight; None when the launch failed (a step launched ahead is then simply not run; otherwise every row is
-    told). Host-fed rows get their launch bookkeeping now; fed rows get theirs when validated."""
+    """Launch a step of any kind and return it in flight: the one launch path (depth 0 is the same launch,
+    settled in the same tick). None when the launch failed (a step launched ahead is then simply not run;
+    otherwise every row is told). Every row holds its positions in flight (num_inflight) until it is settled
+    or discarded; num_computed moves only in settle."""
     t0 = io.clock()
-    seqs, num_new, feed = step.seqs, step.num_new, step.fed_from
-    # A fed row's mask is predicted for after t's (ordinary) token; validate checks it.
-    masks = [row_mask(s, io.toks, io.eos_ids, ahead=int(src != FEED_HOST)) for s, src in zip(seqs, feed)]
-    plan = io.builder.build(seqs, num_new, masks, feed=feed if ahead else None)
+    seqs, num_new, feed, kind = step.seqs, step.num_new, step.fed_from, step.kind
+    if kind == StepKind.BURST:
+        masks = [NO_MASK] * len(seqs)  # burst rows are plain
+    else:
+        # A fed row's mask is predicted for after t's (ordinary) token; validate checks it.
+        masks = [row_mask(s, io.toks, io.eos_ids, ahead=int(src != FEED_HOST)) for s, src in zip(seqs, feed)]
+    plan = io.builder.build(seqs, num_new, masks, feed=feed if ahead else None, lookahead=step.steps - 1,
+                            drafts=step.drafts)
     try:
-        ticket = io.device.launch(plan)
+        ticket = io.device.launch(plan, kind, step.steps)
     except DeviceError as e:
         if ahead:
             log.warning("a step launched ahead was declined, settling first: %s", e)
         else:
             fail_rows(seqs, io, e)
         return None
-    written = [s.num_computed for s in seqs]
-    for s, k, src in zip(seqs, num_new, feed):
-        if src == FEED_HOST:
-            s.num_computed += k
+    written = [s.num_launched for s in seqs]
+    held = [k * step.steps for k in num_new]
+    for s, k in zip(seqs, held):
+        s.num_inflight += k
     return Inflight(
         ticket=ticket,
+        kind=kind,
         t0=t0,
         seqs=list(seqs),
         num_new=list(num_new),
         written=written,
+        held=held,
         samples=[bool(x) for x in plan.sample],
         masks=masks,
         fed_from=list(feed),
         discard=[False] * len(seqs),
+        drafts=step.drafts,
     )
 
 
@@ -78,23 +91,34 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
     pipeline.inflight = None
     nxt, pipeline.next = pipeline.next, None
     try:
-        result = io.device.await_result(inf.ticket)
+        results = io.device.await_burst(inf.ticket) if inf.kind != StepKind.STEP else [io.device.await_result(inf.ticket)]
     except DeviceError as e:
         # Every row is told, as the synchronous step does. A step launched ahead is awaited so its
         # slot is released, and dropped with the rows.
         if nxt is not None:
             _await_quietly(io, nxt)
+            _release(nxt)
+        _release(inf)
         fail_rows(_live(inf.seqs, nxt), io, e)
         return Settled.FAILED
+    if inf.kind != StepKind.STEP:
+        _commit_picks(inf, results, io)
+        return Settled.DONE
+    result = results[0]
     device_tokens = np.array(result.tokens, dtype=np.int64)  # a copy: the result's slot is reused
     tokens = device_tokens
     if inf.host_logits:
         try:
             logits = io.apply(ReadLogits(inf.ticket))
         except DeviceError as e:
+            _release(inf)
             fail_rows(inf.seqs, io, e)
             return Settled.FAILED
         tokens = repick(logits, inf, result, io)  # RepickOnly repair: the pick under each row's mask as it is now
+    for s, k, gone in zip(inf.seqs, inf.num_new, inf.discard):
+        if not gone:
+            s.num_computed += k
+    _release(inf)
     commit_tokens(io, inf.seqs, tokens, result, inf.discard)
     if nxt is not None:
         poisoned = validate_next(nxt, device_tokens, io)
@@ -107,17 +131,39 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
     return Settled.DONE
 
 
+def _commit_picks(inf: Inflight, results: list, io: StepIo) -> None:
+    """Commit a BURST's steps, or a VERIFY's picks, in order: one position per pick; a row that stopped (a stop,
+    an abort while it ran, or a VERIFY row out of picks) has the rest dropped. A VERIFY gives back the KV reserved
+    for its rejected drafts (positions past num_computed) and records each row's committed picks."""
+    rows = inf.seqs
+    kept = np.zeros(len(rows), dtype=np.int64)
+    for result in results:
+        gone = [d or s.finished or tok < 0 for s, d, tok in zip(rows, inf.discard, result.tokens.tolist())]
+        for i, (s, g) in enumerate(zip(rows, gone)):
+            if not g:
+                s.num_computed += 1
+                kept[i] += 1
+        commit_tokens(io, rows, result.tokens, result, gone)
+    _release(inf)
+    if inf.kind == StepKind.VERIFY:
+        for s, d in zip(rows, inf.drafts):
+            if d:
+                io.apply(Rollback(s))
+        inf.kept = kept.tolist()
+
+
 def validate_next(nxt: Inflight, prev_tokens: np.ndarray, io: StepIo) -> list[Sequence]:
-    """Decide which rows of the step launched ahead are over-runs or stale, give back their reserved KV, and
-    give the fed survivors their launch bookkeeping. Returns the rows that are poisoned (RepickOnly over-runs
-    that did not finish)."""
+    """Decide which rows of the step launched ahead are over-runs or stale and give back their reserved KV and
+    their positions in flight (they run again, host-fed, from num_computed). Returns the rows that are poisoned
+    (RepickOnly over-runs that did not finish)."""
     repick_only = io.device.model().fed_ahead_policy == FedAheadPolicy.REPICK_ONLY
     poisoned = []
     fed_tokens = prev_tokens.tolist()
     stale = False
     for i, (s, src, written) in enumerate(zip(nxt.seqs, nxt.fed_from, nxt.written)):
         if src == FEED_HOST:
-            nxt.discard[i] = s.finished  # its input was committed; only an abort or a stop ends it
+            if s.finished:  # its input was committed; only an abort or a stop ends it
+                _drop(nxt, i)
             continue
         over_run = s.finished or s.tokens[-1] != fed_tokens[src] or s.num_computed != written
         if over_run:
@@ -132,9 +178,8 @@ def validate_next(nxt: Inflight, prev_tokens: np.ndarray, io: StepIo) -> list[Se
         if nxt.discard[i]:
             # The device still writes this row's KV, into the reserved slot: given back now, it can only
             # be reused by a later step, which the device runs after this one.
+            _drop(nxt, i)
             io.apply(Rollback(s))
-        else:
-            s.num_computed += 1
     nxt.host_logits = stale
     return poisoned
 
@@ -146,13 +191,44 @@ def drain(pipeline: Pipeline, io: StepIo) -> None:
             break
 
 
+def abandon(pipeline: Pipeline, io: StepIo) -> None:
+    """Await (and drop) every step in flight, so the device's slots are free again; nothing is committed."""
+    for inf in (pipeline.inflight, pipeline.next):
+        if inf is not None:
+            _await_quietly(io, inf)
+            _release(inf)
+    pipeline.inflight = pipeline.next = None
+
+
+def forget(pipeline: Pipeline) -> None:
+    """The device is gone with what it ran: drop every step in flight without awaiting it."""
+    for inf in (pipeline.inflight, pipeline.next):
+        if inf is not None:
+            _release(inf)
+    pipeline.inflight = pipeline.next = None
+
+
 def discard_row(pipeline: Pipeline, seq: Sequence) -> None:
     """Drop whatever is in flight for seq (it was aborted): none of its tokens will be committed."""
     for inf in (pipeline.inflight, pipeline.next):
         if inf is not None:
             for i, s in enumerate(inf.seqs):
                 if s is seq:
-                    inf.discard[i] = True
+                    _drop(inf, i)
+
+
+def _drop(inf: Inflight, i: int) -> None:
+    """Row i of inf is discarded: nothing of it is committed and its positions in flight are given back."""
+    inf.discard[i] = True
+    inf.seqs[i].num_inflight -= inf.held[i]
+    inf.held[i] = 0
+
+
+def _release(inf: Inflight) -> None:
+    """inf is settled or dropped: its rows no longer hold positions in flight."""
+    for s, k in zip(inf.seqs, inf.held):
+        s.num_inflight -= k
+    inf.held = [0] * len(inf.held)
 
 
 def fail_rows(seqs: list[Sequence], io: StepIo, error: Exception) -> None:
@@ -180,6 +256,9 @@ def _live(seqs: list[Sequence], nxt: Inflight | None) -> list[Sequence]:
 
 def _await_quietly(io: StepIo, inf: Inflight) -> None:
     try:
-        io.device.await_result(inf.ticket)
+        if inf.kind == StepKind.STEP:
+            io.device.await_result(inf.ticket)
+        else:
+            io.device.await_burst(inf.ticket)
     except DeviceError:
         pass

@@ -1,12 +1,14 @@
 """EngineCore: requests in, one batch of token deltas out per tick. No sockets here (see core.py).
 
-A tick reads top to bottom: settle the decode burst in flight and, if the batch may go on as it is, launch
-the next; or, with a step in flight, schedule the next one and launch it ahead (arrivals admitted, finished rows
-dropped, prefills going on: decode_lane.py), then settle the one in flight; with nothing in flight, retire what
-finished, schedule, and launch the step (a decode burst when no row is watched token by token and the device
-can run one; held in flight for the next tick to run ahead of, or run synchronously without the pipeline).
-Every tick commits at most one token per request in either loop; a burst commits up to decode_burst tokens of
-requests that report only at their finish, or up to stream_interval tokens of streamed ones.
+A tick is schedule → launch → settle, through one launch and one settle for every kind of step (decode_lane.py).
+With a step in flight: when it is a STEP the lane may run ahead of, schedule the next one and launch it ahead
+(arrivals admitted, finished rows dropped, prefills going on), then settle the one in flight; after a settled
+BURST, launch the next burst at once when the batch may go on as it is. With nothing in flight: retire what
+finished, schedule, give the step its kind (step_kinds.py: a VERIFY when rows have drafts, a BURST when no row is
+watched token by token) and launch it; a VERIFY, and every STEP without the pipeline, is settled in the same tick
+(depth 0), a BURST and a pipelined STEP in the next. Every tick commits at most one token per request in either
+loop; a burst commits up to decode_burst tokens of requests that report only at their finish, or up to
+stream_interval tokens of streamed ones.
 """
 
 from __future__ import annotations
@@ -22,20 +24,19 @@ from metrale.config import EngineArgs
 from metrale.settings import DEFAULTS
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, RequestOutputDelta
-from metrale.ipc.plan import Device, DeviceError
+from metrale.ipc.plan import FEED_HOST, Device, StepKind
 from metrale.ipc.sampling import SamplingParams
 
-from .commit import commit_tokens
-from .decode_burst import Burst, burst_length, launch_burst, settle_burst
-from .decode_lane import discard_row, drain, fail_rows, launch, settle
+from .decode_lane import abandon, discard_row, drain, forget, launch, settle
 from .grammar import GrammarBook
 from .speculative import NgramProposer, Speculator
 from .kv_blocks import KvBlockPool
-from .pipeline import Pipeline, SpecialTokens, can_feed, init_row_state, row_mask
-from .scheduler import Scheduler, SchedulerConfig
+from .pipeline import Pipeline, SpecialTokens, can_feed, init_row_state
+from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .state_slots import StateSlots
 from .step_builder import StepBuilder
+from .step_kinds import StepShaper
 from .step_io import StepIo
 from .swap import SwapSpace
 
@@ -125,11 +126,11 @@ class EngineCore:
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
         self.pipeline = Pipeline()
         self.io.recover = options.recover_from_device_loss
-        # Bursts need a device that runs several steps of one ticket (await_burst, up to its burst_limit):
-        # up to decode_burst steps for rows that report at their finish, stream_interval for streamed ones.
-        device_limit = getattr(device, "burst_limit", 1) if callable(getattr(device, "await_burst", None)) else 1
-        self._burst_limits = (min(options.decode_burst, device_limit), min(options.stream_interval, device_limit))
-        self.burst: Burst | None = None  # the decode burst in flight
+        # Bursts run up to the device's burst_limit steps of one ticket: up to decode_burst steps for rows that
+        # report at their finish, stream_interval for streamed ones.
+        limit = device.burst_limit
+        self.shaper = StepShaper((min(options.decode_burst, limit), min(options.stream_interval, limit)),
+                                 self.speculator, info.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._outbox: dict[int, Sequence] = {}  # sequences with tokens or a finish to report (Sequence.outbox)
         self._rng = random.Random(options.seed)
@@ -214,44 +215,43 @@ class EngineCore:
         seq.finish("abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self.pipeline.has_inflight() or self.burst is not None
+        return bool(self.requests) or self.pipeline.has_inflight()
 
     # ---- the tick -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutputDelta]:
         """Run one tick and return what it produced."""
         self.num_steps += 1
-        running = self.scheduler.running
-        if self.burst is not None:
-            burst, self.burst = self.burst, None
-            settle_burst(burst, self.io)
-            if not self.io.device_lost and self._quiet_decode():
-                self._launch_burst(running)  # before the outputs go out: the device waits for nothing else
-            return self._take_outputs()
-        inf = self.pipeline.inflight
+        pipeline, io = self.pipeline, self.io
+        inf = pipeline.inflight
         if inf is not None:
-            if self._may_run_ahead(inf):
+            if inf.kind == StepKind.STEP and self._may_run_ahead(inf):
                 self.scheduler.retire_finished(keep=inf.seqs)
                 ahead = self.scheduler.schedule_ahead(inf.seqs, inf.samples, inf.discard, can_feed)
                 if ahead is not None:
-                    self.pipeline.next = launch(ahead, self.pipeline, self.io, ahead=True)
+                    pipeline.next = launch(ahead, pipeline, io, ahead=True)
             # What this commits is delivered (and aborts that it prompts are seen) before the next launch:
             # no tick commits two tokens of one request.
-            settle(self.pipeline, self.io)
+            settle(pipeline, io)
+            if inf.kind == StepKind.BURST and not io.device_lost and self._quiet_decode():
+                # The batch goes on as it is: the next burst is launched before the outputs go out.
+                running = self.scheduler.running
+                nxt = self.shaper.burst(ScheduledStep(list(running), [1] * len(running), [FEED_HOST] * len(running)), io)
+                if nxt.kind == StepKind.BURST:
+                    pipeline.inflight = launch(nxt, pipeline, io)
             return self._take_outputs()
         self.scheduler.retire_finished()
         step = self.scheduler.schedule()
-        every_row_decodes = step.decode_only and len(step) == len(self.scheduler.running)
         if not step.seqs:
             self._fail_unschedulable()
-        elif every_row_decodes and self._speculate(step.seqs):
-            pass  # verified and committed
-        elif every_row_decodes and self._launch_burst(step.seqs):
-            pass  # settled (and continued) by the next tick
-        elif self.options.pipeline:
-            self.pipeline.inflight = launch(step, self.pipeline, self.io)  # the next tick runs ahead of it
-        else:
-            run_step(step.seqs, step.num_new, self.io)
+            return self._take_outputs()
+        if step.decode_only and len(step) == len(self.scheduler.running):
+            step = self.shaper.shape(step, io)
+        pipeline.inflight = inf = launch(step, pipeline, io)
+        if inf is not None and (step.kind == StepKind.VERIFY or step.kind == StepKind.STEP and not self.options.pipeline):
+            settle(pipeline, io)  # depth 0: the synchronous loop, and a verify step (its picks are the next inputs)
+            if step.kind == StepKind.VERIFY:
+                self.speculator.record(inf)
         return self._take_outputs()
 
     @property
@@ -265,10 +265,15 @@ class EngineCore:
         Their KV is recomputed from prompt + output; with greedy or seeded sampling the streams then
         continue exactly as if nothing happened.
         """
-        self.pipeline.inflight = self.pipeline.next = self.burst = None
+        forget(self.pipeline)
         self.scheduler.retire_finished()
         self.scheduler.requeue_all()
         self.io.device_lost = None
+
+    def fail_running(self, message: str, code: ErrorCode) -> None:
+        """Fail every running request with this error (a lost worker under --on-worker-fault fail)."""
+        for seq in self.scheduler.running:
+            seq.finish("error", message, code)
 
     def contain_failure(self, exc: BaseException) -> list[RequestOutputDelta]:
         """A tick raised: fail the request that caused it, not the process.
@@ -278,7 +283,7 @@ class EngineCore:
         (Scheduler._may_start), so the next failure names one request. A request that was running at
         MAX_ENGINE_FAILURES failures is failed with an internal error instead.
         """
-        self._abandon_inflight()
+        abandon(self.pipeline, self.io)
         for seq in self.scheduler.running:
             seq.failures += 1
             seq.suspect_until = seq.num_tokens + 1
@@ -291,18 +296,6 @@ class EngineCore:
         self.io.device_lost = None
         return self._take_outputs()
 
-    def _abandon_inflight(self) -> None:
-        """Await (and drop) every ticket in flight, so the device's slots are free again."""
-        tickets = [inf.ticket for inf in (self.pipeline.inflight, self.pipeline.next) if inf is not None]
-        burst = self.burst
-        self.pipeline.inflight = self.pipeline.next = self.burst = None
-        for wait, ticket in [(self.device.await_result, t) for t in tickets] + (
-                [(self.device.await_burst, burst.ticket)] if burst is not None else []):
-            try:
-                wait(ticket)
-            except Exception:  # noqa: BLE001 - the step is dropped either way
-                pass
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's LLM.reset_prefix_cache); False, doing nothing, while
         requests are in flight (their blocks are registered in the cache)."""
@@ -313,50 +306,21 @@ class EngineCore:
 
     def drain(self) -> list[RequestOutputDelta]:
         """Settle everything in flight (before shutdown or a worker swap)."""
-        if self.burst is not None:
-            burst, self.burst = self.burst, None
-            settle_burst(burst, self.io)
         drain(self.pipeline, self.io)
         return self._take_outputs()
-
-    def _launch_burst(self, seqs: list[Sequence]) -> bool:
-        """Launch the decode step as a burst when its rows allow one (it is settled next tick); False when
-        they do not, or the pool cannot hold it (nothing launched)."""
-        steps = self._burst_length(seqs)
-        if steps > 1:
-            self.burst = launch_burst(seqs, steps, self.io)
-        return self.burst is not None
-
-    def _speculate(self, seqs: list[Sequence]) -> bool:
-        """Run the decode step as a verify step when some row has drafts; False (nothing run) when none has."""
-        drafts = self.speculator.drafts(seqs) if self.speculator is not None else None
-        if drafts is None:
-            return False
-        self.speculator.run(seqs, drafts, self.io)
-        return True
-
-    def _drafts_ready(self, seqs: list[Sequence]) -> bool:
-        """True when a verify step could run for these rows (then neither a burst nor the lane runs ahead)."""
-        return self.speculator is not None and self.speculator.drafts([s for s in seqs if not s.finished]) is not None
-
-    def _burst_length(self, seqs: list[Sequence]) -> int:
-        """How many steps a burst of these rows may run (1: none)."""
-        final, streamed = self._burst_limits
-        if final <= 1 and streamed <= 1 or self._drafts_ready(seqs):
-            return 1
-        return burst_length(seqs, final, streamed, self.info.max_model_len)
 
     def _may_run_ahead(self, inf) -> bool:
         """True when the next step may be launched before the one in flight is committed: its tokens are the
         device's (no host repick pending), the device is there, and no burst could run instead (then the lane
         settles, and the next tick bursts)."""
-        if inf.host_logits or self.io.device_lost or self._drafts_ready(self.scheduler.running):
+        shaper = self.shaper
+        if inf.host_logits or self.io.device_lost or shaper.drafts_ready(self.scheduler.running):
             return False
-        if max(self._burst_limits) <= 1:
+        if max(shaper.burst_limits) <= 1:
             return True
         live = [s for s in self.scheduler.running if not s.finished]
-        burst_ready = not self.scheduler.has_admissible() and all(s.num_tokens - s.num_computed <= 1 for s in live)
-        return not (burst_ready and self._burst_length(live) > 1)
+        burst_ready = not self.scheduler.has_admissible() and all(s.num_tokens - s.num_launched <= 1 for s in live)
+        return not (burst_ready and shaper.burst_length(live) > 1)
 
     def _quiet_decode(self) -> bool:
         """True when the running rows may go on decoding as they are: no arrival to admit, nothing to
@@ -460,18 +424,3 @@ def _for_state_slots(options: EngineOptions, info) -> EngineOptions:
         log.info("%s keeps recurrent state in %d slots: serving with %s", info.name, slots,
                  ", ".join(f"{k}={v}" for k, v in changes.items()))
     return dataclasses.replace(options, **changes)
-
-
-def run_step(seqs: list[Sequence], num_new: list[int], io: StepIo) -> None:
-    """The synchronous step: launch, wait, commit."""
-    masks = [row_mask(s, io.toks, io.eos_ids) for s in seqs]
-    plan = io.builder.build(seqs, num_new, masks)
-    try:
-        ticket = io.device.launch(plan)
-        for s, k in zip(seqs, num_new):
-            s.num_computed += k
-        result = io.device.await_result(ticket)
-    except DeviceError as e:
-        fail_rows(seqs, io, e)
-        return
-    commit_tokens(io, seqs, result.tokens, result, None)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from metrale.ipc.plan import (
-    FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepPlan, StepResult, Ticket, moved_on,
+    FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepKind, StepPlan, StepResult, Ticket, check_ticket,
+    moved_on,
 )
 
 from .host_sampler import SamplingRow, sample_row
@@ -124,31 +125,32 @@ class FakeDevice:
         self._launched = 0
         self.deferred = deferred
         self.repetitive = repetitive
-        self._queued: list[tuple[int, StepPlan, int]] = []  # launched, not yet run (deferred)
+        self._queued: list[tuple[int, StepPlan, StepKind, int]] = []  # launched, not yet run (deferred)
         self._failed = False  # a step failed and the host has not awaited it yet
 
     # ---- Device protocol ------------------------------------------------------------
 
-    def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
+    def launch(self, plan: StepPlan, kind: StepKind = StepKind.STEP, steps: int = 1) -> Ticket:
         if self.faults.dead:
             raise DeviceLost("the worker process is gone")
-        assert 1 <= steps <= self.burst_limit, f"a ticket of {steps} steps on a device that bursts up to {self.burst_limit}"
+        check_ticket(kind, steps, self.burst_limit)
+        assert (kind == StepKind.VERIFY) == bool(plan.num_drafts.any()), f"a {kind.name} ticket whose plan has drafts: {plan.num_drafts.any()}"
         poison = self.faults.poison_seq_len
         if poison is not None and len(plan.seq_lens) and int(plan.seq_lens.max()) >= poison:
             raise ValueError(f"poisoned plan: a row reaches {poison} tokens")
         n = self._launched
         self._launched += 1
         if self.deferred:
-            self._queued.append((n, plan, steps))
+            self._queued.append((n, plan, kind, steps))
         else:
-            self._run(n, plan, steps)
+            self._run(n, plan, kind, steps)
         self.clock.advance(self.step_cost * steps)
         return Ticket(slot=0, seq=n)
 
-    def _run(self, n: int, plan: StepPlan, steps: int) -> None:
-        """Execute ticket n (a step, or a burst's steps) and keep its result."""
+    def _run(self, n: int, plan: StepPlan, kind: StepKind, steps: int) -> None:
+        """Execute ticket n (a step, a verify step's picks, or a burst's steps) and keep its result."""
         try:
-            if steps == 1:
+            if kind != StepKind.BURST:
                 self._results[n] = self._execute(n, plan)
             else:
                 bs = self.info.block_size

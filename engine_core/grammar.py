@@ -95,14 +95,14 @@ class GrammarBook:
         return row
 
 
-def advance(seq: Sequence, token: int) -> None:
-    """The commit hook: move a grammar row's matcher past its committed token. A token the grammar refuses
-    (only a forced think-end can be one) fails the row; a finished grammar (its stop token taken) stops it."""
+def advance(seq: Sequence, token: int) -> str | None:
+    """The commit hook: move a grammar row's matcher past its committed token. Returns why the row ends, for
+    the commit to finish it: an error for a token the grammar refuses (only a forced think-end can be one),
+    "stop" for a finished grammar (its stop token taken); None while it goes on."""
     grammar = seq.grammar
     if not grammar.accept(token):
-        seq.finish("error", f"the output left its grammar at token {token}", ErrorCode.INTERNAL)
-    elif grammar.terminated:
-        seq.finish("stop")
+        return f"the output left its grammar at token {token}"
+    return "stop" if grammar.terminated else None
 
 
 def fill_bitmasks(seqs: list[Sequence], kinds: list[int], out: np.ndarray) -> int:

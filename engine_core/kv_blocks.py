@@ -147,7 +147,8 @@ class KvBlockPool:
     # ---- prefix caching -------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Give a fresh seq the cached blocks of its longest cached prefix; returns the tokens reused.
+        """Give a fresh seq the cached blocks of its longest cached prefix; returns the tokens reused (its
+        computed positions: the scheduler sets them).
 
         At least one token is always left to compute, so the step that follows can sample.
         """
@@ -172,7 +173,6 @@ class KvBlockPool:
         seq.prefix_hash = parent if seq.block_table else root
         seq.hashed_blocks = len(seq.block_table)
         reused = len(seq.block_table) * bs
-        seq.num_computed = reused
         self.stats.hit_tokens += reused
         return reused
 

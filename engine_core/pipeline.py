@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, Ticket
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, StepKind, Ticket
 
 from .sequence import Sequence
 
@@ -47,23 +47,28 @@ NO_MASK = RowMask()
 
 @dataclass(slots=True)
 class Inflight:
-    """A launched step and what the host knew when it launched it (per row, in plan order)."""
+    """A launched step of any kind and what the host knew when it launched it (per row, in plan order)."""
 
     ticket: Ticket
+    kind: StepKind
     t0: float
     seqs: list[Sequence]
     num_new: list[int]
-    written: list[int]  # num_computed at launch: where the row's first token is written
+    written: list[int]  # num_launched at launch: where the row's first token is written
+    held: list[int]  # KV positions the row holds in flight (its num_inflight share), 0 once given back
     samples: list[bool]  # the row produces a token
     masks: list[RowMask]
     fed_from: list[int]  # FEED_HOST, or the row of the step before whose device token is the input
     discard: list[bool]  # set by validation (over-run, stale) or an abort: nothing of the row is committed
+    drafts: list[list[int]] | None = None  # a VERIFY's drafts per row
     host_logits: bool = False  # RepickOnly: a mask went stale, the host samples the step's logits
+    kept: list[int] | None = None  # a settled VERIFY's committed picks per row
 
 
 @dataclass(slots=True)
 class Pipeline:
-    """At most two steps in flight: the one being settled, and the one launched ahead of it."""
+    """At most two steps in flight: the one being settled (of any kind), and the one launched ahead of it (a STEP
+    behind a STEP)."""
 
     inflight: Inflight | None = None
     next: Inflight | None = None

@@ -6,7 +6,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from metrale.ipc.errors import ErrorCode, Refused
-from metrale.ipc.plan import FEED_HOST
+from metrale.ipc.plan import FEED_HOST, StepKind
 from metrale.settings import DEFAULTS
 
 from .kv_blocks import KvBlockPool
@@ -36,12 +36,16 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ScheduledStep:
-    """The sequences one step runs, how many tokens each runs and where its input comes from (FEED_HOST, or
-    the row of the step in flight whose device token it is fed), in scheduling order."""
+    """One step: the sequences it runs, how many tokens each runs and where its input comes from (FEED_HOST, or
+    the row of the step in flight whose device token it is fed), in scheduling order; and its kind (step_kinds.py
+    turns an all-decode STEP into a BURST of `steps` or a VERIFY of `drafts` when the rows allow)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     fed_from: list[int] = field(default_factory=list)
+    kind: StepKind = StepKind.STEP
+    steps: int = 1  # a BURST's decode steps
+    drafts: list[list[int]] | None = None  # a VERIFY's draft tokens per row (num_new = 1 + len(drafts[r]))
 
     def add(self, seq: Sequence, k: int, src: int = FEED_HOST) -> None:
         self.seqs.append(seq)
@@ -241,11 +245,11 @@ class Scheduler:
                     continue
                 k = 1
             else:
-                k = min(seq.num_tokens - seq.num_computed, budget)
+                k = min(seq.num_tokens - seq.num_launched, budget)
                 if k <= 0:
                     continue
-            if seq.num_computed + k > len(seq.block_table) * self.pool.block_size and \
-                    not self.pool.allocate(seq, seq.num_computed + k):
+            if seq.num_launched + k > len(seq.block_table) * self.pool.block_size and \
+                    not self.pool.allocate(seq, seq.num_launched + k):
                 return None
             step.add(seq, k, src)
             budget -= k
@@ -286,7 +290,7 @@ class Scheduler:
         if not self._may_start(seq):
             return False
         if seq.num_computed == 0 and not seq.block_table:
-            self.pool.match_prefix(seq)
+            seq.num_computed = self.pool.match_prefix(seq)
         k = min(seq.num_tokens - seq.num_computed, budget)
         if not self._fits(seq, seq.num_computed + k):
             self.pool.free(seq)  # give back a prefix match; it is matched again next time

@@ -14,6 +14,38 @@ if TYPE_CHECKING:
     from .grammar import RowGrammar
 
 
+# One owner per piece of a request's state: the engine_core modules that may write each field (or call the
+# method); a field not listed is set when the Sequence is made and never written again. tests/test_state_owners.py
+# reads every engine_core module and fails on a write from anywhere else.
+WRITERS: dict[str, frozenset[str]] = {
+    name: frozenset(mods.split())
+    for names, mods in (
+        # progress: committed tokens by the commit, settled KV positions by the settle (reset by the scheduler when
+        # a sequence leaves the device, set from a prefix hit when it joins), positions in flight by the lane
+        ("tokens", "commit"),
+        ("num_computed", "decode_lane scheduler"),
+        ("num_inflight", "decode_lane"),
+        # the outbox: filled by the commit, taken by the engine
+        ("pending pending_logprobs", "commit engine"),
+        ("reported_finish", "engine"),
+        # KV placement: the block pool, the state slots, the scheduler's swap and queue bookkeeping
+        ("block_table hashed_blocks prefix_hash", "kv_blocks"),
+        ("state_slot", "state_slots"),
+        ("host_blocks status slot_idx num_preemptions num_cached_tokens", "scheduler"),
+        # the row state behind masks (pipeline.py), the plan's cached sampling row, failure containment
+        ("plain in_think think_tokens in_fence in_tool", "pipeline"),
+        ("sampling_row", "step_builder"),
+        ("failures suspect_until", "engine"),
+        ("grammar", "engine"),
+        # ending a request: a stop or a grammar's end (commit), a device error (the lane), an abort or a failure
+        # (engine), a request the KV cache cannot hold (scheduler)
+        ("finish()", "commit decode_lane engine scheduler"),
+        ("post()", "commit"),
+    )
+    for name in names.split()
+}
+
+
 class SeqStatus(enum.IntEnum):
     WAITING = 0  # queued; no KV blocks (or preempted: blocks freed, tokens kept)
     RUNNING = 1  # admitted: holds KV blocks, scheduled every step
@@ -25,9 +57,13 @@ class SeqStatus(enum.IntEnum):
 class Sequence:
     """One request. tokens = prompt + committed output; num_computed of them have KV in the cache.
 
-    A step runs tokens[num_computed:num_computed + k]; it samples a new token when that reaches the
+    A step runs tokens[num_launched:num_launched + k]; it samples a new token when that reaches the
     end of tokens. So a fresh prompt is a prefill (k up to its length) and a running request is a
     decode (k = 1): one rule serves both, and chunked prefill is just a smaller k.
+
+    num_computed counts settled KV positions and advances only when a step is settled (decode_lane.settle);
+    num_inflight counts the positions of launched steps not yet settled (decode_lane.launch takes them, settle or
+    a discard gives them back), so a step launched ahead starts where the one in flight ends.
     """
 
     request_id: str
@@ -38,6 +74,7 @@ class Sequence:
     arrival: int  # admission order tie-breaker (FCFS)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
+    num_inflight: int = 0
     block_table: list[int] = field(default_factory=list)
     host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
     finished: bool = False  # set once, by finish() (read several times per row per tick: a field, not a property)
@@ -80,6 +117,11 @@ class Sequence:
         return len(self.tokens)
 
     @property
+    def num_launched(self) -> int:
+        """Positions whose KV is settled or being computed: where the next step launched starts."""
+        return self.num_computed + self.num_inflight
+
+    @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
 
@@ -104,5 +146,9 @@ class Sequence:
             self.finish_reason = reason
             self.error = error
             self.error_code = code if reason == "error" else None
-            if self.outbox is not None:
-                self.outbox[id(self)] = self
+            self.post()
+
+    def post(self) -> None:
+        """File this sequence in the engine's outbox: it has tokens or a finish to report."""
+        if self.outbox is not None:
+            self.outbox[id(self)] = self

@@ -5,9 +5,10 @@ every one of them with the row's own rule, noise keyed by (seed, position) as al
 is exactly what plain decoding would pick at that position if drafts 1..j were the committed tokens. The device
 keeps the picks up to the first that differs from the next draft (that one included: the correction, or after the
 last draft the bonus token) and returns them as the steps of a burst (`await_burst`), so greedy and seeded
-outputs equal decoding without drafts, for any batch. The host commits the picks in order (a stop ends a row's
-share) with `num_computed` stepping one position per commit, and gives back the KV reserved for rejected drafts
-through the lane's over-run effect (`Rollback`).
+outputs equal decoding without drafts, for any batch. The verify step is a StepKind.VERIFY (step_kinds.py shapes
+it, reserving its drafts' KV); the lane commits the picks in order (a stop ends a row's share) with `num_computed`
+stepping one position per commit, and gives back the KV reserved for rejected drafts through the over-run effect
+(`Rollback`).
 
 Only plain rows are drafted (no penalties, masks or grammar, whose picks depend on the tokens before them on the
 host). Verify steps run synchronously (nothing is launched ahead of them: the next inputs are the accepted picks).
@@ -22,13 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
-from metrale.ipc.plan import DeviceError
-
-from .commit import commit_tokens
-from .decode_lane import fail_rows
-from .pipeline import row_mask
+from .pipeline import Inflight
 from .sequence import Sequence
-from .step_io import ReserveKv, Rollback, StepIo
 
 
 class Proposer(Protocol):
@@ -100,38 +96,10 @@ class Speculator:
         room = min(self.k, seq.params.max_tokens - seq.num_output - 1, self.max_model_len - seq.num_tokens - 1)
         return self.proposer.propose(seq, room) if room > 0 else []
 
-    def run(self, seqs: list[Sequence], drafts: list[list[int]], io: StepIo) -> None:
-        """One verify step of these decode rows, launched, awaited and committed; rows whose drafts' KV does not
-        fit run without them."""
-        pool = io.pool
-        for s, d in zip(seqs, drafts):
-            if d and pool.blocks_needed(s, s.num_computed + 1 + len(d)) and not io.apply(ReserveKv(s, 1 + len(d))):
-                d.clear()
-        # Undrafted rows decode as they would alone: with their own masks (min_tokens, a grammar, ...).
-        masks = [row_mask(s, io.toks, io.eos_ids) for s in seqs]
-        plan = io.builder.build(seqs, [1 + len(d) for d in drafts], masks, drafts=drafts)
-        try:
-            ticket = io.device.launch(plan)
-            # A verify step answers as a burst; one whose drafts all lost their KV is a plain decode step.
-            results = io.device.await_burst(ticket) if any(drafts) else [io.device.await_result(ticket)]
-        except DeviceError as e:
-            fail_rows(seqs, io, e)
-            return
+    def record(self, inf: Inflight) -> None:
+        """Count a settled verify step: its drafts, and the ones kept (picks beyond each drafted row's first)."""
         self.stats.steps += 1
-        for result in results:  # pick j of every row that kept that many, in order
-            stopped = [s.finished or tok < 0 for s, tok in zip(seqs, result.tokens.tolist())]
-            for s, gone in zip(seqs, stopped):
-                if not gone:
-                    s.num_computed += 1
-            commit_tokens(io, seqs, result.tokens, result, stopped)
-        for s, d in zip(seqs, drafts):
+        for d, kept in zip(inf.drafts, inf.kept):
             if d:
                 self.stats.drafted += len(d)
-                io.apply(Rollback(s))  # the KV of rejected drafts (positions past num_computed) goes back
-        self.stats.accepted += self._accepted(results, drafts)
-
-    @staticmethod
-    def _accepted(results, drafts: list[list[int]]) -> int:
-        """Draft tokens the step kept: picks beyond each drafted row's first."""
-        kept = sum((r.tokens >= 0).astype(np.int64) for r in results)
-        return int(sum(int(kept[i]) - 1 for i, d in enumerate(drafts) if d and kept[i] > 0))
+                self.stats.accepted += max(kept - 1, 0)

@@ -228,11 +228,11 @@ class StepBuilder:
         self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, feed: list[int] | None = None,
         lookahead: int = 0, drafts: list[list[int]] | None = None,
     ) -> StepPlan:
-        """A plan running num_new[r] tokens of seqs[r] from its num_computed.
+        """A plan running num_new[r] tokens of seqs[r] from its num_launched (behind the step in flight, if any).
 
         feed: per row FEED_HOST, or the row of the previous step whose sampled token is this row's input (a row
-        launched ahead: one token written at position num_computed, which always samples; its launch bookkeeping
-        comes later). None: every row host-fed.
+        launched ahead: one token written at position num_launched, which always samples). None: every row
+        host-fed.
         lookahead: the block tables also cover that many positions past the step's (a decode burst's).
         drafts: per row, draft tokens that follow its committed ones (a verify step, engine_core/speculative.py):
         the row runs its last token and its drafts (num_new = 1 + len(drafts)) and samples at each.
@@ -242,7 +242,7 @@ class StepBuilder:
         R = len(seqs)
         T = sum(num_new)
         assert R <= self.max_rows and T <= self.max_tokens, "step larger than the builder's capacity"
-        starts = [s.num_computed for s in seqs]
+        starts = [s.num_launched for s in seqs]
         width = max(1, -(-(max(map(add, starts, num_new)) + lookahead) // self.block_size))
         rows = self._mirror.rows(seqs)
         tables = b.block_tables[: R * width].reshape(R, width)

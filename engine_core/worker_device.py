@@ -32,7 +32,7 @@ import numpy as np
 import psutil
 
 from metrale.ipc.doorbell import Attached, Bell, BellListener, Shutdown, WorkerFailed, WorkerReady, bell_path
-from metrale.ipc.plan import DeviceError, DeviceLost, ModelInfo, StepPlan, StepResult, Ticket
+from metrale.ipc.plan import DeviceError, DeviceLost, ModelInfo, StepKind, StepPlan, StepResult, Ticket
 from metrale.ipc.tickets import SPIN_IS_SAFE, RingGeometry, TicketRing, WorkerStats
 from metrale.settings import DEFAULTS
 
@@ -219,10 +219,11 @@ class WorkerDevice:
         """The most decode steps one ticket may ask for (the ring's max_burst)."""
         return self._ring.geometry.max_burst
 
-    def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
-        """Write the plan into the next slot, publish it and ring the worker; ValueError if it does not fit.
+    def launch(self, plan: StepPlan, kind: StepKind = StepKind.STEP, steps: int = 1) -> Ticket:
+        """Write the plan and its kind into the next slot, publish it and ring the worker; ValueError if it does
+        not fit.
 
-        steps > 1: a decode burst (see await_burst). RuntimeError if the slot is still in flight (await a
+        A BURST of `steps` and a VERIFY are awaited with await_burst. RuntimeError if the slot is still in flight (await a
         ticket first). With no worker attached the ticket is still made, and awaiting it raises DeviceError."""
         if self._closed:
             raise DeviceError("the device is closed")
@@ -230,7 +231,7 @@ class WorkerDevice:
         slot = seq % self._ring.num_slots
         if self._inflight[slot]:
             raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
-        self._ring.write_plan(slot, plan, steps)
+        self._ring.write_plan(slot, plan, kind, steps)
         self._ring.publish_plan(slot, seq)
         for bell in self._bells:  # every rank reads the plan
             bell.ring()
@@ -248,8 +249,8 @@ class WorkerDevice:
         return self._collect(ticket, lambda slot: self._ring.read_result(slot, copy=True))
 
     def await_burst(self, ticket: Ticket) -> list[StepResult]:
-        """Wait for a ticket launched with steps > 1 (ModelRunner.execute_burst in the worker): one result
-        per step, copies; DeviceError as await_result."""
+        """Wait for a BURST (ModelRunner.execute_burst in the worker) or a VERIFY ticket: one result per step,
+        copies; DeviceError as await_result."""
         return self._collect(ticket, self._ring.read_results)
 
     def _collect(self, ticket: Ticket, read):

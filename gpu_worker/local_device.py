@@ -17,7 +17,7 @@ import numpy as np
 
 from metrale.gpu_worker.model_runner import ModelRunner
 from metrale.gpu_worker.result_copy import launch_ticket
-from metrale.ipc.plan import DeviceError, ModelInfo, StepPlan, StepResult, Ticket
+from metrale.ipc.plan import DeviceError, ModelInfo, StepKind, StepPlan, StepResult, Ticket, check_ticket
 
 _WAIT_SLICE_S = 0.1  # await_result wakes this often to notice a dead or closed device
 _AHEAD_POLL_S = 0.0002  # with a step in flight, the thread looks for the next one this often (the GIL released)
@@ -67,17 +67,18 @@ class LocalDevice:
             self._thread = threading.Thread(target=self._serve, name="metrale-local-device", daemon=True)
             self._thread.start()
 
-    def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
-        """Queue the step (or, unthreaded, run it now) and return its ticket; steps > 1: a decode burst
-        (ModelRunner.execute_burst, awaited with await_burst)."""
+    def launch(self, plan: StepPlan, kind: StepKind = StepKind.STEP, steps: int = 1) -> Ticket:
+        """Queue the ticket (or, unthreaded, run it now) and return it; a BURST (ModelRunner.execute_burst) and a
+        VERIFY are awaited with await_burst."""
         if self._closed:
             raise DeviceError("the device is closed")
+        check_ticket(kind, steps, self.burst_limit)
         seq = self._next_seq
         self._next_seq += 1
         if self.threaded:
-            self._queue.put((seq, plan, steps))
+            self._queue.put((seq, plan, kind, steps))
         else:
-            self._run(seq, plan, steps)
+            self._run(seq, plan, kind, steps)
         return Ticket(slot=0, seq=seq)
 
     def await_result(self, ticket: Ticket) -> StepResult:
@@ -170,19 +171,20 @@ class LocalDevice:
                 self._finish(inflight)
                 inflight = None
 
-    def _run(self, seq: int, plan: StepPlan, steps: int) -> None:
-        """Execute one step (or a burst of them) and publish its outcome."""
-        self._finish(self._start(seq, plan, steps))
+    def _run(self, seq: int, plan: StepPlan, kind: StepKind, steps: int) -> None:
+        """Execute one ticket and publish its outcome."""
+        self._finish(self._start(seq, plan, kind, steps))
 
-    def _start(self, seq: int, plan: StepPlan, steps: int) -> _Launched:
-        """Queue one step (or a burst of them) on the runner."""
+    def _start(self, seq: int, plan: StepPlan, kind: StepKind, steps: int) -> _Launched:
+        """Queue one ticket's steps on the runner."""
+        burst = kind != StepKind.STEP  # a BURST's steps, a VERIFY's picks: awaited with await_burst
         try:
-            pending = launch_ticket(self.runner, plan, steps)  # a verify step's picks are awaited with await_burst
+            pending = launch_ticket(self.runner, plan, kind, steps)
             self._runner_step[seq] = self.runner.steps_executed - 1
             self._runner_step.pop(seq - 4, None)  # the runner keeps only the last few steps' logits
-            return _Launched(seq, pending, steps > 1 or bool(plan.num_drafts.any()))
+            return _Launched(seq, pending, burst)
         except Exception as exc:  # a failed step is reported to its awaiter, never kills the thread
-            return _Launched(seq, None, steps > 1, exc)
+            return _Launched(seq, None, burst, exc)
 
     def _finish(self, launched: _Launched) -> None:
         """Wait for a launched step's results (their copies) and publish its outcome."""

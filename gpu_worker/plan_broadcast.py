@@ -2,7 +2,7 @@
 
 The ticket ring is shared memory on the engine core's host; a rank on another host has only TCP to it. So
 rank 0 sends it every plan through torch.distributed (a gloo group of rank 0 and the off-host ranks): first a
-fixed header (what follows, a burst's steps, the plan's counts), then the plan's arrays packed end to end in
+fixed header (what follows, the StepKind and steps, the plan's counts), then the plan's arrays packed end to end in
 PLAN_FIELDS order (ipc/ticket_layout.py, the ring's own field list: grammar bitmasks, drafts and state slots
 too, so an off-host rank samples under the same masks as rank 0). While rank 0 waits for plans it sends an
 idle header every KEEPALIVE_S, so a receiver's wait never runs into torch.distributed's timeout; a stop header
@@ -15,14 +15,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from metrale.ipc.plan import StepPlan
+from metrale.ipc.plan import StepKind, StepPlan
 from metrale.ipc.ticket_layout import PLAN_FIELDS, region_lengths
 from metrale.ipc.worker_group import KEEPALIVE_S  # noqa: F401 - how often rank 0 sends IDLE (worker.py)
 
 from .errors import GroupLost
 
 PLAN, IDLE, STOP = 1, 2, 3
-_HEADER = 16  # int64s: kind, steps, the plan's eleven counts (ticket_layout.plan_counts), payload bytes
+_HEADER = 16  # int64s: message kind, StepKind, steps, the plan's eleven counts (ticket_layout.plan_counts), payload bytes
 _ALIGN = 8
 PLAN_COUNTS = ("T", "R", "B", "K", "H", "SO", "SI", "G", "W", "S", "BI")  # what counts_of gives, in order
 
@@ -89,13 +89,13 @@ class _Channel:
 class PlanSender(_Channel):
     """Rank 0's side."""
 
-    def send(self, plan: StepPlan, steps: int) -> None:
-        """Send one plan (of `steps` decode steps) to every off-host rank."""
+    def send(self, plan: StepPlan, kind: StepKind, steps: int) -> None:
+        """Send one plan, its StepKind and its steps to every off-host rank."""
         counts = counts_of(plan)
         _, nbytes = _layout(counts)
         self._grow(nbytes)
         pack(plan, counts, self.payload.numpy())
-        self.header[: 3 + len(counts)] = torch.tensor([PLAN, steps, *counts, nbytes])
+        self.header[: 4 + len(counts)] = torch.tensor([PLAN, kind, steps, *counts, nbytes])
         self._broadcast(self.header)
         self._broadcast(self.payload[:nbytes])
 
@@ -116,8 +116,8 @@ class PlanSender(_Channel):
 class PlanReceiver(_Channel):
     """An off-host rank's side."""
 
-    def receive(self) -> tuple[StepPlan, int] | None:
-        """The next plan and its steps (views of the buffer, valid until the next receive); None: stop."""
+    def receive(self) -> tuple[StepPlan, StepKind, int] | None:
+        """The next plan, its kind and its steps (views of the buffer, valid until the next receive); None: stop."""
         while True:
             self._broadcast(self.header)
             kind = int(self.header[0])
@@ -126,8 +126,8 @@ class PlanReceiver(_Channel):
             if kind == PLAN:
                 break
         n = len(PLAN_COUNTS)
-        steps, *counts = (int(v) for v in self.header[1 : 2 + n])
-        nbytes = int(self.header[2 + n])
+        step_kind, steps, *counts = (int(v) for v in self.header[1 : 3 + n])
+        nbytes = int(self.header[3 + n])
         self._grow(nbytes)
         self._broadcast(self.payload[:nbytes])
-        return unpack(tuple(counts), self.payload.numpy()), steps
+        return unpack(tuple(counts), self.payload.numpy()), StepKind(step_kind), steps

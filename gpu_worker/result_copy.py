@@ -17,7 +17,7 @@ import torch
 
 from metrale.gpu_worker.device_event import new_event
 from metrale.gpu_worker.sampler import SamplerOutput
-from metrale.ipc.plan import StepResult
+from metrale.ipc.plan import StepKind, StepResult
 
 
 @dataclass(slots=True)
@@ -106,17 +106,18 @@ class Ready:
         return self.value
 
 
-def launch_ticket(runner, plan, steps: int) -> list:
-    """Queue one ticket's plan on the runner: a decode burst's steps, a verify step's picks, or one step; their
-    pending results in order. A verify step (speculative decoding) runs to completion: nothing is fed from it
-    (the host commits its picks). A runner without launch() (a test's) runs each kind at once."""
-    if steps == 1 and plan.num_drafts.any():
+def launch_ticket(runner, plan, kind: StepKind, steps: int) -> list:
+    """Queue one ticket's plan on the runner as its kind says: a BURST's decode steps, a VERIFY's picks, or one
+    STEP; their pending results in order. A verify step (speculative decoding) runs to completion: nothing is fed
+    from it (the host commits its picks). A runner without launch() (a test's) runs each kind at once."""
+    if kind == StepKind.VERIFY:
         return [Ready(r) for r in runner.execute_verify(plan)]
+    burst = kind == StepKind.BURST
     if hasattr(runner, "launch"):
-        return runner.launch_burst(plan, steps) if steps > 1 else [runner.launch(plan)]
-    return [Ready(r) for r in (runner.execute_burst(plan, steps) if steps > 1 else [runner.execute(plan)])]
+        return runner.launch_burst(plan, steps) if burst else [runner.launch(plan)]
+    return [Ready(r) for r in (runner.execute_burst(plan, steps) if burst else [runner.execute(plan)])]
 
 
-def run_ticket(runner, plan, steps: int) -> list[StepResult]:
+def run_ticket(runner, plan, kind: StepKind, steps: int) -> list[StepResult]:
     """One ticket's plan run to its results (launch_ticket, then wait for every copy)."""
-    return [pending.result() for pending in launch_ticket(runner, plan, steps)]
+    return [pending.result() for pending in launch_ticket(runner, plan, kind, steps)]

@@ -49,7 +49,7 @@ import msgspec
 
 from metrale.ipc import worker_group
 from metrale.ipc.doorbell import Attached, Bell, Shutdown, WorkerFailed, WorkerReady, bell_path
-from metrale.ipc.ticket_layout import LOGITS_TICKET
+from metrale.ipc.plan import StepKind
 from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
 from metrale.ipc.worker_group import KEEPALIVE_S, GroupSpec
 
@@ -170,15 +170,16 @@ class WorkerLoop:
         ticket, or write the step's error; the worker keeps serving (see _failed for tensor parallelism)."""
         ring = self.ring
         t0 = time.perf_counter_ns()
-        steps = ring.plan_steps(slot)
-        if steps == LOGITS_TICKET:
+        kind = ring.plan_kind(slot)
+        if kind == StepKind.LOGITS:
             self._answer_logits(slot, t0)
             return _Started(slot, seq, 0, t0, None)
+        steps = ring.plan_steps(slot)
         try:
             plan = ring.read_plan(slot)
             if self.sender is not None:
-                self.sender.send(plan, steps)  # the off-host ranks run it too (a failure there ends the group)
-            pending = launch_ticket(self.runner, plan, steps)
+                self.sender.send(plan, kind, steps)  # the off-host ranks run it too (a failure there ends the group)
+            pending = launch_ticket(self.runner, plan, kind, steps)
             self._ran(seq)
             return _Started(slot, seq, steps, t0, pending)
         except Exception as exc:  # noqa: BLE001 - any failure of a step is that step's error
@@ -254,11 +255,12 @@ class WorkerLoop:
         """A rank > 0's run of ticket seq's plan in slot: the steps rank 0 runs, nothing written (a logits
         ticket is rank 0's alone); the steps run. GroupLost for a failure past the plan's checks."""
         ring = self.ring
-        steps = ring.plan_steps(slot)
-        if steps == LOGITS_TICKET:
+        kind = ring.plan_kind(slot)
+        if kind == StepKind.LOGITS:
             return 0
+        steps = ring.plan_steps(slot)
         try:
-            run_ticket(self.runner, ring.read_plan(slot), steps)
+            run_ticket(self.runner, ring.read_plan(slot), kind, steps)
             self._ran(seq)
         except GroupLost:
             raise
@@ -420,9 +422,9 @@ def _run_off_host(config: WorkerConfig) -> int:
             item = receiver.receive()
             if item is None:
                 return 0
-            plan, steps = item
+            plan, kind, steps = item
             try:
-                run_ticket(runner, plan, steps)
+                run_ticket(runner, plan, kind, steps)
             except PlanError:
                 continue  # rank 0 refused it too
             except GroupLost:

@@ -26,6 +26,25 @@ MASK_GRAMMAR = 8  # only the tokens of the row's grammar bitmask (grammar_bitmas
 NO_SEED = -1
 
 
+class StepKind(enum.IntEnum):
+    """What a ticket asks the device to run; it travels with the plan and the device dispatches on it."""
+
+    STEP = 0  # one forward over the plan's tokens, one pick per sampling row (prefill, decode, mixed, fed ahead)
+    BURST = 1  # `steps` decode steps of the same rows, each fed its own previous pick (await_burst)
+    VERIFY = 2  # each row's last token and its drafts, picks kept up to the first rejected draft (await_burst)
+    LOGITS = 3  # no plan: the logits of a settled step (Device.read_logits; a ticket of its own on the ring)
+
+
+def check_ticket(kind: StepKind, steps: int, burst_limit: int) -> None:
+    """ValueError unless a device that bursts up to burst_limit steps runs this ticket: a BURST of 1 to
+    burst_limit steps, a STEP or a VERIFY of one (a LOGITS ticket carries no plan)."""
+    if kind == StepKind.LOGITS or kind not in StepKind.__members__.values():
+        raise ValueError(f"a plan cannot be launched as {kind!r}")
+    top = burst_limit if kind == StepKind.BURST else 1
+    if not 1 <= steps <= top:
+        raise ValueError(f"a {StepKind(kind).name} ticket of {steps} steps (this device runs 1 to {top})")
+
+
 class FedAheadPolicy(enum.Enum):
     """What the device can do with a step launched ahead whose input turned out stale."""
 
@@ -169,16 +188,23 @@ class StepResult:
 class Device(Protocol):
     """The model as the engine core sees it. Implementations: LocalDevice, WorkerDevice, FakeDevice.
 
-    A device that can run decode bursts (LocalDevice, WorkerDevice) also takes `launch(plan, steps)` for up
-    to its `burst_limit` steps and answers such a ticket with `await_burst(ticket) -> list[StepResult]`.
+    What it can run: one step of any plan (StepKind.STEP), a verify step (a plan with drafts: StepKind.VERIFY,
+    answered as a burst), a decode burst of up to `burst_limit` steps (StepKind.BURST; 1: none), and the logits
+    of a settled step (read_logits).
     """
 
-    def launch(self, plan: StepPlan) -> Ticket:
-        """Start a step without waiting for it. Steps run in launch order."""
+    burst_limit: int  # the most decode steps one ticket may ask for (1: the device runs no bursts)
+
+    def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
+        """Start a step (steps > 1: a decode burst) without waiting for it. Steps run in launch order."""
         ...
 
     def await_result(self, ticket: Ticket) -> StepResult:
         """Wait for a launched step; DeviceError if it failed or the device died."""
+        ...
+
+    def await_burst(self, ticket: Ticket) -> list[StepResult]:
+        """Wait for a burst's steps, or a verify step's picks: one result per step."""
         ...
 
     def read_logits(self, ticket: Ticket) -> np.ndarray:

@@ -23,8 +23,8 @@ from .plan import StepPlan, StepResult
 from .sampling import MAX_LOGIT_BIAS
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 6  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
-# 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias)
+VERSION = 7  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
+# 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND)
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -41,9 +41,9 @@ H_WORKER = 16  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_
 # Control block int64 indices (relative to the slot's first int64).
 C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI, C_G, C_W, C_STEPS = range(11)  # C_STEPS: a burst's steps
 C_S = 11  # state_slots entries (0 or R)
-C_LOGITS_OF = 12  # a logits ticket (C_STEPS 0): the seq of the step whose logits it asks for
+C_LOGITS_OF = 12  # a logits ticket (C_KIND LOGITS): the seq of the step whose logits it asks for
 C_BI = 13  # logit_bias entries (bias_ids, bias_values)
-LOGITS_TICKET = 0  # C_STEPS of a ticket that asks for a step's logits instead of running a plan
+C_KIND = 14  # the ticket's StepKind: what the worker runs
 C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_RES_STEPS = range(16, 24)
 HAS_LOGPROBS, HAS_TOP = 1, 2
 

@@ -26,7 +26,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
-from .plan import StepPlan, StepResult
+from .plan import StepKind, StepPlan, StepResult, check_ticket
 from .segments import (
     SEGMENT_PREFIX,
     SHM_DIR,
@@ -45,6 +45,7 @@ from .ticket_layout import (
     C_G,
     C_H,
     C_K,
+    C_KIND,
     C_LOGITS_OF,
     C_PLAN_SEQ,
     C_R,
@@ -69,7 +70,6 @@ from .ticket_layout import (
     HAS_LOGPROBS,
     HAS_TOP,
     HEADER_BYTES,
-    LOGITS_TICKET,
     MAGIC,
     N_GEOMETRY,
     PLAN_FIELDS,
@@ -214,27 +214,29 @@ class TicketRing:
 
     # ---- plans (engine writes, worker reads) ----------------------------------------------
 
-    def write_plan(self, slot: int, plan: StepPlan, steps: int = 1) -> None:
-        """Copy a plan's arrays and counts into a slot; ValueError (nothing written) if it does not fit.
+    def write_plan(self, slot: int, plan: StepPlan, kind: StepKind = StepKind.STEP, steps: int = 1) -> None:
+        """Copy a plan, its kind and its counts into a slot; ValueError (nothing written) if it does not fit.
 
-        steps > 1 asks for a decode burst (ModelRunner.execute_burst). Values are cast to the slot's
-        dtypes (the StepPlan ones) as numpy assignment does."""
-        if not 1 <= steps <= self.geometry.max_burst:
-            raise ValueError(f"a ticket of {steps} steps, the ticket ring holds 1 to {self.geometry.max_burst}")
+        A BURST runs `steps` decode steps (ModelRunner.execute_burst); every other kind one. Values are cast to
+        the slot's dtypes (the StepPlan ones) as numpy assignment does."""
+        check_ticket(kind, steps, self.geometry.max_burst)
         counts = plan_counts(plan, self.geometry)
         for name, view in zip(PLAN_NAMES, self._plan_views(slot, counts)):
             view[...] = getattr(plan, name)
         c = self._ctrl[slot]
         self._q[c + C_T : c + C_STEPS + 1] = (*counts[:9], steps)
-        self._q[c + C_S], self._q[c + C_BI] = counts[9], counts[10]
+        self._q[c + C_S], self._q[c + C_BI], self._q[c + C_KIND] = counts[9], counts[10], kind
 
     def publish_plan(self, slot: int, seq: int) -> None:
         """Make the plan written in a slot visible as ticket seq (after write_plan)."""
         self._seqs[self._ctrl[slot] + C_PLAN_SEQ] = seq
 
+    def plan_kind(self, slot: int) -> StepKind:
+        """What the slot's ticket asks for (LOGITS: a logits ticket, see write_logits_request)."""
+        return StepKind(self._seqs[self._ctrl[slot] + C_KIND])
+
     def plan_steps(self, slot: int) -> int:
-        """How many steps the slot's plan asks for (1, or a decode burst's; LOGITS_TICKET: none, see
-        write_logits_request)."""
+        """How many steps the slot's plan asks for (1, or a BURST's)."""
         return self._seqs[self._ctrl[slot] + C_STEPS]
 
     def write_logits_request(self, slot: int, of_seq: int) -> None:
@@ -244,7 +246,7 @@ class TicketRing:
             raise ValueError("this ticket ring carries no logits (its max_logits_vocab is 0)")
         c = self._ctrl[slot]
         self._seqs[c + C_LOGITS_OF] = of_seq
-        self._seqs[c + C_STEPS] = LOGITS_TICKET
+        self._seqs[c + C_KIND] = StepKind.LOGITS
 
     def logits_of(self, slot: int) -> int:
         """The seq whose logits a logits ticket asks for."""

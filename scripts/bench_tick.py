@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def trivial_device_class():
     """FakeDevice with a trivial model and a CPU clock around its launch and await (imported late: --help stays quick)."""
     from metrale.engine_core.fake_device import FakeDevice
-    from metrale.ipc.plan import StepResult
+    from metrale.ipc.plan import StepKind, StepResult
 
     class TrivialFakeDevice(FakeDevice):
         """Every sampling row picks TOKEN; launch and await_result add their CPU time to cpu_s."""
@@ -77,10 +77,10 @@ def trivial_device_class():
             """The trivial model: the same token for every row (non-sampling rows get -1, as the toy model gives)."""
             return StepResult(tokens=np.where(plan.sample, TOKEN, -1).astype(np.int32), logprobs=None)
 
-        def launch(self, plan, steps: int = 1):
+        def launch(self, plan, kind=StepKind.STEP, steps: int = 1):
             t = time.process_time()
             try:
-                return super().launch(plan, steps)
+                return super().launch(plan, kind, steps)
             finally:
                 self.cpu_s += time.process_time() - t
                 self.launches += 1

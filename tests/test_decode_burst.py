@@ -1,4 +1,4 @@
-"""Decode bursts (engine_core/decode_burst.py): several decode steps per tick give exactly the single steps' tokens."""
+"""Decode bursts (engine_core/step_kinds.py): several decode steps per tick give exactly the single steps' tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.engine_core.decode_burst import burst_length
+from metrale.engine_core.step_kinds import burst_length
 from metrale.engine_core.sequence import Sequence
 
 

@@ -49,7 +49,7 @@ def test_prefix_cache_reuses_settled_full_blocks_and_counts_hits():
     assert pool.num_cached == 2 and pool.num_used == 0
     b = seq([1, 2, 3, 4, 5, 6, 7, 8, 42, 43], "b")
     assert pool.match_prefix(b) == 8
-    assert b.num_computed == 8 and pool.num_cached == 0 and pool.num_used == 2
+    assert len(b.block_table) == 2 and pool.num_cached == 0 and pool.num_used == 2
     pool.check_invariant()
     assert pool.stats.hit_tokens == 8
 

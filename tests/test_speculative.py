@@ -98,9 +98,15 @@ def test_no_drafts_at_the_batch_size_that_disables_them(monkeypatch):
     from metrale.engine_core.speculative import Speculator
 
     verified_rows = []
-    run = Speculator.run
-    monkeypatch.setattr(Speculator, "run", lambda self, seqs, drafts, io: (verified_rows.append(len(seqs)),
-                                                                           run(self, seqs, drafts, io))[1])
+    drafts = Speculator.drafts
+
+    def drafted(self, seqs):
+        out = drafts(self, seqs)
+        if out is not None and any(out):
+            verified_rows.append(len(seqs))
+        return out
+
+    monkeypatch.setattr(Speculator, "drafts", drafted)
     reqs = [Req(r.prompt, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
             for r, n in zip(_repeating(), (8, 20, 30, 40))]  # four rows, then three, two, one
     plain = run_workload(reqs, pipeline=True, repetitive=True)

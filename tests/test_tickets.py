@@ -13,7 +13,7 @@ import pytest
 
 from metrale.ipc import ticket_layout
 from metrale.ipc.doorbell import BellListener, bell_path
-from metrale.ipc.plan import StepPlan, StepResult
+from metrale.ipc.plan import StepKind, StepPlan, StepResult
 from metrale.ipc.tickets import (
     SEGMENT_PREFIX,
     SHM_DIR,
@@ -319,7 +319,7 @@ def test_logits_round_trip_through_the_logits_region_and_its_limits():
     with TicketRing.create(geometry) as ring:
         ring.write_logits_request(2, of_seq=41)
         ring.publish_plan(2, 42)
-        assert ring.plan_steps(2) == ticket_layout.LOGITS_TICKET and ring.logits_of(2) == 41
+        assert ring.plan_kind(2) == StepKind.LOGITS and ring.logits_of(2) == 41
         logits = np.random.default_rng(3).standard_normal((GEOMETRY.max_rows, 100)).astype(np.float32)
         ring.write_logits(2, logits[:5, :77])
         ring.publish_result(2, 42)
@@ -341,11 +341,11 @@ def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_hea
     plan.num_drafts = np.array([0, 2, 1, 0], dtype=np.int32)
     plan.state_slots = np.array([3, 0, 2, 1], dtype=np.int32)
     with TicketRing.create(geometry) as ring:
-        ring.write_plan(1, plan, steps=3)
+        ring.write_plan(1, plan, StepKind.BURST, steps=3)
         other = TicketRing.attach(ring.name)
         try:
-            assert other.geometry == geometry and ticket_layout.VERSION == 6
-            assert other.plan_steps(1) == 3
+            assert other.geometry == geometry and ticket_layout.VERSION == 7
+            assert other.plan_kind(1) == StepKind.BURST and other.plan_steps(1) == 3
             assert_plans_equal(other.read_plan(1), plan)
             ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
             assert_plans_equal(other.read_plan(1), plan)
