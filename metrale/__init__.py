@@ -6,7 +6,8 @@ cpu_isa.apply_to_environment()  # before torch starts: a forced kernel class cap
 
 from metrale.ipc.sampling import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "Client", "AsyncClient"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "Client", "AsyncClient"]
 
 
 def __getattr__(name: str):
@@ -14,6 +15,10 @@ def __getattr__(name: str):
         from metrale import llm
 
         return getattr(llm, name)
+    if name in ("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"):
+        from metrale import beam_search
+
+        return getattr(beam_search, name)
     if name in ("Client", "AsyncClient"):
         from metrale.frontend import client
 

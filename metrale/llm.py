@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
 import msgspec
+import numpy as np
 
+from metrale.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from metrale.config import EngineArgs
 from metrale.settings import DEFAULTS
 from metrale.engine_core.engine import EngineCore, EngineOptions
@@ -184,6 +186,85 @@ class LLM:
                                  extra=chat_template_kwargs) for chat in conversations]
         # The template writes the special tokens it wants (BOS included): nothing is added, as over HTTP.
         return self._run(texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts], params)
+
+    def beam_search(
+        self,
+        prompts: str | dict | Seq[str | dict] | Seq[int] | Seq[Seq[int]],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's beam_width best hypotheses, best first, found by transformers'
+        beam search (metrale/beam_search.py); prompts as generate() takes them.
+
+        Each round runs one step per live beam: a request of max_tokens=1 for the beam's whole sequence, asking
+        for its top alternatives (the raw model distribution). The prefix cache hands it the full blocks its
+        parent beam's request filled, so only its last, partial block is computed again. A prompt or parameter
+        the engine cannot serve raises ValueError naming the field, and nothing runs.
+        """
+        params.validate()
+        _, token_lists = self._prompts(prompts)
+        self._check_beam_prompts(token_lists, params.max_tokens)
+        searches = [BeamSearch(ids, params, self.engine.info.eos_token_ids) for ids in token_lists]
+        if not searches:
+            return []
+        # Greedy, so the pick costs an argmax; the pick itself is unused (the alternatives decide).
+        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=searches[0].num_logprobs)
+        while live := [s for s in searches if not s.done]:
+            alternatives = iter(self._run_one_step([tokens for s in live for tokens in s.next_inputs()], step))
+            for s in live:
+                rows = [next(alternatives) for _ in s.beams]
+                s.advance(np.array([r.top_ids for r in rows]), np.array([r.top_logprobs for r in rows]))
+        self._run_until_idle()  # retire the last round's requests (their blocks stay cached)
+        outputs = []
+        for s in searches:
+            sequences = s.results()
+            for seq in sequences:
+                seq.text = IncrementalDetokenizer(self.tokenizer, s.prompt, SamplingParams()).finish(seq.output_ids)
+            outputs.append(BeamSearchOutput(sequences))
+        return outputs
+
+    def _check_beam_prompts(self, token_lists: list[list[int]], max_tokens: int) -> None:
+        """Raise ValueError naming the field unless every prompt's beams fit the engine to max_tokens (checked
+        before the first round, so a refused search runs nothing)."""
+        vocab, pool = self.engine.info.vocab_size, self.engine.pool
+        limit = min(self.engine.info.max_model_len, pool.num_blocks * pool.block_size)
+        for ids in token_lists:
+            if not ids:
+                raise ValueError("prompt must have at least one token")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token_ids must be in [0, {vocab}) (got {bad[:5]})")
+            if len(ids) + max_tokens > limit:
+                raise ValueError(f"max_tokens {max_tokens} after a prompt of {len(ids)} tokens passes the "
+                                 f"engine's {limit} (max_model_len, KV capacity)")
+
+    def _run_one_step(self, inputs: list[list[int]], params: SamplingParams) -> list[TokenLogprob]:
+        """Run each token list as a request of one token under params; each one's TokenLogprob, in order. A
+        request that fails aborts the rest and raises RuntimeError; nothing is left in the engine."""
+        rids = [f"beam-{next(self._ids)}" for _ in inputs]
+        index = {rid: i for i, rid in enumerate(rids)}
+        got: list[TokenLogprob | None] = [None] * len(inputs)
+        queue = list(zip(rids, inputs))[::-1]  # popped from the end: first in, first added
+        open_ids: set[str] = set()
+        try:
+            while queue or open_ids:
+                # Within the engine's waiting room, however many beams the prompts have between them.
+                while queue and len(open_ids) < self.engine.options.max_waiting:
+                    rid, tokens = queue.pop()
+                    self.engine.add_request(rid, tokens, msgspec.structs.replace(params), stream=False)
+                    open_ids.add(rid)
+                for delta in self.engine.step():
+                    if delta.request_id not in open_ids or delta.finish_reason is None:
+                        continue
+                    if not delta.logprobs:
+                        raise RuntimeError(f"a beam's step ended {delta.finish_reason}: {delta.error}")
+                    got[index[delta.request_id]] = delta.logprobs[0]
+                    open_ids.discard(delta.request_id)
+        except BaseException:
+            for rid in open_ids:
+                self.engine.abort(rid)
+            self._run_until_idle()
+            raise
+        return got
 
     def _template(self, chat_template: str | None) -> ChatTemplate:
         """The template a chat renders with: chat_template's, else the model's (compiled once)."""
