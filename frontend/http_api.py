@@ -1,9 +1,9 @@
 """HttpApi: the OpenAI-compatible HTTP API, served by aiohttp on the frontend's own event loop.
 
-Routes: POST /v1/completions (http_completions.py), POST /v1/chat/completions (http_chat.py), both as SSE
-streams or one JSON answer; GET /v1/models[/{id}] (http_models.py); POST /tokenize, /detokenize
-(http_tokenize.py); GET|POST /ping, POST /invocations (http_sagemaker.py); GET /health, /metrics, /version, /load
-(here). docs/http.md is the reference.
+Routes: POST /v1/completions (http_completions.py), POST /v1/chat/completions (http_chat.py), POST /v1/responses
+(http_responses.py, run through the chat route), each as SSE streams or one JSON answer; GET /v1/models[/{id}]
+(http_models.py); POST /tokenize, /detokenize (http_tokenize.py); GET|POST /ping, POST /invocations
+(http_sagemaker.py); GET /health, /metrics, /version, /load (here). docs/http.md is the reference.
 
 Every choice of a request is one FrontendServer.generate_local request (http_run.py): the same validation,
 tokenization, AddRequest, detokenization (stop strings included) and abort path that a ZMQ Generate frame takes.
@@ -32,6 +32,7 @@ from .http_errors import ApiError, errors_as_json, json_response
 from .http_models import Models
 from .http_params import ServedModel
 from .http_reply import TokenTexts
+from .http_responses import Responses
 from .http_sagemaker import SageMaker
 from .http_tokenize import Tokenization
 from .metrics import CONTENT_TYPE
@@ -60,6 +61,7 @@ class HttpApi:
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)
         self.chat = ChatCompletions(server, self.model, texts)
+        responses = Responses(self.chat, self.model, texts)
         models = Models(server, self.model)
         tokenization = Tokenization(server, self.model, self.chat)
         sagemaker = SageMaker(self)
@@ -69,6 +71,7 @@ class HttpApi:
         self.app.add_routes([
             web.post("/v1/completions", self.completions.handle),
             web.post("/v1/chat/completions", self.chat.handle),
+            web.post("/v1/responses", responses.handle),
             web.get("/v1/models", models.list),
             web.get("/v1/models/{id:.+}", models.retrieve),  # an id may be a folder's path, slashes and all
             web.post("/tokenize", tokenization.tokenize),

@@ -4,12 +4,13 @@ reasoning of a reasoning model split from its content, logprobs in the chat API'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from metrale.ipc.messages import Delta, TokenLogprob
-from metrale.ipc.sampling import StructuredOutputs
+from metrale.ipc.sampling import SamplingParams, StructuredOutputs
 
 from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningTags, tag_keeping_decoder
 from .http_errors import ApiError, json_response
@@ -64,6 +65,27 @@ class ChatCompletions:
         body = await decode_body(request, ChatRequest)
         self.model.check(body.model)
         _refuse_unsupported(body)
+        chat = await self.submit(request, body)
+        run, choices, ids, logprobs = chat.run, chat.choices, chat.prompt_ids, chat.logprobs
+        try:
+            reply = Reply("chatcmpl", "chat.completion", self.model.id, body.stream_options, self.model.force_usage)
+            label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
+            return_ids = bool(body.return_token_ids)
+            if body.stream:
+                reply.prompt_token_ids = ids if return_ids else None
+                return await stream(request, run, choices, reply, lambda c, msg: self._chunk(c, msg, label, return_ids))
+            await run.collect(choices)
+            answer = reply.completion(choices, [self._choice(c, label, return_ids, logprobs is not None) for c in choices])
+            if return_ids:
+                answer["prompt_token_ids"] = ids
+            return json_response(answer)
+        finally:
+            run.close()
+
+    async def submit(self, request: web.Request, body: ChatRequest) -> ChatRun:
+        """Render body's messages, start its n choices and wait for each one's first output (the Responses route
+        runs its requests through here too). The caller closes the returned Run; on an error it is closed here.
+        400 naming the field for tools, messages or sampling fields that cannot be served."""
         try:
             tools = tool_choice_of(body.tools, body.tool_choice)
         except ToolChoiceError as exc:
@@ -94,19 +116,10 @@ class ChatCompletions:
                 run.start(j, seeded(params, j), prompt=None if ids else prompt, token_ids=ids, add_special_tokens=False,
                           decoder=decoder, cache_salt=body.cache_salt, strict_length=explicit_max)
             await run.wait_first("messages")
-            reply = Reply("chatcmpl", "chat.completion", self.model.id, body.stream_options, self.model.force_usage)
-            label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
-            return_ids = bool(body.return_token_ids)
-            if body.stream:
-                reply.prompt_token_ids = ids if return_ids else None
-                return await stream(request, run, choices, reply, lambda c, msg: self._chunk(c, msg, label, return_ids))
-            await run.collect(choices)
-            answer = reply.completion(choices, [self._choice(c, label, return_ids, logprobs is not None) for c in choices])
-            if return_ids:
-                answer["prompt_token_ids"] = ids
-            return json_response(answer)
-        finally:
+        except BaseException:  # refused, or the client left: nothing of it may keep running
             run.close()
+            raise
+        return ChatRun(run, choices, ids, logprobs, params)
 
     def render(self, body) -> str:
         """The chat prompt of a body with messages and the template fields (ChatRequest, a /tokenize one); 400 when
@@ -125,16 +138,7 @@ class ChatCompletions:
     def _chunk(self, c: Choice, msg: Delta, label, return_token_ids: bool) -> list[dict]:
         """A chat stream's choice entry for one Delta (the first one carries the role; none when it says nothing)."""
         logprobs = [item for item, _ in c.kept_logprobs(msg, self.texts)]
-        reasoning, content = c.splitter.push(msg.text) if c.splitter else ("", msg.text)
-        if msg.finish_reason is not None and c.splitter:
-            r, t = c.splitter.flush()
-            reasoning, content = reasoning + r, content + t
-        calls: list[dict] = []
-        if c.tools is not None:
-            content, calls = c.tools.push(content)
-            if msg.finish_reason is not None:
-                rest, more = c.tools.flush()
-                content, calls = content + rest, calls + more
+        reasoning, content, calls = delta_parts(c, msg)
         delta: dict = {}
         if not c.started:
             c.started = True
@@ -149,47 +153,84 @@ class ChatCompletions:
             return []
         entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(c, msg.finish_reason)}
         if logprobs:
-            entry["logprobs"] = {"content": self._logprobs(logprobs, label)}
+            entry["logprobs"] = {"content": token_logprobs(logprobs, label)}
         if return_token_ids:
             entry["token_ids"] = msg.token_ids
         return [entry]
 
     def _choice(self, c: Choice, label, return_token_ids: bool, logprobs: bool) -> dict:
         """One choice of a whole chat completion."""
-        text = "".join(c.text)
+        reasoning, content, calls = whole_parts(c)
         message: dict = {"role": "assistant"}
         if c.splitter is not None:
-            reasoning, content = c.splitter.push(text)
-            r, t = c.splitter.flush()
-            message["reasoning"] = message["reasoning_content"] = (reasoning + r) or None
-            message["content"] = content + t
-        else:
-            message["content"] = text
-        calls: list[dict] = []
-        if c.tools is not None:
-            content, deltas = c.tools.push(message["content"])
-            rest, more = c.tools.flush()
-            calls = fold_calls(deltas + more)
-            message["content"] = (content + rest) or (None if calls else "")
-            if c.finish_reason == "length":  # cut short: a call whose arguments did not end is not a call
-                calls = complete_calls(calls)
-                if forced(c.tools):  # the text was the forced call's JSON, not an answer
-                    message["content"] = None
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        message["content"] = content
         message["tool_calls"] = calls
         entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": _finish_reason(c, c.finish_reason)}
         if logprobs:  # asked for: an object even when no token is listed
-            entry["logprobs"] = {"content": self._logprobs(c.logprobs, label)}
+            entry["logprobs"] = {"content": token_logprobs(c.logprobs, label)}
         if return_token_ids:
             entry["token_ids"] = c.token_ids
         return entry
 
-    def _logprobs(self, items: list[TokenLogprob], label) -> list[dict]:
-        """Logprobs in the chat API's per-token shape. label(id): how a token is named."""
-        out = []
-        for t in items:
-            top = [_logprob_entry(label(i), lp) for i, lp in zip(t.top_ids, t.top_logprobs)]
-            out.append({**_logprob_entry(label(t.token_id), t.logprob), "top_logprobs": top})
-        return out
+
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request submitted: its engine requests, its choices (each with its first output in) and how it asked."""
+
+    run: Run
+    choices: list[Choice]
+    prompt_ids: list[int] | None  # tokenized here (return_token_ids, truncation), else None
+    logprobs: int | None  # top-N asked for, None when logprobs were not
+    params: SamplingParams  # what the choices run with (the model's defaults filled in)
+
+
+def delta_parts(c: Choice, msg: Delta) -> tuple[str, str, list[dict]]:
+    """One Delta of a chat choice as (reasoning, content, tool-call deltas): the reasoning split off, the rest through
+    the choice's tool parser; both flushed on the choice's last Delta."""
+    reasoning, content = c.splitter.push(msg.text) if c.splitter else ("", msg.text)
+    if msg.finish_reason is not None and c.splitter:
+        r, t = c.splitter.flush()
+        reasoning, content = reasoning + r, content + t
+    calls: list[dict] = []
+    if c.tools is not None:
+        content, calls = c.tools.push(content)
+        if msg.finish_reason is not None:
+            rest, more = c.tools.flush()
+            content, calls = content + rest, calls + more
+    return reasoning, content, calls
+
+
+def whole_parts(c: Choice) -> tuple[str | None, str | None, list[dict]]:
+    """A collected chat choice as its message carries it: (reasoning, None when there is none; content, None when
+    the choice only called tools or was cut inside a forced call; the complete tool_calls)."""
+    text = "".join(c.text)
+    reasoning = None
+    content: str | None = text
+    if c.splitter is not None:
+        r1, c1 = c.splitter.push(text)
+        r2, c2 = c.splitter.flush()
+        reasoning, content = (r1 + r2) or None, c1 + c2
+    calls: list[dict] = []
+    if c.tools is not None:
+        rest, deltas = c.tools.push(content)
+        tail, more = c.tools.flush()
+        calls = fold_calls(deltas + more)
+        content = (rest + tail) or (None if calls else "")
+        if c.finish_reason == "length":  # cut short: a call whose arguments did not end is not a call
+            calls = complete_calls(calls)
+            if forced(c.tools):  # the text was the forced call's JSON, not an answer
+                content = None
+    return reasoning, content, calls
+
+
+def token_logprobs(items: list[TokenLogprob], label) -> list[dict]:
+    """Logprobs in the chat API's per-token shape (the Responses API's too). label(id): how a token is named."""
+    out = []
+    for t in items:
+        top = [_logprob_entry(label(i), lp) for i, lp in zip(t.top_ids, t.top_logprobs)]
+        out.append({**_logprob_entry(label(t.token_id), t.logprob), "top_logprobs": top})
+    return out
 
 
 def _logprob_entry(name: str, logprob: float) -> dict:
