@@ -222,6 +222,8 @@ class FakeDevice:
         fed = bool((plan.feed_from_row != FEED_HOST).any())
         for r in np.nonzero(plan.feed_from_row != FEED_HOST)[0]:
             input_ids[plan.query_start[r]] = self.prev_tokens[plan.feed_from_row[r]]
+            if plan.hist_start[r + 1] > plan.hist_start[r]:  # a penalised row's history ends with its fed token's slot
+                plan.hist_tokens[plan.hist_start[r + 1] - 1] = self.prev_tokens[plan.feed_from_row[r]]
         self.kv[plan.slot_mapping] = input_ids
         R = plan.num_rows
         if self.state:

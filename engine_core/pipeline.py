@@ -112,11 +112,11 @@ def is_plain(seq: Sequence) -> bool:
 
 
 def can_feed(seq: Sequence) -> bool:
-    """True when seq's next step may be fed from the device's token before the host has seen it: its picks
-    need no history on the host (penalties do) and no grammar bitmask (made by the matcher after that token):
-    such a row waits for its commit. A mask that the token could change is predicted and validated, not
-    waited for."""
-    return seq.plain or not (seq.params.has_penalties or seq.grammar is not None)
+    """True when seq's next step may be fed from the device's token before the host has seen it: every row but a
+    grammar row, whose bitmask is made by its matcher after that token (it waits for its commit). A penalised
+    row's history ends with a slot the device fills with the fed token (step_builder._history); a mask that the
+    token could change is predicted and validated, not waited for."""
+    return seq.grammar is None
 
 
 def update_row_state(seq: Sequence, token: int, toks: SpecialTokens) -> None:

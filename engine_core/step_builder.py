@@ -254,7 +254,7 @@ class StepBuilder:
         g = self._sampling(b, seqs, rows, masks)
         if drafts is not None:
             b.num_drafts[:R] = [len(d) for d in drafts]
-        h = self._history(b, seqs, rows)
+        h = self._history(b, seqs, rows, feed)
         n_bias = self._bias(b, seqs, rows)
         swap_out, swap_in = self.swap.take_copies()
         state_slots = _NO_STATE
@@ -365,15 +365,20 @@ class StepBuilder:
             return 0
         return fill_bitmasks(seqs, kinds, b.grammar_bitmask)
 
-    def _history(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray) -> int:
-        """Token histories of the rows with penalties; returns their total length."""
+    def _history(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, feed: list[int] | None) -> int:
+        """Token histories of the rows with penalties; returns their total length.
+
+        A penalised row fed from the step in flight ends its history with a slot (-1) for the token it is fed,
+        which the host has not committed yet: the device writes that token there before it samples, so the
+        row's penalties count it as a plain step's would (and a device that did not would skip the -1)."""
         R = len(seqs)
         pen = self._mirror.penalties[rows]
         if not pen.any():
             b.hist_start[: R + 1] = 0
             b.hist_prompt_len[:R] = 0
             return 0
-        need = sum(s.num_tokens for s, p in zip(seqs, pen) if p)
+        fed = [False] * R if feed is None else [src != FEED_HOST for src in feed]
+        need = sum(s.num_tokens + f for s, p, f in zip(seqs, pen, fed) if p)
         if need > len(b.hist_tokens):  # rare: grow, and keep the larger size from now on
             b.hist_tokens = np.zeros(need * 2, np.int32)
         h = 0
@@ -384,6 +389,9 @@ class StepBuilder:
                 b.hist_tokens[h : h + n] = self._mirror.entry(seq).history(seq)  # a copy in C, no per-token Python
                 b.hist_prompt_len[r] = seq.num_prompt
                 h += n
+                if fed[r]:
+                    b.hist_tokens[h] = -1
+                    h += 1
             else:
                 b.hist_prompt_len[r] = 0
             b.hist_start[r + 1] = h

@@ -162,6 +162,7 @@ class ModelRunner:
         self._last_tokens = torch.full((max(max_num_seqs, 1),), -1, dtype=torch.int64, device=self.device)
         self._arange = np.arange(max(max_num_seqs, 1), dtype=np.int32)  # feed_from_row of an all-self-fed step
         self._last_sample: np.ndarray | None = None  # bool [R] of the last executed step; None = no source
+        self._last_picks: PendingResult | None = None  # the last executed step's picks on their way to the host
         self._logits: deque[_StepLogits] = deque(maxlen=LOGITS_KEPT)
         self.steps_executed = 0
 
@@ -207,7 +208,7 @@ class ModelRunner:
         self._check(plan)
         start = time.perf_counter()
         self.steps_executed += 1
-        self._last_sample = None  # the host commits the picks: nothing is fed from a verify step
+        self._last_sample = self._last_picks = None  # the host commits the picks: nothing is fed from a verify step
         with torch.inference_mode():
             self.swap.apply(plan)
             self._staging.begin()
@@ -286,6 +287,7 @@ class ModelRunner:
         step = self.steps_executed
         self.steps_executed += 1
         prev_sample, self._last_sample = self._last_sample, None  # a failure leaves no feed source
+        prev_picks, self._last_picks = self._last_picks, None
         with torch.inference_mode():
             self.swap.apply(plan)  # swapped-out blocks leave before this step may reuse them
             self._staging.begin()
@@ -296,6 +298,7 @@ class ModelRunner:
                 self._last_tokens[: plan.num_rows].fill_(-1)
                 self._last_sample = plan.sample.copy()
                 return self._copier.start(plan.num_rows, rows, None, start)
+            self._fill_fed_history(plan, prev_picks)
             logits = self._logits_of(plan, hidden, rows)
             # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync. When
             # every row samples, a greedy pick goes straight where the next step's feeds read it.
@@ -304,7 +307,25 @@ class ModelRunner:
             self._keep_tokens(plan, rows, out.tokens)
             self._staging.end()
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
-            return self._copier.start(plan.num_rows, rows, out, start)
+            self._last_picks = self._copier.start(plan.num_rows, rows, out, start)
+            return self._last_picks
+
+    @staticmethod
+    def _fill_fed_history(plan: StepPlan, prev: PendingResult | None) -> None:
+        """Write each fed penalised row's fed token into the last slot of its history (step_builder._history),
+        so its penalties count the token the host had not committed when it built the plan. The picks come from
+        the previous step's copy to the host, whose event comes before this step's forward on the device: after
+        that forward is queued, waiting for it never idles the device."""
+        fed = np.flatnonzero(plan.feed_from_row >= 0)
+        if not len(fed) or not len(plan.hist_tokens):
+            return
+        ends = plan.hist_start[fed + 1]
+        fed, ends = fed[ends > plan.hist_start[fed]], ends[ends > plan.hist_start[fed]]
+        if not len(fed):
+            return
+        if prev is None:
+            raise PlanError(f"rows {fed.tolist()} are fed with penalties, and no step before them sampled")
+        plan.hist_tokens[ends - 1] = prev.picks()[plan.feed_from_row[fed]]
 
     def _check(self, plan: StepPlan) -> None:
         """PlanError for a malformed plan or an index outside the model or the cache: caught here on

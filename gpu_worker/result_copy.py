@@ -37,13 +37,17 @@ class PendingResult:
         """Whether the copies have landed (result() will not wait)."""
         return self.event.query()
 
-    def result(self) -> StepResult:
-        """The StepResult row for row (tokens -1 where a row did not sample), waiting for the copies first."""
+    def picks(self) -> np.ndarray:
+        """int32 [R]: each row's pick (-1 where a row did not sample), waiting for the copies first."""
         self.event.synchronize()
         tokens = np.full(self.num_rows, -1, dtype=np.int32)
         if self.tokens is not None:
             tokens[self.rows] = self.tokens.numpy()
-        result = StepResult(tokens=tokens)
+        return tokens
+
+    def result(self) -> StepResult:
+        """The StepResult row for row (tokens -1 where a row did not sample), waiting for the copies first."""
+        result = StepResult(tokens=self.picks())
         if self.logprobs is not None:
             result.logprobs = np.full(self.num_rows, np.nan, dtype=np.float32)
             result.logprobs[self.rows] = self.logprobs.numpy()

@@ -129,6 +129,47 @@ def test_device_feed_gives_the_same_tokens_as_host_feed(model_path, plans):
     assert np.array_equal(fed, host)
 
 
+def _penalised(plan, hists, prompt_lens):
+    """plan with penalties over each row's history hists[r]: negative frequency and presence penalties, which
+    favour repeating an output token (the fed one among them), so a token they missed changes the picks."""
+    plan.hist_tokens = np.concatenate([np.asarray(h, dtype=np.int32) for h in hists])
+    plan.hist_start = np.concatenate([[0], np.cumsum([len(h) for h in hists])]).astype(np.int32)
+    plan.hist_prompt_len = np.asarray(prompt_lens, dtype=np.int32)
+    plan.repetition_penalty[:] = 1.0
+    plan.frequency_penalty[:] = -30.0
+    plan.presence_penalty[:] = -5.0
+    return plan
+
+
+def _generate_penalised(runner, plans, prompts, steps, *, fed, penalties=True):
+    """Greedy steps under penalties; a fed row's history ends with the -1 slot the runner fills with its fed token."""
+    lens = [len(p) for p in prompts]
+    first = _prefill_plan(plans, prompts)
+    outputs = [[int(t)] for t in runner.execute(_penalised(first, prompts, lens) if penalties else first).tokens]
+    for k in range(steps):
+        plan = _decode_plan(plans, prompts, k, None if fed else [o[-1] for o in outputs])
+        if penalties:
+            plan = _penalised(plan, [p + o[:-1] + [-1 if fed else o[-1]] for p, o in zip(prompts, outputs)], lens)
+        for o, t in zip(outputs, runner.execute(plan).tokens):
+            o.append(int(t))
+    return outputs
+
+
+def test_a_penalised_row_fed_ahead_picks_what_a_host_fed_one_picks(model_path, plans):
+    """A penalised row fed from the previous step (launched ahead, so the host has not committed its input) has
+    the runner write that token into its history's last slot: its penalties, and so its picks, are a host-fed
+    step's."""
+    prompts = _prompts(2048, lens=(5, 9, 3, 7), seed=3)
+    fed = _generate_penalised(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False),
+                              plans, prompts, 10, fed=True)
+    host = _generate_penalised(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False),
+                               plans, prompts, 10, fed=False)
+    free = _generate_penalised(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False),
+                               plans, prompts, 10, fed=False, penalties=False)
+    assert fed == host
+    assert free != host  # the penalties change the picks, so a fed token they missed would show
+
+
 def test_rows_that_do_not_sample_get_minus_one(runner, plans):
     plan = _prefill_plan(plans, _prompts(2048))
     plan.sample[[0, 2]] = False

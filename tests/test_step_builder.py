@@ -43,7 +43,7 @@ class ReferenceBuilder:
         input_ids, positions, slot_mapping = np.zeros(T, i32), np.zeros(T, i32), np.zeros(T, np.int64)
         width = max(1, max(-(-(s.num_computed + k) // self.block_size) for s, k in zip(seqs, num_new)))
         tables = np.zeros((R, width), i32)
-        hist_need = sum(s.num_tokens for s in seqs if s.params.has_penalties)
+        hist_need = sum(s.num_tokens + 1 for s in seqs if s.params.has_penalties)
         hist_tokens = np.zeros(max(self.hist_cap, hist_need * 2 if hist_need > self.hist_cap else 0), i32)
         hist_start, hist_prompt_len = np.zeros(R + 1, i32), np.zeros(R, i32)
         ban_ids = np.full((R, MAX_BAN_IDS), -1, i32)
@@ -80,6 +80,9 @@ class ReferenceBuilder:
                 hist_tokens[h : h + n] = seq.tokens
                 hist_prompt_len[r] = seq.num_prompt
                 h += n
+                if fed:  # the slot the device fills with the fed token
+                    hist_tokens[h] = -1
+                    h += 1
             hist_start[r + 1] = h
         f = np.array(floats, dtype=np.float32).reshape(R, 6)
         i = np.array(ints, dtype=np.int64).reshape(R, 3)
