@@ -15,6 +15,7 @@ from metrale.ipc.sampling import SamplingParams, StructuredOutputs
 from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningTags, tag_keeping_decoder
 from .http_errors import ApiError, json_response
 from .http_access_log import CHOICES
+from .http_beam import beam_search
 from .http_extensions import needs_prompt_ids, prompt_ids, refuse_unserved, token_label
 from .http_params import (SamplingFields, ServedModel, check_count, check_stream_options, decode_body, sampling_params,
                           seeded)
@@ -101,6 +102,8 @@ class ChatCompletions:
             raise ApiError(400, "top_logprobs must be a positive value or -1, with logprobs true", param="top_logprobs",
                            code="invalid_value")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.use_beam_search:
+            return await self._beam_search(request, body, prompt, max_tokens if explicit_max else None, logprobs)
         forced = StructuredOutputs(json=tools.schema) if tools.schema is not None else None  # the call must parse
         params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced, defaults=self.model.sampling_defaults)
         check_count(body.n)
@@ -120,6 +123,22 @@ class ChatCompletions:
             run.close()
             raise
         return ChatRun(run, choices, ids, logprobs, params)
+
+    async def _beam_search(self, request: web.Request, body: ChatRequest, prompt: str, max_tokens: int | None,
+                           logprobs: int | None) -> ChatRun:
+        """Run body's beam search over the rendered prompt (http_beam.py): its n hypotheses as the n choices, each
+        with its one final Delta in. max_tokens None: up to the model's length."""
+        ids = await prompt_ids(self.server, body, prompt, None, False)
+        check_count(body.n)
+        decoder = self.decoder if body.skip_special_tokens is not False else None
+        run = await beam_search(self.server, self.texts, body, [ids], max_tokens, logprobs, param="messages",
+                                decoder=decoder)
+        opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)
+        request[CHOICES] = choices = [  # the access log counts their tokens
+            Choice(index=j, prompt_index=0, prompt_ids=ids,
+                   splitter=ReasoningSplitter(self.reasoning, opens_reasoning) if self.reasoning else None)
+            for j in range(body.n)]
+        return ChatRun(run, choices, ids, logprobs, run.step)
 
     def render(self, body) -> str:
         """The chat prompt of a body with messages and the template fields (ChatRequest, a /tokenize one); 400 when

@@ -12,6 +12,7 @@ from metrale.ipc.messages import Delta, TokenLogprob
 
 from .http_errors import ApiError, json_response
 from .http_access_log import CHOICES
+from .http_beam import beam_search
 from .http_extensions import needs_prompt_ids, prompt_ids, refuse_unserved, token_label
 from .http_params import (SamplingFields, ServedModel, check_count, check_stream_options, decode_body, sampling_params,
                           seeded)
@@ -50,21 +51,18 @@ class Completions:
         _refuse_unsupported(body)
         prompts = _prompts(body.prompt)
         echo = [self._echo(text, ids) for text, ids in prompts] if body.echo else None
-        if needs_prompt_ids(body):  # tokenized here, as the engine path would, to be truncated or returned
+        if needs_prompt_ids(body) or body.use_beam_search:  # tokenized here, as the engine path would, to be
+            # truncated, returned or extended by beams
             prompts = [(None, await prompt_ids(self.server, body, text, ids, True)) for text, ids in prompts]
-        # Given, max_tokens must fit beside the prompt (400 otherwise); null: the rest of the context.
-        max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
-        params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size, defaults=self.model.sampling_defaults)
         check_count(len(prompts) * body.n)
-        run = Run(self.server, self.texts)
+        choices = request[CHOICES] = [Choice(index=p * body.n + j, prompt_index=p, prompt_ids=ids)  # the access
+                                      for p, (_, ids) in enumerate(prompts) for j in range(body.n)]  # log counts them
+        if body.use_beam_search:  # the whole search runs here; each choice comes as one final Delta
+            run = await beam_search(self.server, self.texts, body, [ids for _, ids in prompts], body.max_tokens,
+                                    body.logprobs, param="prompt")
+        else:
+            run = await self._start(body, prompts)
         try:
-            choices = request[CHOICES] = []  # the access log counts their tokens
-            for p, (text, ids) in enumerate(prompts):
-                for j in range(body.n):
-                    choices.append(Choice(index=len(choices), prompt_index=p, prompt_ids=ids))
-                    run.start(len(choices) - 1, seeded(params, j), prompt=text, token_ids=ids,
-                              cache_salt=body.cache_salt, strict_length=body.max_tokens is not None)
-            await run.wait_first("prompt")
             reply = Reply("cmpl", "text_completion", self.model.id, body.stream_options, self.model.force_usage)
             label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
             if body.stream:
@@ -77,6 +75,23 @@ class Completions:
             return json_response(reply.completion(choices, entries))
         finally:
             run.close()
+
+    async def _start(self, body: CompletionRequest, prompts: list[Prompt]) -> Run:
+        """Submit each prompt's n choices and wait for each one's first output; closed here on an error."""
+        # Given, max_tokens must fit beside the prompt (400 otherwise); null: the rest of the context.
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
+        params = sampling_params(body, max_tokens, body.logprobs, self.server.vocab_size, defaults=self.model.sampling_defaults)
+        run = Run(self.server, self.texts)
+        try:
+            for p, (text, ids) in enumerate(prompts):
+                for j in range(body.n):
+                    run.start(p * body.n + j, seeded(params, j), prompt=text, token_ids=ids,
+                              cache_salt=body.cache_salt, strict_length=body.max_tokens is not None)
+            await run.wait_first("prompt")
+        except BaseException:  # refused, or the client left: nothing of it may keep running
+            run.close()
+            raise
+        return run
 
     def _echo(self, text: str | None, ids: list[int] | None) -> str:
         """A prompt's text, to put in front of its choices (echo)."""

@@ -1,6 +1,7 @@
 """vLLM's request extensions on both endpoints: honoured (return_token_ids, return_tokens_as_token_ids,
-truncate_prompt_tokens), or refused with a 400 that names them (use_beam_search, prompt_logprobs, chat echo) —
-never silently ignored, since a client that sends one relies on it.
+truncate_prompt_tokens, use_beam_search with its length_penalty, early_stopping and include_stop_str_in_output: the
+search is http_beam.py's), or refused with a 400 that names them (prompt_logprobs, chat echo, the beam search
+fields without use_beam_search) — never silently ignored, since a client that sends one relies on it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ _SYNC_ENCODE_CHARS = 8192  # longer prompts are tokenized off the event loop (as
 
 
 def refuse_unserved(body: SamplingFields, echo: bool = False) -> None:
-    """400 naming the first vLLM extension this server does not implement. echo: chat's (echo the last message)."""
-    if body.use_beam_search:
-        raise ApiError(400, "use_beam_search is not supported", param="use_beam_search", code="unsupported_value")
+    """400 naming the first vLLM extension this server does not implement, or a beam search field without
+    use_beam_search. echo: chat's (echo the last message)."""
+    if not body.use_beam_search:
+        for name, unused in (("length_penalty", (None, 1.0)), ("early_stopping", (None, False)),
+                             ("include_stop_str_in_output", (None, False))):
+            if getattr(body, name) not in unused:
+                raise ApiError(400, f"{name} applies only with use_beam_search", param=name, code="unsupported_value")
     if body.prompt_logprobs is not None:
         raise ApiError(400, "prompt_logprobs is not supported", param="prompt_logprobs", code="unsupported_value")
     if echo:

@@ -54,7 +54,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
-    use_beam_search: bool | None = None
+    use_beam_search: bool | None = None  # http_beam.py, with n beams and the three fields below
+    length_penalty: float | None = None  # beam search: a hypothesis scores its log-probability / length ** this
+    early_stopping: bool | str | None = None  # beam search: False, True or "never" (transformers')
+    include_stop_str_in_output: bool | None = None  # beam search: keep the eos that ended a hypothesis
     prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's response_format (json_object, json_schema) or vLLM's structured_outputs
     # (json, json_object, regex, choice, grammar); at most one of the two.

@@ -117,13 +117,16 @@ def candidates_per_beam(beam_width: int, num_eos: int) -> int:
 class BeamSearch:
     """One prompt's beam search, fed each round's top alternatives of its live beams (see the module)."""
 
-    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: Sequence[int]):
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: Sequence[int],
+                 num_logprobs: int = 0):
+        """num_logprobs: report more alternatives per step than the rules need (a client's top-N logprobs of each
+        returned token); more leave the hypotheses as they are (a beam's extra candidates rank below its own best)."""
         params.validate()
         self.prompt = list(prompt_token_ids)
         self.params = params
         # ignore_eos: an eos is an ordinary token (transformers with eos_token_id=None, vLLM's ignore_eos).
         self.eos_ids = np.array([] if params.ignore_eos else sorted(set(eos_token_ids)), dtype=np.int64)
-        self.num_logprobs = candidates_per_beam(params.beam_width, len(self.eos_ids))
+        self.num_logprobs = max(candidates_per_beam(params.beam_width, len(self.eos_ids)), num_logprobs)
         _check(self.num_logprobs <= MAX_LOGPROBS, "beam_width",
                f"+ the model's {len(self.eos_ids)} eos ids must be at most {MAX_LOGPROBS}", params.beam_width)
         self.beams: list[Beam] = [Beam()]  # one beam to start: W copies of the prompt would propose the same tokens

@@ -270,8 +270,8 @@ def test_return_tokens_as_token_ids_names_logprobs_by_id(api):
 
 
 @pytest.mark.parametrize("route,field,value", [
-    ("completions", "use_beam_search", True), ("completions", "prompt_logprobs", 1),
-    ("chat/completions", "echo", True), ("chat/completions", "use_beam_search", True),
+    ("completions", "prompt_logprobs", 1),
+    ("chat/completions", "echo", True),
     ("completions", "truncate_prompt_tokens", 0),
 ])
 def test_unserved_extensions_are_400_naming_them(server, route, field, value):
