@@ -13,17 +13,33 @@ delta's arrival is timed on CLOCK_MONOTONIC, which the engine core's log lines s
     kill_to_ready         SIGKILL -> the new worker ready (process start, imports, model load)
     engine_recompute      the new worker ready -> the engine core sends those first tokens (its own log)
 
-Every stream must still complete with exactly max-tokens tokens and no error. Prints one JSON line on stdout
-(progress on stderr):
+Every stream must still complete with exactly max-tokens tokens and no error.
 
-    python scripts/bench_faults.py [--model DIR | --preset test] [--kills 10] [--streams 32]
-                                   [--prompt-len 64] [--max-tokens 64] [--kill-after 8] [--threads N]
+--fault picks what is done at the kill point: `kill` (SIGKILL the worker, above), `stop` (SIGSTOP the worker: the
+engine core's hang watch kills it and a new one starts) or `engine` (SIGKILL the engine core: the supervisor starts
+a fresh one with fresh workers and the frontend resubmits its requests with the tokens they streamed). `stall_s` is
+the longest time no stream received a token, from the fault to the end of the round (a fault-free round's
+is about one step): how long the device stood idle, as the clients see it. The log-based splits are given for the
+worker faults only.
+
+--simulate A,B,C serves the simulated device (gpu_worker/sim_runner.py: a weightless bench-small folder, each step
+A + B·rows + C·tokens ms, slept) with --max-num-seqs = streams, so a fault can be measured at GPU-scale
+concurrency (1,024 streams) on any box; every stream must then also equal the tokens the simulated device gives
+its prompt without a fault (sim_runner.expected_tokens), so nothing is lost or changed by the fault.
+
+Prints one JSON line on stdout (progress on stderr):
+
+    python scripts/bench_faults.py [--model DIR | --preset test | --simulate A,B,C] [--fault kill|stop|engine]
+                                   [--kills 10] [--streams 32] [--prompt-len 64] [--max-tokens 64] [--kill-after 8]
+                                   [--worker-hang-timeout S] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import re
 import signal
@@ -31,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
@@ -53,12 +70,31 @@ READY = re.compile(r"new worker ready .* \(ready at monotonic ([\d.]+)\)")
 FIRST = re.compile(r"first tokens .* \(at monotonic ([\d.]+)\)")
 
 
-def worker_pid(server: ServeProcess) -> int:
-    """The pid of the server's live GPU worker."""
-    for p in psutil.Process(server.proc.pid).children():
-        if "metrale.gpu_worker.worker" in p.cmdline():
-            return p.pid
-    raise RuntimeError("metrale serve has no worker process")
+ROLES = {"worker": "metrale.gpu_worker.worker", "engine": "metrale.engine_core.core"}
+
+
+def child_pid(server: ServeProcess, role: str) -> int:
+    """The pid of the server's live GPU worker (role "worker") or engine core ("engine")."""
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if ROLES[role] in p.cmdline():
+                return p.pid
+    raise RuntimeError(f"metrale serve has no {role} process")
+
+
+def fault_action(server: ServeProcess, fault: str):
+    """What the round does at the kill point."""
+    if fault == "engine":
+        pid = child_pid(server, "engine")
+        return lambda: os.kill(pid, signal.SIGKILL)
+    pid = child_pid(server, "worker")
+    return lambda: os.kill(pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+
+
+def stall(arrivals: list[list[float]], since: float) -> float:
+    """The longest time after `since` (the fault) that no stream received a token."""
+    times = sorted([since, *(t for a in arrivals for t in a if t >= since)])
+    return max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0
 
 
 async def one_round(port: int, prompts, params, kill_after: int, kill) -> tuple[float, list[list[float]], list]:
@@ -68,18 +104,22 @@ async def one_round(port: int, prompts, params, kill_after: int, kill) -> tuple[
     arrivals: list[list[float]] = [[] for _ in prompts]
     counts = [0] * len(prompts)
     under_way = asyncio.Event()
+    below = [len(prompts)]  # streams still short of kill_after tokens
 
     async def stream(client, i):
-        n, finish = 0, None
+        tokens, finish = [], None
         async for d in client.generate(token_ids=prompts[i], params=params):
             if d.token_ids:
                 arrivals[i].append(time.monotonic())
-                n += len(d.token_ids)
-                counts[i] = n
-                if min(counts) >= kill_after:
-                    under_way.set()
+                before = counts[i]
+                tokens += d.token_ids
+                counts[i] = len(tokens)
+                if before < kill_after <= counts[i]:
+                    below[0] -= 1
+                    if below[0] == 0:
+                        under_way.set()
             finish = d.finish_reason or finish
-        return n, finish
+        return tokens, finish
 
     async with AsyncClient("127.0.0.1", port, timeout=600) as client:
         tasks = [asyncio.ensure_future(stream(client, i)) for i in range(len(prompts))]
@@ -106,53 +146,83 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int, default=8, help="tokens every stream has before the kill")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads of each torch process")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: the server's choice)")
+    ap.add_argument("--fault", choices=("kill", "stop", "engine"), default="kill",
+                    help="SIGKILL the worker, SIGSTOP it, or SIGKILL the engine core")
+    ap.add_argument("--worker-hang-timeout", type=float, default=None,
+                    help="serve's --worker-hang-timeout (the least time a step may take before its worker counts as hung)")
+    ap.add_argument("--simulate", default=None, metavar="A,B,C",
+                    help="serve the simulated device with this step cost (ms + ms/row + ms/token); streams are checked")
     args = ap.parse_args()
     if args.kill_after >= args.max_tokens:
         ap.error("--kill-after must be below --max-tokens")
 
     with tempfile.TemporaryDirectory(prefix="metrale-bench-faults-") as tmp:
-        model_dir = args.model or build_model(tmp, args.preset)
+        env = thread_env(args.threads)
+        flags = ["--device", args.device] if args.device else []
+        if args.worker_hang_timeout is not None:
+            flags += ["--worker-hang-timeout", str(args.worker_hang_timeout)]
+        if args.simulate is not None:
+            from metrale.gpu_worker.sim_runner import expected_tokens, write_weightless_model
+
+            model_dir = write_weightless_model(Path(tmp) / "sim")
+            env = {**env, "METRALE_SIMULATE_DEVICE": args.simulate}
+            flags += ["--max-num-seqs", str(args.streams), "--max-model-len", "2048"]
+        else:
+            model_dir = args.model or build_model(tmp, args.preset)
+        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
         vocab_end = plain_vocab_end(model_dir)
         params = greedy_params(args.max_tokens)
-        flags = ["--device", args.device] if args.device else []
         meter = LoadMeter()
-        with ServeProcess(model_dir, *flags, env=thread_env(args.threads)) as server:
+        with ServeProcess(model_dir, *flags, env=env) as server:
             rounds = []
             for k in range(args.kills):
                 prompts = random_prompts(args.streams, args.prompt_len, seed=1000 + k, vocab_end=vocab_end)
-                victim = worker_pid(server)
                 t_kill, arrivals, results = asyncio.run(
-                    one_round(server.port, prompts, params, args.kill_after, lambda: os.kill(victim, signal.SIGKILL))
+                    one_round(server.port, prompts, params, args.kill_after, fault_action(server, args.fault))
                 )
                 meter.sample()
-                bad = [r for r in results if isinstance(r, BaseException) or r != (args.max_tokens, "length")]
+                bad = [r for r in results if isinstance(r, BaseException) or (len(r[0]), r[1]) != (args.max_tokens, "length")]
                 if bad:
-                    raise SystemExit(f"kill {k}: {len(bad)} streams did not complete: {bad[:3]}")
-                log = server.log_text()
-                t_ready = float(READY.findall(log)[k])
-                t_engine_first = float(FIRST.findall(log)[k])
-                t_first = min(t for a in arrivals for t in a if t > t_ready)
-                rounds.append({
-                    "kill_to_first_token": t_first - t_kill,
-                    "ready_to_first_token": t_first - t_ready,
-                    "kill_to_ready": t_ready - t_kill,
-                    "engine_recompute": t_engine_first - t_ready,
-                })
-                note(f"kill {k + 1}/{args.kills}: first resumed token {rounds[-1]['kill_to_first_token']:.3f} s after "
-                     f"the kill, {rounds[-1]['ready_to_first_token'] * 1000:.1f} ms after the new worker was ready")
+                    raise SystemExit(f"fault {k}: {len(bad)} streams did not complete: {bad[:3]}")
+                if args.simulate is not None:
+                    changed = [i for i, (tokens, _) in enumerate(results)
+                               if tokens != expected_tokens(prompts[i], args.max_tokens, vocab)]
+                    if changed:
+                        raise SystemExit(f"fault {k}: {len(changed)} streams differ from their fault-free tokens "
+                                         f"(first: stream {changed[0]})")
+                figures = {"stall": stall(arrivals, t_kill)}
+                if args.fault != "engine":
+                    log = server.log_text()
+                    t_ready = float(READY.findall(log)[k])
+                    t_engine_first = float(FIRST.findall(log)[k])
+                    t_first = min(t for a in arrivals for t in a if t > t_ready)
+                    figures.update({
+                        "kill_to_first_token": t_first - t_kill,
+                        "ready_to_first_token": t_first - t_ready,
+                        "kill_to_ready": t_ready - t_kill,
+                        "engine_recompute": t_engine_first - t_ready,
+                    })
+                rounds.append(figures)
+                note(f"{args.fault} {k + 1}/{args.kills}: no token for {figures['stall']:.3f} s after the fault"
+                     + (f"; first resumed token {figures['kill_to_first_token']:.3f} s after it, "
+                        f"{figures['ready_to_first_token'] * 1000:.1f} ms after the new worker was ready"
+                        if "kill_to_first_token" in figures else ""))
         figures = {name: summary([r[name] for r in rounds]) for name in rounds[0]}
         emit({
             "bench": "faults",
             "commit": git_commit(),
-            "model": str(args.model or f"tiny:{args.preset}"),
+            "model": f"simulated:{args.simulate}" if args.simulate is not None else str(args.model or f"tiny:{args.preset}"),
+            "fault": args.fault,
             "kills": args.kills,
             "streams": args.streams,
             "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens,
-            "kill_to_first_token_s_median": figures["kill_to_first_token"]["median"],
-            "ready_to_first_token_s_median": figures["ready_to_first_token"]["median"],
+            "stall_s_median": figures["stall"]["median"],
+            "kill_to_first_token_s_median": figures.get("kill_to_first_token", {}).get("median"),
+            "ready_to_first_token_s_median": figures.get("ready_to_first_token", {}).get("median"),
             "seconds": figures,
             "all_streams_complete": True,
+            "streams_equal_fault_free": args.simulate is not None or None,
             "load": meter.report(),
         })
 

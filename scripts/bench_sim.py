@@ -10,8 +10,8 @@ one --no-pipeline, and the same workload runs on each, alternately (the order sw
 seed per repetition). A workload is `waves` × N streamed requests sent at Poisson times, at `load` × the rate the
 device could serve at N rows (so the batch fills and a queue forms); prompts and max_tokens uniform over the
 ranges; a share of the requests open with one of a few shared prefixes (the prefix cache), a share carry
-penalties (they are not fed ahead: they rejoin host-fed a step later), a share are grammar rows (a choice
-list; also not fed ahead); ignore_eos, so every request makes exactly its max_tokens (a grammar row fewer:
+penalties (fed ahead like plain rows: the device fills the fed token into their history), a share are grammar
+rows (a choice list; not fed ahead: their bitmask waits for the commit); ignore_eos, so every request makes exactly its max_tokens (a grammar row fewer:
 it ends when its choice is done). With --kv-blocks the pool is that small, so the scheduler preempts.
 
 Figures per level and mode (medians over repetitions): output throughput; the device's idle fraction of wall
