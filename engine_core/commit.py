@@ -60,3 +60,28 @@ def _token_logprob(result: StepResult, r: int, tok: int, n: int) -> TokenLogprob
     if n and result.top_ids is not None and result.top_logprobs is not None:
         return TokenLogprob(tok, float(result.logprobs[r]), result.top_ids[r, :n].tolist(), result.top_logprobs[r, :n].tolist())
     return TokenLogprob(tok, float(result.logprobs[r]))
+
+
+def commit_prompt_logprobs(seqs: list[Sequence], starts: list[int], counts: np.ndarray, result: StepResult,
+                           skip: list[bool]) -> None:
+    """Append each row's prompt logprobs from a settled step (StepResult.prompt_*: counts[r] positions per row
+    from starts[r], row after row): position p gives prompt token p + 1's entry; entries a sequence already has
+    (a recompute after preemption) are skipped."""
+    if result.prompt_logprobs is None:
+        return
+    lps = result.prompt_logprobs.tolist()
+    ids = result.prompt_top_ids.tolist() if result.prompt_top_ids is not None else None
+    tops = result.prompt_top_logprobs.tolist() if result.prompt_top_logprobs is not None else None
+    at = 0
+    for r in np.flatnonzero(counts).tolist():
+        seq, start, count = seqs[r], starts[r], int(counts[r])
+        if not skip[r]:
+            n = seq.params.prompt_logprobs
+            for j in range(max(0, len(seq.prompt_entries) - 1 - start), count):
+                i = at + j
+                token = seq.tokens[start + j + 1]
+                if n and ids is not None:
+                    seq.prompt_entries.append(TokenLogprob(token, lps[i], ids[i][:n], tops[i][:n]))
+                else:
+                    seq.prompt_entries.append(TokenLogprob(token, lps[i]))
+        at += count

@@ -25,7 +25,7 @@ import numpy as np
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, StepKind
 
-from .commit import commit_tokens
+from .commit import commit_prompt_logprobs, commit_tokens
 from .host_sampler import repick
 from .pipeline import NO_MASK, Inflight, Pipeline, Settled, row_mask
 from .scheduler import ScheduledStep
@@ -79,6 +79,7 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
         fed_from=list(feed),
         discard=[False] * len(seqs),
         drafts=step.drafts,
+        prompt_lp=plan.prompt_lp_count.copy() if plan.prompt_lp_count.any() else None,
     )
 
 
@@ -120,6 +121,8 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
             s.num_computed += k
     _release(inf)
     commit_tokens(io, inf.seqs, tokens, result, inf.discard)
+    if inf.prompt_lp is not None:
+        commit_prompt_logprobs(inf.seqs, inf.written, inf.prompt_lp, result, inf.discard)
     if nxt is not None:
         poisoned = validate_next(nxt, device_tokens, io)
         for s in poisoned:

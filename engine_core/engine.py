@@ -186,6 +186,7 @@ class EngineCore:
             stream=stream,
             cache_salt=cache_salt,
             outbox=self._outbox,
+            prompt_entries=None if params.prompt_logprobs is None else [None],
         )
         if params.structured_outputs is not None:
             if grammar is None:
@@ -363,6 +364,7 @@ class EngineCore:
                         seq.error if finishing else None,
                         seq.error_code.value if finishing and seq.error_code is not None else None,
                         seq.num_cached_tokens if finishing or pending == seq.num_output else None,
+                        seq.prompt_entries if pending and pending == seq.num_output else None,
                     )
                 )
                 self.generated_tokens += len(seq.pending)

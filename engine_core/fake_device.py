@@ -21,7 +21,7 @@ from metrale.ipc.plan import (
     moved_on,
 )
 
-from .host_sampler import SamplingRow, sample_row
+from .host_sampler import SamplingRow, logprob_of, sample_row
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -262,7 +262,29 @@ class FakeDevice:
         self.records.append(StepRecord(q_lens, plan.sample.tolist(), fed))
         lp = np.zeros(R, dtype=np.float32) if (plan.num_logprobs >= 0).any() else None
         results = [StepResult(tokens=row.astype(np.int32), logprobs=lp) for row in picks]
+        if plan.prompt_lp_count.any():
+            self._prompt_logprobs(plan, input_ids, results[0])
         return results if any(drafts) else results[0]
+
+    def _prompt_logprobs(self, plan: StepPlan, input_ids: np.ndarray, result: StepResult) -> None:
+        """The toy model's prompt logprobs (StepPlan.prompt_lp_*): at each asked position, the log-probability of
+        the token after it under the logits its context gives, and the top N."""
+        n = max(int(plan.prompt_lp_n.max()), 0)
+        lps, ids, tops = [], [], []
+        for r in np.flatnonzero(plan.prompt_lp_count > 0):
+            start, end = int(plan.query_start[r]), int(plan.query_start[r + 1])
+            first = int(plan.positions[start])
+            for j in range(int(plan.prompt_lp_count[r])):
+                target = int(input_ids[start + j + 1]) if start + j + 1 < end else int(plan.prompt_lp_next[r])
+                context = self._read_context(plan.block_tables[r], first + j + 1)
+                lp = logprob_of(self._logits_for(context), target, n, self.info.vocab_size)
+                lps.append(lp.logprob)
+                ids.append(lp.top_ids)
+                tops.append(lp.top_logprobs)
+        result.prompt_logprobs = np.array(lps, dtype=np.float32)
+        if n:
+            result.prompt_top_ids = np.array(ids, dtype=np.int32).reshape(len(lps), n)
+            result.prompt_top_logprobs = np.array(tops, dtype=np.float32).reshape(len(lps), n)
 
     def _advance_state(self, plan: StepPlan, input_ids: np.ndarray) -> None:
         """Run each row's tokens through its state slot: reset at position 0, else continue exactly where the

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
+
 from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MASK_NONE, StepKind, Ticket
 
 from .sequence import Sequence
@@ -63,6 +65,7 @@ class Inflight:
     drafts: list[list[int]] | None = None  # a VERIFY's drafts per row
     host_logits: bool = False  # RepickOnly: a mask went stale, the host samples the step's logits
     kept: list[int] | None = None  # a settled VERIFY's committed picks per row
+    prompt_lp: np.ndarray | None = None  # positions per row whose prompt logprobs the step reports (None: none)
 
 
 @dataclass(slots=True)

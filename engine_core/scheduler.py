@@ -289,8 +289,8 @@ class Scheduler:
         """Start (or resume) the head of the waiting queue with a first chunk; False if it does not fit."""
         if not self._may_start(seq):
             return False
-        if seq.num_computed == 0 and not seq.block_table:
-            seq.num_computed = self.pool.match_prefix(seq)
+        if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
+            seq.num_computed = self.pool.match_prefix(seq)  # prompt logprobs need every prompt position computed
         k = min(seq.num_tokens - seq.num_computed, budget)
         if not self._fits(seq, seq.num_computed + k):
             self.pool.free(seq)  # give back a prefix match; it is matched again next time

@@ -22,7 +22,7 @@ WRITERS: dict[str, frozenset[str]] = {
     for names, mods in (
         # progress: committed tokens by the commit, settled KV positions by the settle (reset by the scheduler when
         # a sequence leaves the device, set from a prefix hit when it joins), positions in flight by the lane
-        ("tokens", "commit"),
+        ("tokens prompt_entries", "commit"),
         ("num_computed", "decode_lane scheduler"),
         ("num_inflight", "decode_lane"),
         # the outbox: filled by the commit, taken by the engine
@@ -111,6 +111,8 @@ class Sequence:
     outbox: dict | None = field(default=None, repr=False)
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
     grammar: RowGrammar | None = None  # structured outputs: its matcher, past the committed output (grammar.py)
+    # params.prompt_logprobs: entry i is prompt token i's (None for the first), appended as prefill chunks settle.
+    prompt_entries: list[TokenLogprob | None] | None = None
 
     @property
     def num_tokens(self) -> int:

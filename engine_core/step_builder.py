@@ -64,6 +64,7 @@ class _Buffers:
     bias_start: np.ndarray
     bias_ids: np.ndarray  # grown when a step's logit_bias entries exceed it
     bias_values: np.ndarray
+    prompt_lp: np.ndarray  # [3, max_rows]: prompt_lp_n, prompt_lp_count, prompt_lp_next
 
     @classmethod
     def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> "_Buffers":
@@ -102,6 +103,7 @@ class _Buffers:
             bias_start=np.zeros(max_rows + 1, i32),
             bias_ids=np.zeros(1024, i32),
             bias_values=np.zeros(1024, np.float32),
+            prompt_lp=np.zeros((3, max_rows), i32),
         )
 
 
@@ -147,6 +149,7 @@ class _Mirror:
         self.seeds = np.zeros(capacity, np.int64)
         self.penalties = np.zeros(capacity, np.bool_)
         self.biased = np.zeros(capacity, np.bool_)
+        self.prompt_lp = np.full(capacity, -1, np.int32)  # prompt_logprobs asked (-1: none)
         self._entries: dict[Sequence, _Entry] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -186,6 +189,7 @@ class _Mirror:
         self.int32s[:, e.row] = top_k, num_logprobs
         self.seeds[e.row] = seed
         self.penalties[e.row] = seq.params.has_penalties
+        self.prompt_lp[e.row] = -1 if seq.params.prompt_logprobs is None else seq.params.prompt_logprobs
         bias = seq.params.logit_bias
         self.biased[e.row] = bool(bias)
         if bias:
@@ -256,6 +260,7 @@ class StepBuilder:
             b.num_drafts[:R] = [len(d) for d in drafts]
         h = self._history(b, seqs, rows, feed)
         n_bias = self._bias(b, seqs, rows)
+        prompt_lp = self._prompt_logprobs(b, seqs, rows, starts, num_new, feed)
         swap_out, swap_in = self.swap.take_copies()
         state_slots = _NO_STATE
         if self.state_slots:  # state slot (recurrent models)
@@ -293,6 +298,9 @@ class StepBuilder:
             bias_start=b.bias_start[: R + 1],
             bias_ids=b.bias_ids[:n_bias],
             bias_values=b.bias_values[:n_bias],
+            prompt_lp_n=prompt_lp[0],
+            prompt_lp_count=prompt_lp[1],
+            prompt_lp_next=prompt_lp[2],
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray,
@@ -397,6 +405,23 @@ class StepBuilder:
             b.hist_start[r + 1] = h
         return h
 
+
+    def _prompt_logprobs(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, starts: list[int],
+                         num_new: list[int], feed: list[int] | None) -> np.ndarray:
+        """[3, R] prompt_lp_n, prompt_lp_count, prompt_lp_next: a host-fed row of a request with prompt_logprobs
+        asks for its positions up to the prompt's second-to-last (the last predicts the output) while any of the
+        prompt tokens they predict has no entry yet (a recompute after preemption asks again only past those)."""
+        R = len(seqs)
+        out = b.prompt_lp[:, :R]
+        out[0], out[1], out[2] = -1, 0, -1
+        for r in np.flatnonzero(self._mirror.prompt_lp[rows] >= 0):
+            seq, start, k = seqs[r], starts[r], num_new[r]
+            count = min(start + k, seq.num_prompt - 1) - start
+            if count <= 0 or start + count < len(seq.prompt_entries) or (feed is not None and feed[r] != FEED_HOST):
+                continue
+            out[0, r], out[1, r] = seq.params.prompt_logprobs, count
+            out[2, r] = seq.tokens[start + k] if count == k else -1
+        return out
 
     def _bias(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray) -> int:
         """The biased rows' logit_bias, end to end; returns the entries' count (0: no row biased)."""

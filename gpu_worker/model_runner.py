@@ -36,11 +36,13 @@ from metrale.gpu_worker.step_staging import StepStaging
 from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
 from metrale.settings import DEFAULTS
 from metrale.ipc.plan import MASK_GRAMMAR, FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
+from metrale.ipc.sampling import MAX_LOGPROBS
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
 GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
 GPU_RESERVED_BYTES = 1 << 30  # left for activations, logits and the sampler's scratch
 LOGITS_KEPT = 2  # steps whose logits read_logits can still return (the settled one and one ahead)
+_PROMPT_LOGITS_SLICE = 256  # prompt positions whose vocabulary-wide logits are made at once
 
 log = logging.getLogger(__name__)
 
@@ -292,12 +294,13 @@ class ModelRunner:
             self.swap.apply(plan)  # swapped-out blocks leave before this step may reuse them
             self._staging.begin()
             hidden = self._run_model(plan, self._inputs(plan, prev_sample))
+            prompt = self._prompt_logprobs(plan, hidden) if plan.prompt_lp_count.any() else None
             rows = np.flatnonzero(plan.sample)
             if len(rows) == 0:
                 self._staging.end()
                 self._last_tokens[: plan.num_rows].fill_(-1)
                 self._last_sample = plan.sample.copy()
-                return self._copier.start(plan.num_rows, rows, None, start)
+                return self._copier.start(plan.num_rows, rows, None, start, prompt)
             self._fill_fed_history(plan, prev_picks)
             logits = self._logits_of(plan, hidden, rows)
             # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync. When
@@ -307,8 +310,40 @@ class ModelRunner:
             self._keep_tokens(plan, rows, out.tokens)
             self._staging.end()
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
-            self._last_picks = self._copier.start(plan.num_rows, rows, out, start)
+            self._last_picks = self._copier.start(plan.num_rows, rows, out, start, prompt)
             return self._last_picks
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple:
+        """The rows' prompt logprobs (StepPlan.prompt_lp_*): at each asked position the raw log-probability of the
+        token after it, and the top N (the largest n asked) alternatives; device tensors float32 [P], int64 [P, N]
+        and float32 [P, N] (None, None when N is 0). The vocabulary's logits are made a slice of positions at a
+        time, so a long prompt chunk never holds [P, V] at once."""
+        rows = np.flatnonzero(plan.prompt_lp_count > 0)
+        counts = plan.prompt_lp_count[rows].astype(np.int64)
+        firsts = plan.query_start[rows].astype(np.int64)
+        before = np.cumsum(counts) - counts  # where each row's positions start in the output
+        at = np.repeat(firsts - before, counts) + np.arange(int(counts.sum()))  # the positions' token indices
+        after = at + 1
+        inside = after < np.repeat(plan.query_start[rows + 1], counts)
+        targets = np.where(inside, plan.input_ids[np.minimum(after, plan.num_tokens - 1)],
+                           np.repeat(plan.prompt_lp_next[rows], counts)).astype(np.int64)
+        n = max(int(plan.prompt_lp_n[rows].max()), 0)
+        at_t, targets_t = self._to_device(at), self._to_device(targets)
+        lp = torch.empty(len(at), dtype=torch.float32, device=self.device)
+        ids = torch.empty(len(at), n, dtype=torch.int64, device=self.device) if n else None
+        top = torch.empty(len(at), n, dtype=torch.float32, device=self.device) if n else None
+        for a in range(0, len(at), _PROMPT_LOGITS_SLICE):
+            b = min(a + _PROMPT_LOGITS_SLICE, len(at))
+            raw = torch.log_softmax(self.model.compute_logits(hidden[at_t[a:b]]).float(), dim=-1)
+            lp[a:b] = raw.gather(1, targets_t[a:b, None]).squeeze(1)
+            if n:
+                best = torch.topk(raw, n, dim=-1, sorted=True)
+                ids[a:b], top[a:b] = best.indices, best.values
+        return lp, ids, top
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """An int64 host array as a tensor on the runner's device."""
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
     @staticmethod
     def _fill_fed_history(plan: StepPlan, prev: PendingResult | None) -> None:
@@ -348,6 +383,13 @@ class ModelRunner:
             raise PlanError("invalid plan: a block id outside the KV cache")
         if -(-int(plan.seq_lens.max()) // self.block_size) > plan.block_tables.shape[1]:
             raise PlanError("invalid plan: block_tables narrower than the longest row's seq_len needs")
+        counts = plan.prompt_lp_count
+        if counts.any():
+            if (counts < 0).any() or (counts > q_lens).any() or (plan.prompt_lp_n[counts > 0] > MAX_LOGPROBS).any():
+                raise PlanError("invalid plan: prompt logprobs for more positions than a row runs, or over "
+                                f"{MAX_LOGPROBS} alternatives")
+            if _outside(plan.prompt_lp_next[(counts > 0) & (counts == q_lens)], self.info.vocab_size):
+                raise PlanError("invalid plan: a row's prompt logprobs end past its tokens without a next token")
         grammar_rows = int(np.count_nonzero(plan.mask_kind & MASK_GRAMMAR))
         if grammar_rows and (plan.grammar_bitmask.shape[0] != grammar_rows
                              or 32 * plan.grammar_bitmask.shape[1] < self.info.vocab_size):

@@ -32,6 +32,7 @@ class PendingResult:
     top_logprobs: torch.Tensor | None  # float32 [S, N] host
     event: object  # a torch.cuda.Event, or device_event.DONE
     start: float  # perf_counter when the step began
+    prompt: tuple | None = None  # host (float32 [P], int64 [P, N] | None, float32 [P, N] | None): prompt logprobs
 
     def ready(self) -> bool:
         """Whether the copies have landed (result() will not wait)."""
@@ -57,6 +58,12 @@ class PendingResult:
             result.top_ids[self.rows] = self.top_ids.numpy()
             result.top_logprobs = np.full((self.num_rows, n), np.nan, dtype=np.float32)
             result.top_logprobs[self.rows] = self.top_logprobs.numpy()
+        if self.prompt is not None:
+            lp, ids, top = self.prompt
+            result.prompt_logprobs = lp.numpy()
+            if ids is not None:
+                result.prompt_top_ids = ids.numpy().astype(np.int32)
+                result.prompt_top_logprobs = top.numpy()
         # The host's wall time from the step's start: on a device that queues, it includes the wait here.
         result.timings = {"execute_s": time.perf_counter() - self.start}
         return result
@@ -70,15 +77,18 @@ class ResultCopier:
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
 
-    def start(self, num_rows: int, rows: np.ndarray, out: SamplerOutput | None, start: float) -> PendingResult:
-        """Queue the copies of out (None: no row sampled) and mark their end with an event."""
+    def start(self, num_rows: int, rows: np.ndarray, out: SamplerOutput | None, start: float,
+              prompt: tuple | None = None) -> PendingResult:
+        """Queue the copies of out (None: no row sampled) and of the prompt logprobs (device tensors: logprobs [P],
+        top ids and logprobs [P, N] or None; None: none asked) and mark their end with an event."""
         event = new_event(self.device)
+        host_prompt = None if prompt is None else tuple(self._copy(t) for t in prompt)
         if out is None:
             event.record()
-            return PendingResult(num_rows, rows, None, None, None, None, event, start)
+            return PendingResult(num_rows, rows, None, None, None, None, event, start, host_prompt)
         pending = PendingResult(
             num_rows, rows, self._copy(out.tokens), self._copy(out.logprobs, torch.float32), self._copy(out.top_ids),
-            self._copy(out.top_logprobs, torch.float32), event, start,
+            self._copy(out.top_logprobs, torch.float32), event, start, host_prompt,
         )
         event.record()
         return pending

@@ -266,6 +266,8 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # with finish_reason "error": what went wrong
     error_code: str | None = None  # with finish_reason "error": an ErrorCode value (ipc/errors.py)
     num_cached_tokens: int | None = None  # on a request's first delta and its last: prompt tokens the prefix cache held
+    # With SamplingParams.prompt_logprobs, on the delta with its first tokens: entry i is prompt token i's (None first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class EngineLoad(msgspec.Struct, array_like=True):

@@ -136,12 +136,23 @@ class StepPlan:
     bias_start: np.ndarray | None = None  # int32[R+1]; None: no row biased (all zeros)
     bias_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # int32[BI]
     bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # float32[BI]
+    # Prompt logprobs: row r reports, at each of its first prompt_lp_count[r] positions, the log-probability of
+    # the token that follows it (the row's next input token; after its last input, prompt_lp_next[r]) and the
+    # top prompt_lp_n[r] alternatives, under the raw distribution (StepResult.prompt_logprobs).
+    prompt_lp_n: np.ndarray | None = None  # int32[R]: -1 none; None: no row asks (all -1, counts 0)
+    prompt_lp_count: np.ndarray | None = None  # int32[R]
+    prompt_lp_next: np.ndarray | None = None  # int32[R]: the token after the row's last input (-1: not needed)
 
     def __post_init__(self) -> None:
         if self.num_drafts is None:
             self.num_drafts = np.zeros(len(self.seq_lens), dtype=np.int32)
         if self.bias_start is None:
             self.bias_start = np.zeros(len(self.seq_lens) + 1, dtype=np.int32)
+        if self.prompt_lp_n is None:
+            r = len(self.seq_lens)
+            self.prompt_lp_n = np.full(r, -1, dtype=np.int32)
+            self.prompt_lp_count = np.zeros(r, dtype=np.int32)
+            self.prompt_lp_next = np.full(r, -1, dtype=np.int32)
 
     @property
     def num_rows(self) -> int:
@@ -182,6 +193,11 @@ class StepResult:
     logprobs: np.ndarray | None = None  # float32[R]: log-prob of the sampled token (raw distribution)
     top_ids: np.ndarray | None = None  # int32[R, N]
     top_logprobs: np.ndarray | None = None  # float32[R, N]
+    # Prompt logprobs (StepPlan.prompt_lp_*): P = the rows' prompt_lp_count summed, row after row, position after
+    # position; N = the largest prompt_lp_n (a row's own n first).
+    prompt_logprobs: np.ndarray | None = None  # float32[P]: the log-probability of the token after each position
+    prompt_top_ids: np.ndarray | None = None  # int32[P, N]
+    prompt_top_logprobs: np.ndarray | None = None  # float32[P, N]
     timings: dict[str, float] = field(default_factory=dict)  # optional figures for benchmarks
 
 
@@ -195,8 +211,8 @@ class Device(Protocol):
 
     burst_limit: int  # the most decode steps one ticket may ask for (1: the device runs no bursts)
 
-    def launch(self, plan: StepPlan, steps: int = 1) -> Ticket:
-        """Start a step (steps > 1: a decode burst) without waiting for it. Steps run in launch order."""
+    def launch(self, plan: StepPlan, kind: StepKind = StepKind.STEP, steps: int = 1) -> Ticket:
+        """Start a ticket of this kind (a BURST of `steps`) without waiting for it. Tickets run in launch order."""
         ...
 
     def await_result(self, ticket: Ticket) -> StepResult:

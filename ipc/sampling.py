@@ -83,6 +83,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop ids are banned until this many tokens exist
     logprobs: int | None = None  # top-N logprobs per token (0 = only the sampled token's)
+    # Each prompt token's log-probability given the ones before it, with the top-N alternatives (0: its own only),
+    # reported once with the first output (vLLM's prompt_logprobs). Such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     max_thinking_tokens: int | None = None  # after this many thinking tokens, force the think-end token
     adaptive_sampling: bool = False  # greedy inside a code fence or a tool call
@@ -125,6 +128,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids))
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]", self.min_tokens)
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1", self.n)
         lo, hi = PRIORITY_RANGE
         _check(isinstance(self.priority, int) and lo <= self.priority <= hi, "priority", f"must be an integer in [{lo}, {hi}]", self.priority)

@@ -23,8 +23,9 @@ from .plan import StepPlan, StepResult
 from .sampling import MAX_LOGIT_BIAS
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 7  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
-# 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND)
+VERSION = 8  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
+# 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND);
+# 8: prompt logprobs (StepPlan.prompt_lp_*, StepResult.prompt_*)
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -45,7 +46,8 @@ C_LOGITS_OF = 12  # a logits ticket (C_KIND LOGITS): the seq of the step whose l
 C_BI = 13  # logit_bias entries (bias_ids, bias_values)
 C_KIND = 14  # the ticket's StepKind: what the worker runs
 C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_RES_STEPS = range(16, 24)
-HAS_LOGPROBS, HAS_TOP = 1, 2
+C_RES_P, C_RES_PN = 24, 25  # prompt logprobs: positions, and alternatives per position
+HAS_LOGPROBS, HAS_TOP, HAS_PROMPT = 1, 2, 4
 
 # Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
 # RB rows × block-table width, RK rows × ban width, H history tokens, SO / SI swap pairs × 2,
@@ -83,6 +85,9 @@ PLAN_FIELDS = (
     ("bias_start", np.int32, "R1"),
     ("bias_ids", np.int32, "BI"),
     ("bias_values", np.float32, "BI"),
+    ("prompt_lp_n", np.int32, "R"),
+    ("prompt_lp_count", np.int32, "R"),
+    ("prompt_lp_next", np.int32, "R"),
 )
 assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fields(StepPlan)), (
     "StepPlan changed: update the ticket layout"
@@ -90,13 +95,17 @@ assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fie
 PLAN_NAMES = tuple(f[0] for f in PLAN_FIELDS)
 
 # StepResult arrays, one result per step of a burst, step after step: tokens and logprobs per row (RS),
-# top-N per row (RNS), the error message (E).
+# top-N per row (RNS), the error message (E); then a STEP's prompt logprobs, one per position (P) and its top-N
+# (PN).
 RESULT_FIELDS = (
     ("tokens", np.int32, "RS"),
     ("logprobs", np.float32, "RS"),
     ("top_ids", np.int32, "RNS"),
     ("top_logprobs", np.float32, "RNS"),
     ("error", np.uint8, "E"),
+    ("prompt_logprobs", np.float32, "P"),
+    ("prompt_top_ids", np.int32, "PN"),
+    ("prompt_top_logprobs", np.float32, "PN"),
 )
 
 
@@ -134,6 +143,8 @@ class RingGeometry:
             "GW": self.max_rows * self.max_bitmask_words,
             "S": self.max_rows,
             "BI": self.max_rows * MAX_LOGIT_BIAS,
+            "P": self.max_tokens,
+            "PN": self.max_tokens * self.max_logprobs,
         }[kind]
 
     @property
@@ -222,7 +233,23 @@ def result_counts(results: list[StepResult], g: RingGeometry) -> tuple[int, int,
     counts = {_counts(result, g) for result in results}
     if len(counts) > 1:
         raise ValueError("the steps of a burst must have results of one shape")
+    if any(r.prompt_logprobs is not None for r in results[1:]):
+        raise ValueError("only a ticket's first result carries prompt logprobs")
     return counts.pop()
+
+
+def prompt_counts(result: StepResult, g: RingGeometry) -> tuple[int, int]:
+    """(P, N) of a result's prompt logprobs ((0, 0): none), checked against its own arrays and the ring."""
+    if result.prompt_logprobs is None:
+        return 0, 0
+    p = len(result.prompt_logprobs)
+    n = 0 if result.prompt_top_ids is None else _width(result.prompt_top_ids, p, "prompt_top_ids")
+    if n and (result.prompt_top_logprobs is None or result.prompt_top_logprobs.shape != result.prompt_top_ids.shape):
+        raise ValueError("result.prompt_top_logprobs must have the shape of result.prompt_top_ids")
+    if p > g.max_tokens or n > g.max_logprobs:
+        raise ValueError(f"result has prompt logprobs for {p} positions x {n}, the ticket ring holds "
+                         f"{g.max_tokens} x {g.max_logprobs}")
+    return p, n
 
 
 def _counts(result: StepResult, g: RingGeometry) -> tuple[int, int, int]:

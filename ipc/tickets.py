@@ -51,6 +51,8 @@ from .ticket_layout import (
     C_R,
     C_RES_FLAGS,
     C_RES_N,
+    C_RES_P,
+    C_RES_PN,
     C_RES_R,
     C_RES_STEPS,
     C_RESULT_SEQ,
@@ -68,6 +70,7 @@ from .ticket_layout import (
     H_VERSION,
     H_WORKER,
     HAS_LOGPROBS,
+    HAS_PROMPT,
     HAS_TOP,
     HEADER_BYTES,
     MAGIC,
@@ -84,6 +87,7 @@ from .ticket_layout import (
     region_lengths,
     region_offsets,
     regions,
+    prompt_counts,
     result_counts,
 )
 
@@ -294,7 +298,8 @@ class TicketRing:
         """Copy a burst's results (one per step, step after step) into a slot; ValueError (nothing
         written) if they do not fit."""
         r, n, flags = result_counts(results, self.geometry)
-        tokens, logprobs, top_ids, top_logprobs, _ = self._result_regions[slot]
+        p, pn = prompt_counts(results[0], self.geometry)
+        tokens, logprobs, top_ids, top_logprobs, _, prompt_lp, prompt_ids, prompt_top = self._result_regions[slot]
         for k, result in enumerate(results):
             np.copyto(tokens[k * r : (k + 1) * r], result.tokens, casting="same_kind")
             if flags & HAS_LOGPROBS:
@@ -303,8 +308,15 @@ class TicketRing:
                 at = k * r * n
                 np.copyto(top_ids[at : at + r * n], result.top_ids.reshape(-1), casting="same_kind")
                 np.copyto(top_logprobs[at : at + r * n], result.top_logprobs.reshape(-1), casting="same_kind")
+        if results[0].prompt_logprobs is not None:
+            flags |= HAS_PROMPT
+            np.copyto(prompt_lp[:p], results[0].prompt_logprobs, casting="same_kind")
+            if pn:
+                np.copyto(prompt_ids[: p * pn], results[0].prompt_top_ids.reshape(-1), casting="same_kind")
+                np.copyto(prompt_top[: p * pn], results[0].prompt_top_logprobs.reshape(-1), casting="same_kind")
         c = self._ctrl[slot]
         self._q[c + C_STATUS : c + C_RES_STEPS + 1] = (STATUS_OK, r, n, flags, 0, exec_ns, len(results))
+        self._q[c + C_RES_P], self._q[c + C_RES_PN] = p, pn
 
     def write_error(self, slot: int, message: str, exec_ns: int = 0) -> None:
         """Record that a slot's step failed, with a message (truncated to error_msg_bytes)."""
@@ -354,7 +366,7 @@ class TicketRing:
         c = self._ctrl[slot]
         q = self._seqs
         r, n, flags = q[c + C_RES_R], q[c + C_RES_N], q[c + C_RES_FLAGS]
-        tokens, logprobs, top_ids, top_logprobs, _ = self._result_regions[slot]
+        tokens, logprobs, top_ids, top_logprobs, _, prompt_lp, prompt_ids, prompt_top = self._result_regions[slot]
         at, at_n = step * r, step * r * n
         result = StepResult(tokens=tokens[at : at + r], timings={"worker_execute_s": q[c + C_EXEC_NS] * 1e-9})
         if flags & HAS_LOGPROBS:
@@ -362,9 +374,15 @@ class TicketRing:
         if flags & HAS_TOP:
             result.top_ids = top_ids[at_n : at_n + r * n].reshape(r, n)
             result.top_logprobs = top_logprobs[at_n : at_n + r * n].reshape(r, n)
+        if step == 0 and flags & HAS_PROMPT:
+            p, pn = q[c + C_RES_P], q[c + C_RES_PN]
+            result.prompt_logprobs = prompt_lp[:p]
+            if pn:
+                result.prompt_top_ids = prompt_ids[: p * pn].reshape(p, pn)
+                result.prompt_top_logprobs = prompt_top[: p * pn].reshape(p, pn)
         if copy:
             result.tokens = result.tokens.copy()
-            for name in ("logprobs", "top_ids", "top_logprobs"):
+            for name in ("logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs"):
                 if getattr(result, name) is not None:
                     setattr(result, name, getattr(result, name).copy())
         return result

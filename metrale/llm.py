@@ -54,6 +54,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt: str | None = None  # the prompt's text (a chat's rendered template), None when given as token ids
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (its first sample's request)
+    # SamplingParams.prompt_logprobs: entry i is prompt token i's log-probability given those before it and the
+    # top-N alternatives (None for the first token), as vLLM's prompt_logprobs (TokenLogprob, as `logprobs`).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -317,6 +320,8 @@ class LLM:
                 out, detok = samples[rid]
                 if delta.num_cached_tokens is not None and rid in firsts:
                     firsts[rid].num_cached_tokens = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None and rid in firsts:
+                    firsts[rid].prompt_logprobs = delta.prompt_logprobs
                 out.token_ids.extend(delta.new_token_ids)
                 if delta.logprobs:
                     if out.logprobs is None:

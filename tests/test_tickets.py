@@ -129,13 +129,20 @@ def test_result_round_trip_is_bit_exact_with_and_without_logprobs(ring):
         if i % 2:
             result.top_ids = rng.integers(0, 50000, size=(r, n), dtype=np.int32)
             result.top_logprobs = rng.standard_normal((r, n)).astype(np.float32)
+        if i % 4 == 1:  # prompt logprobs: P positions, N alternatives each (none: N = 0)
+            p, pn = int(rng.integers(0, 40)), int(rng.integers(0, 6))
+            result.prompt_logprobs = rng.standard_normal(p).astype(np.float32)
+            if pn:
+                result.prompt_top_ids = rng.integers(0, 50000, size=(p, pn), dtype=np.int32)
+                result.prompt_top_logprobs = rng.standard_normal((p, pn)).astype(np.float32)
         slot = i % ring.num_slots
         ring.write_result(slot, result, exec_ns=1234)
         ring.publish_result(slot, i + 1)
         assert ring.result_seq(slot) == i + 1 and ring.result_error(slot) is None
         for copy in (False, True):
             back = ring.read_result(slot, copy=copy)
-            for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids",
+                         "prompt_top_logprobs"):
                 x, y = getattr(back, name), getattr(result, name)
                 assert (x is None) == (y is None), name
                 if y is not None:
@@ -344,7 +351,7 @@ def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_hea
         ring.write_plan(1, plan, StepKind.BURST, steps=3)
         other = TicketRing.attach(ring.name)
         try:
-            assert other.geometry == geometry and ticket_layout.VERSION == 7
+            assert other.geometry == geometry and ticket_layout.VERSION == 8
             assert other.plan_kind(1) == StepKind.BURST and other.plan_steps(1) == 3
             assert_plans_equal(other.read_plan(1), plan)
             ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
