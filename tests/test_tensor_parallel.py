@@ -98,8 +98,10 @@ def test_a_broadcast_plan_keeps_every_field():
         plan = random_plan(rng, 9, 4, 3, 2, 5, state=state)
         plan.grammar_bitmask = rng.integers(-(2**31), 2**31, size=(2, 3), dtype=np.int32)
         plan.num_drafts = np.array([0, 2, 0, 1], dtype=np.int32)
+        plan.prompt_lp_n, plan.prompt_lp_count = np.array([3, -1, 0, -1], np.int32), np.array([2, 0, 1, 0], np.int32)
+        plan.prompt_lp_next = np.array([17, -1, -1, -1], np.int32)
         counts = plan_broadcast.counts_of(plan)
-        assert len(counts) == len(plan_broadcast.PLAN_COUNTS) and 3 + len(counts) <= plan_broadcast._HEADER
+        assert len(counts) == len(plan_broadcast.PLAN_COUNTS) and 4 + len(counts) <= plan_broadcast._HEADER
         _, nbytes = plan_broadcast._layout(counts)
         raw = np.zeros(nbytes, dtype=np.uint8)
         plan_broadcast.pack(plan, counts, raw)
@@ -135,17 +137,19 @@ GRAMMAR = r"[0-9]{2,4}-(ab|cd)"
 def test_llm_with_two_ranks_matches_one(arch, tiny_model_dir, hf_model_dir):
     """metrale.LLM(tensor_parallel_size=2): two worker processes on a ticket ring, the tokens of LLM() alone,
     grammar rows among them (greedy and seeded: the plan's bitmask reaches every rank through the ring, and rank
-    0's picks, which the host commits, hold the grammar and equal one rank's); closing it leaves no process behind."""
+    0's picks, which the host commits, hold the grammar and equal one rank's) and a request's prompt logprobs (the
+    ring's prompt regions); closing it leaves no process behind."""
     from metrale.ipc.sampling import StructuredOutputs
 
     path = tiny_model_dir(arch) if arch in TINY_ARCHS else hf_model_dir(arch)
     so = StructuredOutputs(regex=GRAMMAR)
     params = [_params(i) for i in range(N)] + [
         SamplingParams(max_tokens=24, temperature=0.0 if i else 0.8, seed=7, structured_outputs=so) for i in range(2)
-    ]
-    prompts = PROMPTS + ["Code:", "Id:"]
+    ] + [SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=3)]
+    prompts = PROMPTS + ["Code:", "Id:", PROMPTS[0] * 3]
     with LLM(str(path), show_progress=False) as llm:
-        want = [r.token_ids for r in llm.generate(prompts, params)]
+        alone = llm.generate(prompts, params)
+    want = [r.token_ids for r in alone]
     llm = LLM(str(path), show_progress=False, tensor_parallel_size=2)
     procs = llm.device.processes
     try:
@@ -154,7 +158,11 @@ def test_llm_with_two_ranks_matches_one(arch, tiny_model_dir, hf_model_dir):
     finally:
         llm.close()
     assert [r.token_ids for r in outs] == want
-    for r in outs[N:]:
+    got_lp, want_lp = outs[-1].prompt_logprobs, alone[-1].prompt_logprobs
+    assert len(got_lp) == len(want_lp) == len(outs[-1].prompt_token_ids) and got_lp[0] is None
+    assert [(e.token_id, e.top_ids) for e in got_lp[1:]] == [(e.token_id, e.top_ids) for e in want_lp[1:]]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(got_lp[1:], want_lp[1:])) < 1e-4
+    for r in outs[N:N + 2]:
         assert r.finish_reason == "stop" and re.fullmatch(GRAMMAR, r.text), r.text
     assert all(p.poll() is not None for p in procs), "closing the LLM stops its ranks"
 
