@@ -45,7 +45,6 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
     settled in the same tick). None when the launch failed (a step launched ahead is then simply not run;
     otherwise every row is told). Every row holds its positions in flight (num_inflight) until it is settled
     or discarded; num_computed moves only in settle."""
-    t0 = io.clock()
     seqs, num_new, feed, kind = step.seqs, step.num_new, step.fed_from, step.kind
     if kind == StepKind.BURST:
         masks = [NO_MASK] * len(seqs)  # burst rows are plain
@@ -69,7 +68,6 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
     return Inflight(
         ticket=ticket,
         kind=kind,
-        t0=t0,
         seqs=list(seqs),
         num_new=list(num_new),
         written=written,

@@ -16,9 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 from metrale.config import EngineArgs
 from metrale.settings import DEFAULTS
@@ -85,7 +83,6 @@ class EngineCore:
         options: EngineOptions | None = None,
         *,
         special_tokens: SpecialTokens = SpecialTokens(),
-        clock: Callable[[], float] = time.monotonic,
     ):
         options = options or EngineOptions()
         self.device = device
@@ -123,7 +120,7 @@ class EngineCore:
         self.speculator = (Speculator(NgramProposer(), options.num_speculative_tokens, info.max_model_len,
                                       options.speculative_disable_by_batch_size)
                            if options.speculative == "ngram" else None)
-        self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len, clock)
+        self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len)
         self.pipeline = Pipeline()
         self.io.recover = options.recover_from_device_loss
         # Bursts run up to the device's burst_limit steps of one ticket: up to decode_burst steps for rows that

@@ -19,7 +19,6 @@ class Settled(enum.Enum):
     DONE = "done"  # committed; the step launched ahead (if any) is now in flight
     FAILED = "failed"  # the device failed; every row was told
     IDLE = "idle"  # nothing was in flight
-    REDO = "redo"  # the step was discarded whole: launch the rows again
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +52,6 @@ class Inflight:
 
     ticket: Ticket
     kind: StepKind
-    t0: float
     seqs: list[Sequence]
     num_new: list[int]
     written: list[int]  # num_launched at launch: where the row's first token is written

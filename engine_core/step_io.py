@@ -1,4 +1,4 @@
-"""What a step needs from its surroundings: the device, the block pool, the plan builder, the clock.
+"""What a step needs from its surroundings: the device, the block pool, the plan builder.
 
 Effects on KV and logits are values passed to one `apply` (as in the seed), so tests can fake and count them
 (tests/engine_harness.py counts them by wrapping StepIo.apply; the engine keeps no counters of its own).
@@ -6,9 +6,7 @@ Effects on KV and logits are values passed to one `apply` (as in the seed), so t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -55,7 +53,6 @@ class StepIo:
     toks: SpecialTokens
     eos_ids: tuple[int, ...]
     max_model_len: int
-    clock: Callable[[], float] = time.monotonic
     last_error: str | None = None  # the last device error, for health reports
     recover: bool = False  # a lost device requeues its rows (True) or fails them (False, the seed's way)
     device_lost: str | None = None  # set when the device died under recover; the engine requeues
