@@ -80,7 +80,7 @@ def serve(**o) -> None:
         sup = Supervisor(config)
     except StartupError as e:
         _fail(str(e))
-    stop = lambda *_: sup._stop.set()  # noqa: E731 - the watch loop notices and returns
+    stop = lambda *_: sup.request_stop()  # noqa: E731 - no lock in a signal handler; the watch loop notices and returns
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:

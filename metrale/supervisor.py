@@ -152,6 +152,7 @@ class Supervisor:
         self._cannot_run: dict[str, str] = {}  # a child's own reason for exiting with EXIT_CONFIG
         self.endpoints: ChildStatus | None = None  # the frontend's bound addresses, once serving
         self._stop = threading.Event()
+        self._stop_requested = False  # request_stop(): a plain flag, what a signal handler may set
         self._health_file = HealthFile(self.health_path, self.clock)
         self.inbox = StatusInbox(self._ipc("status"))
         # Admin requests (metrale/worker_control.py), with --enable-admin only: this host's replicas and ranks.
@@ -329,7 +330,7 @@ class Supervisor:
                         raise StartupError(late.detail)
                     raise StartupError(f"{child.name} {_how_it_ended(child.proc.returncode)} during start-up "
                                        "(its log above says why)")
-            if self._stop.is_set():
+            if self._stop_requested or self._stop.is_set():
                 raise StartupError("stopped during start-up")
             if time.monotonic() > deadline:
                 raise StartupError(f"the server did not become ready within {timeout_s:.0f} s")
@@ -338,7 +339,7 @@ class Supervisor:
         """Restart children that die, until stop() is called or a child is given up on (given_up says why)."""
         from metrale.node_store import NodeStoreLost
 
-        while not self._stop.wait(WATCH_INTERVAL_S):
+        while not self._stop_requested and not self._stop.wait(WATCH_INTERVAL_S):
             try:
                 self.check_children()
                 if self.frontend is None and self.node_store is not None and self.node_store.shutting_down():
@@ -349,6 +350,14 @@ class Supervisor:
                 return
             if self.given_up is not None:
                 return
+
+    def request_stop(self) -> None:
+        """Ask watch() (or a start-up still waiting to serve) to return: what a signal handler calls.
+
+        It takes no lock. threading.Event.set() takes the Event's lock, and a handler runs on the main thread between
+        two bytecodes, possibly inside Event.wait() with that lock held: set() would then wait forever on its own
+        thread, and the supervisor would never stop nor heed another SIGTERM or Ctrl-C."""
+        self._stop_requested = True
 
     def _note(self, status: ChildStatus) -> None:
         """An event a child reported while serving."""

@@ -104,14 +104,15 @@ def _stop(server: Server) -> list[str]:
     except psutil.NoSuchProcess:
         tree = set()
     tree |= server.seen_pids
+    left = []
     if server.proc.poll() is None:
         server.proc.send_signal(signal.SIGTERM)
     try:
         server.proc.wait(60)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # say so: what it did not stop is listed next
+        left.append(f"the supervisor (pid {server.proc.pid}) was still running 60 s after SIGTERM (killed)")
         server.proc.kill()
         server.proc.wait()
-    left = []
     for pid in tree:
         try:
             p = psutil.Process(pid)

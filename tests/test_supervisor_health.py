@@ -76,3 +76,25 @@ def test_read_health_adds_the_file_age_to_live_uptimes(tmp_path):
     assert 35.0 <= got.processes[0].uptime_s < 40.0
     assert got.processes[1].uptime_s == 0.0  # a dead process has no uptime
     assert (got.healthy, [p.pid for p in got.processes]) == (True, [10, 11])
+
+
+def test_a_stop_signal_arriving_inside_the_watch_loop_s_wait_still_stops_it(supervisor):
+    """A signal handler runs on the main thread between two bytecodes, possibly inside threading.Event.wait() with
+    the Event's lock held: `metrale serve`'s SIGTERM / Ctrl-C handler must take no lock (Event.set() would wait on
+    its own thread forever, and the server would never stop). Here the handler runs while the test holds that lock."""
+    import faulthandler
+
+    sup, _ = supervisor
+    previous = signal.signal(signal.SIGUSR1, lambda *_: sup.request_stop())  # what cli.serve installs for SIGTERM
+    faulthandler.dump_traceback_later(20, exit=True)  # a handler that blocks deadlocks this thread: fail, not hang
+    try:
+        with sup._stop._cond:  # the lock Event.wait() holds
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(1000):  # the handler runs at a bytecode boundary, here, with the lock held
+                if sup._stop_requested:
+                    break
+        assert sup._stop_requested
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGUSR1, previous)
+    sup.watch()  # returns at once: the flag is set
