@@ -87,40 +87,43 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
     inf = pipeline.inflight
     if inf is None:
         return Settled.IDLE
+    # Awaited now, whatever follows; the step launched ahead stays in `next` until it is validated, so a failure
+    # on the way (an exception the tick's containment catches) leaves it for abandon() to await and release.
     pipeline.inflight = None
-    nxt, pipeline.next = pipeline.next, None
+    nxt = pipeline.next
     try:
-        results = io.device.await_burst(inf.ticket) if inf.kind != StepKind.STEP else [io.device.await_result(inf.ticket)]
-    except DeviceError as e:
-        # Every row is told, as the synchronous step does. A step launched ahead is awaited so its
-        # slot is released, and dropped with the rows.
-        if nxt is not None:
-            _await_quietly(io, nxt)
-            _release(nxt)
-        _release(inf)
-        fail_rows(_live(inf.seqs, nxt), io, e)
-        return Settled.FAILED
-    if inf.kind != StepKind.STEP:
-        _commit_picks(inf, results, io)
-        return Settled.DONE
-    result = results[0]
-    device_tokens = np.array(result.tokens, dtype=np.int64)  # a copy: the result's slot is reused
-    tokens = device_tokens
-    if inf.host_logits:
         try:
-            logits = io.apply(ReadLogits(inf.ticket))
+            results = io.device.await_burst(inf.ticket) if inf.kind != StepKind.STEP else [io.device.await_result(inf.ticket)]
         except DeviceError as e:
-            _release(inf)
-            fail_rows(inf.seqs, io, e)
+            # Every row is told, as the synchronous step does. A step launched ahead is awaited so its
+            # slot is released, and dropped with the rows.
+            pipeline.next = None
+            if nxt is not None:
+                _await_quietly(io, nxt)
+                _release(nxt)
+            fail_rows(_live(inf.seqs, nxt), io, e)
             return Settled.FAILED
-        tokens = repick(logits, inf, result, io)  # RepickOnly repair: the pick under each row's mask as it is now
-    for s, k, gone in zip(inf.seqs, inf.num_new, inf.discard):
-        if not gone:
-            s.num_computed += k
-    _release(inf)
-    commit_tokens(io, inf.seqs, tokens, result, inf.discard)
-    if inf.prompt_lp is not None:
-        commit_prompt_logprobs(inf.seqs, inf.written, inf.prompt_lp, result, inf.discard)
+        if inf.kind != StepKind.STEP:
+            _commit_picks(inf, results, io)
+            return Settled.DONE
+        result = results[0]
+        device_tokens = np.array(result.tokens, dtype=np.int64)  # a copy: the result's slot is reused
+        tokens = device_tokens
+        if inf.host_logits:  # nothing is launched ahead of a host-logits step
+            try:
+                logits = io.apply(ReadLogits(inf.ticket))
+            except DeviceError as e:
+                fail_rows(inf.seqs, io, e)
+                return Settled.FAILED
+            tokens = repick(logits, inf, result, io)  # RepickOnly repair: the pick under each row's mask as it is now
+        for s, k, gone in zip(inf.seqs, inf.num_new, inf.discard):
+            if not gone:
+                s.num_computed += k
+        commit_tokens(io, inf.seqs, tokens, result, inf.discard)
+        if inf.prompt_lp is not None:
+            commit_prompt_logprobs(inf.seqs, inf.written, inf.prompt_lp, result, inf.discard)
+    finally:
+        _release(inf)  # its positions are settled or gone (a no-op once given back)
     if nxt is not None:
         poisoned = validate_next(nxt, device_tokens, io)
         for s in poisoned:
@@ -128,7 +131,7 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
             # state cannot be rewound, so the row fails. The other rows are unaffected.
             log.error("%s (request %s)", POISONED, s.request_id)
             s.finish("error", POISONED)
-        pipeline.inflight = nxt
+        pipeline.inflight, pipeline.next = nxt, None
     return Settled.DONE
 
 
@@ -256,10 +259,11 @@ def _live(seqs: list[Sequence], nxt: Inflight | None) -> list[Sequence]:
 
 
 def _await_quietly(io: StepIo, inf: Inflight) -> None:
+    """Await a step whose outcome no longer matters (its slot is free again); whatever it raises is dropped."""
     try:
         if inf.kind == StepKind.STEP:
             io.device.await_result(inf.ticket)
         else:
             io.device.await_burst(inf.ticket)
-    except DeviceError:
+    except Exception:  # noqa: BLE001 - the step is dropped either way
         pass

@@ -29,7 +29,7 @@ from .decode_lane import abandon, discard_row, drain, forget, launch, settle
 from .grammar import GrammarBook
 from .speculative import NgramProposer, Speculator
 from .kv_blocks import KvBlockPool
-from .pipeline import Pipeline, SpecialTokens, can_feed, init_row_state
+from .pipeline import Pipeline, Settled, SpecialTokens, can_feed, init_row_state
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .state_slots import StateSlots
@@ -127,7 +127,7 @@ class EngineCore:
         # report at their finish, stream_interval for streamed ones.
         limit = device.burst_limit
         self.shaper = StepShaper((min(options.decode_burst, limit), min(options.stream_interval, limit)),
-                                 self.speculator, info.max_model_len)
+                                 self.speculator, info.max_model_len, builder.max_tokens)
         self.requests: dict[str, Sequence] = {}
         self._outbox: dict[int, Sequence] = {}  # sequences with tokens or a finish to report (Sequence.outbox)
         self._rng = random.Random(options.seed)
@@ -247,8 +247,8 @@ class EngineCore:
             step = self.shaper.shape(step, io)
         pipeline.inflight = inf = launch(step, pipeline, io)
         if inf is not None and (step.kind == StepKind.VERIFY or step.kind == StepKind.STEP and not self.options.pipeline):
-            settle(pipeline, io)  # depth 0: the synchronous loop, and a verify step (its picks are the next inputs)
-            if step.kind == StepKind.VERIFY:
+            # Depth 0: the synchronous loop, and a verify step (its picks are the next inputs).
+            if settle(pipeline, io) == Settled.DONE and step.kind == StepKind.VERIFY:
                 self.speculator.record(inf)
         return self._take_outputs()
 

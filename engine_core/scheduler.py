@@ -226,7 +226,7 @@ class Scheduler:
     def schedule_ahead(self, inflight: list[Sequence], samples: list[bool], discard: list[bool], can_feed) -> ScheduledStep | None:
         """The step to launch while the step in flight (its rows, whether each samples, whether each was
         discarded) runs: each of its rows that will have a new token decodes, fed from that token (if
-        can_feed(seq): a penalised row needs its whole history on the host, so it waits a step); a prefill goes
+        can_feed(seq): a grammar row's next bitmask needs its commit, so it waits a step); a prefill goes
         on with its next chunk; running rows it did not run join with their committed input; then swapped and
         waiting requests are admitted into what is left. No preemption: None (nothing allocated that
         schedule() would not) when a running row's KV does not fit; the lane then settles first."""

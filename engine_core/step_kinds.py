@@ -53,10 +53,12 @@ class StepShaper:
     """Gives an all-decode step its kind: VERIFY when a row has drafts, BURST when the rows allow several
     steps, else STEP."""
 
-    def __init__(self, burst_limits: tuple[int, int], speculator: Speculator | None, max_model_len: int) -> None:
+    def __init__(self, burst_limits: tuple[int, int], speculator: Speculator | None, max_model_len: int,
+                 max_tokens: int) -> None:
         self.burst_limits = burst_limits  # (rows that report at their finish, streamed rows); 1: no bursts
         self.speculator = speculator
         self.max_model_len = max_model_len
+        self.max_tokens = max_tokens  # a step's tokens at most (the plan builder's and the ticket ring's capacity)
 
     def shape(self, step: ScheduledStep, io: StepIo) -> ScheduledStep:
         """step as a VERIFY or a BURST when its rows (every running row, each decoding) allow one and the KV it
@@ -65,6 +67,10 @@ class StepShaper:
         seqs = step.seqs
         drafts = self.speculator.drafts(seqs) if self.speculator is not None else None
         if drafts is not None:
+            room = self.max_tokens - len(seqs)  # the drafts' share of the step, first rows first
+            for d in drafts:
+                del d[max(room, 0):]
+                room -= len(d)
             pool = io.pool
             for s, d in zip(seqs, drafts):
                 if d and pool.blocks_needed(s, s.num_computed + 1 + len(d)) and not io.apply(ReserveKv(s, 1 + len(d))):

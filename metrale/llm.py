@@ -295,6 +295,8 @@ class LLM:
             for result, p, g in zip(results, plist, grammars):
                 for j in range(p.n):
                     sample_params = seeded_for_choice(p, j)  # a copy: the engine may keep it
+                    if j and sample_params.prompt_logprobs is not None:  # the first sample reports them for all
+                        sample_params = msgspec.structs.replace(sample_params, prompt_logprobs=None)
                     rid = result.request_id if p.n == 1 else f"{result.request_id}-{j}"
                     out = CompletionOutput(index=j)
                     result.outputs.append(out)

@@ -35,3 +35,26 @@ def test_a_poison_request_fails_alone_and_the_others_stream_unchanged(pipeline):
         if rid != "3":
             assert poisoned.streams[rid] == clean.streams[rid], rid
             assert poisoned.finish[rid] == clean.finish[rid]
+
+
+def test_an_exception_while_a_step_is_settled_leaves_nothing_in_flight(monkeypatch):
+    """The commit raises once while a step launched ahead is in flight: containment awaits that step and every row
+    gives its positions back, so the requeued requests recompute from where they stood and stream what a clean
+    run streams (one failure each, none failed)."""
+    from metrale.engine_core import decode_lane
+
+    reqs = [Req([5 + i, 6, 7, 8], greedy(12)) for i in range(3)]
+    clean = run_workload(reqs, pipeline=True)
+    commit = decode_lane.commit_tokens
+    calls = [0]
+
+    def breaks_once(io, seqs, tokens, result, skip):
+        calls[0] += 1
+        if calls[0] == 6:  # a decode step, with the next one launched ahead of it
+            raise ValueError("a commit that breaks once")  # what the harness contains, as core.py does any error
+        return commit(io, seqs, tokens, result, skip)
+
+    monkeypatch.setattr(decode_lane, "commit_tokens", breaks_once)
+    run = run_workload(reqs, pipeline=True, contain_failures=True)
+    assert run.failures == 1
+    assert run.streams == clean.streams and set(run.finish.values()) == {"length"}

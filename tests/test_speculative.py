@@ -183,3 +183,39 @@ def test_a_recurrent_model_never_speculates():
     assert spec.engine.stats().spec_draft_tokens == 0
     assert spec.device._launched == plain.device._launched  # no verify step saved a launch
     assert spec.streams == plain.streams and spec.finish == plain.finish
+
+
+def test_a_verify_step_the_device_fails_fails_its_rows_and_nothing_else(monkeypatch):
+    """The device fails the first verify step: its rows finish with the device's error, the tick does not raise,
+    and the requests that arrive after it stream as plain decoding does."""
+    from metrale.engine_core.fake_device import FakeDevice, FakeFaults
+    from metrale.ipc.plan import StepKind
+
+    launch = FakeDevice.launch
+    failed = []
+
+    def fail_first_verify(self, plan, kind=StepKind.STEP, steps=1):
+        if kind == StepKind.VERIFY and not failed:
+            failed.append(self._launched)
+            self.faults.fail_steps.add(self._launched)
+        return launch(self, plan, kind, steps)
+
+    monkeypatch.setattr(FakeDevice, "launch", fail_first_verify)
+    late = [Req([7, 9, 11, 7, 9, 11], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0), arrive_tick=60)]
+    run = run_workload(_repeating(3) + late, pipeline=True, repetitive=True, speculative="ngram",
+                       device_faults=FakeFaults())
+    assert failed
+    assert [run.finish[str(i)] for i in range(3)] == ["error"] * 3
+    plain = run_workload(late, pipeline=True, repetitive=True)
+    assert run.streams["3"] == plain.streams["0"] and run.finish["3"] == "length"
+
+
+def test_drafts_are_cut_to_the_step_s_token_capacity():
+    """Four rows of four drafts (20 tokens) with a step of at most 8: the drafts are cut so the verify step fits
+    the plan builder and the ring, and the streams are plain decoding's."""
+    reqs = _repeating(4)
+    plain = run_workload(reqs, pipeline=True, repetitive=True, max_num_seqs=4, max_num_batched_tokens=8)
+    spec = run_workload(reqs, pipeline=True, repetitive=True, max_num_seqs=4, max_num_batched_tokens=8,
+                        speculative="ngram", num_speculative_tokens=4)
+    assert spec.streams == plain.streams
+    assert spec.engine.speculator.stats.accepted > 0
