@@ -48,6 +48,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with sampling.prompt_logprobs
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -57,6 +58,8 @@ class Completion:
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.prompt_tokens = delta.prompt_tokens or 0

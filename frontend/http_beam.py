@@ -81,6 +81,9 @@ def refuse_unbeamable(body: SamplingFields) -> None:
         if value not in unused:
             raise ApiError(400, f"{name} cannot be used with use_beam_search ({_WHY})", param=name,
                            code="unsupported_value")
+    if body.prompt_logprobs is not None:
+        raise ApiError(400, "prompt_logprobs cannot be used with use_beam_search (its rounds compute no prompt "
+                       "logprobs)", param="prompt_logprobs", code="unsupported_value")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise ApiError(400, f"response_format cannot be used with use_beam_search ({_WHY})", param="response_format",
                        code="unsupported_value")

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages rendered by the model's chat template, n choices streamed or whole, the
-reasoning of a reasoning model split from its content, logprobs in the chat API's per-token shape.
+reasoning of a reasoning model split from its content, logprobs in the chat API's per-token shape, and vLLM's
+prompt_logprobs (the rendered prompt's) at the top of a whole answer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningT
 from .http_errors import ApiError, json_response
 from .http_access_log import CHOICES
 from .http_beam import beam_search
-from .http_extensions import needs_prompt_ids, prompt_ids, refuse_unserved, token_label
+from .http_extensions import needs_prompt_ids, prompt_ids, prompt_logprob_dicts, refuse_unserved, token_label
 from .http_params import (SamplingFields, ServedModel, check_count, check_stream_options, decode_body, sampling_params,
                           seeded)
 from .http_reply import Reply, TokenTexts, stream
@@ -79,6 +80,9 @@ class ChatCompletions:
             answer = reply.completion(choices, [self._choice(c, label, return_ids, logprobs is not None) for c in choices])
             if return_ids:
                 answer["prompt_token_ids"] = ids
+            if body.prompt_logprobs is not None:  # vLLM's: the prompt's, once for every choice (each ran it)
+                answer["prompt_logprobs"] = prompt_logprob_dicts(choices[0].prompt_logprobs or [], body.prompt_logprobs,
+                                                                 self.texts)
             return json_response(answer)
         finally:
             run.close()
@@ -105,7 +109,8 @@ class ChatCompletions:
         if body.use_beam_search:
             return await self._beam_search(request, body, prompt, max_tokens if explicit_max else None, logprobs)
         forced = StructuredOutputs(json=tools.schema) if tools.schema is not None else None  # the call must parse
-        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced, defaults=self.model.sampling_defaults)
+        params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced,
+                                 defaults=self.model.sampling_defaults, prompt_logprobs=body.prompt_logprobs)
         check_count(body.n)
         decoder = self.decoder if params.skip_special_tokens else None
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)

@@ -1,12 +1,15 @@
 """vLLM's request extensions on both endpoints: honoured (return_token_ids, return_tokens_as_token_ids,
-truncate_prompt_tokens, use_beam_search with its length_penalty, early_stopping and include_stop_str_in_output: the
-search is http_beam.py's), or refused with a 400 that names them (prompt_logprobs, chat echo, the beam search
-fields without use_beam_search) — never silently ignored, since a client that sends one relies on it.
+truncate_prompt_tokens, prompt_logprobs in whole answers, use_beam_search with its length_penalty, early_stopping and
+include_stop_str_in_output: the search is http_beam.py's), or refused with a 400 that names them (chat echo,
+prompt_logprobs with stream, the beam search fields without use_beam_search) — never silently ignored, since a
+client that sends one relies on it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from metrale.ipc.messages import TokenLogprob
 
 from .http_errors import ApiError
 from .http_params import SamplingFields
@@ -26,7 +29,12 @@ def refuse_unserved(body: SamplingFields, echo: bool = False) -> None:
             if getattr(body, name) not in unused:
                 raise ApiError(400, f"{name} applies only with use_beam_search", param=name, code="unsupported_value")
     if body.prompt_logprobs is not None:
-        raise ApiError(400, "prompt_logprobs is not supported", param="prompt_logprobs", code="unsupported_value")
+        if body.stream:  # vLLM's words (it takes 0 and then sends none; here nothing asked for is dropped)
+            raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs",
+                           code="unsupported_value")
+        if body.prompt_logprobs < -1:
+            raise ApiError(400, "`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs",
+                           code="invalid_value")
     if echo:
         raise ApiError(400, "echo is not supported on chat completions", param="echo", code="unsupported_value")
 
@@ -60,3 +68,27 @@ async def prompt_ids(server: FrontendServer, body: SamplingFields, text: str | N
 def token_label(texts, as_ids: bool):
     """How logprobs name a token: its text, or "token_id:N" (return_tokens_as_token_ids)."""
     return (lambda token_id: f"token_id:{token_id}") if as_ids else texts
+
+
+def prompt_logprob_dicts(entries: list[TokenLogprob | None], top: int, texts) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first, which has nothing before it) or a map from token ids
+    (as strings) to {"logprob", "rank", "decoded_token"}: the prompt token first, then its position's top `top`
+    alternatives, ranked from 1. The prompt token's rank is known only when it is among them (else null: the engine
+    reports no rank beyond the top N). A logprob of -inf is -9999.0, as vLLM clamps it. texts: TokenTexts."""
+    out: list[dict | None] = []
+    for t in entries:
+        if t is None:
+            out.append(None)
+            continue
+        ids, logprobs = t.top_ids[:top], t.top_logprobs[:top]
+        rank = 1 + sum(lp > t.logprob for lp in logprobs) if t.token_id in ids else None
+        entry = {str(t.token_id): _logprob_entry(t.logprob, rank, texts(t.token_id))}
+        for r, (token_id, lp) in enumerate(zip(ids, logprobs), 1):
+            entry.setdefault(str(token_id), _logprob_entry(lp, r, texts(token_id)))
+        out.append(entry)
+    return out
+
+
+def _logprob_entry(logprob: float, rank: int | None, decoded: str) -> dict:
+    """One token's entry in prompt_logprobs (vLLM's Logprob)."""
+    return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": decoded}

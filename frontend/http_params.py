@@ -58,7 +58,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     length_penalty: float | None = None  # beam search: a hypothesis scores its log-probability / length ** this
     early_stopping: bool | str | None = None  # beam search: False, True or "never" (transformers')
     include_stop_str_in_output: bool | None = None  # beam search: keep the eos that ended a hypothesis
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and top-N (not streamed; not with beams)
     # Structured outputs: OpenAI's response_format (json_object, json_schema) or vLLM's structured_outputs
     # (json, json_object, regex, choice, grammar); at most one of the two.
     response_format: dict | None = None
@@ -118,10 +118,12 @@ async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int,
-                    structured: StructuredOutputs | None = None, defaults: dict | None = None) -> SamplingParams:
+                    structured: StructuredOutputs | None = None, defaults: dict | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams (defaults, the model's generation config, for what it leaves out); 400
     naming the field when one is out of range. structured: a constraint the route adds (a forced tool call's
-    schema) where the body asks for none."""
+    schema) where the body asks for none. prompt_logprobs: the top-N each prompt token lists (-1: the whole
+    vocabulary, over the limit), None for none."""
     kw = {**(defaults or {}), **{name: getattr(body, name) for name in _PASSTHROUGH if getattr(body, name) is not None}}
     asked = structured_outputs(body)
     if asked is not None and structured is not None:
@@ -130,6 +132,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
     kw["structured_outputs"] = asked or structured
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(max_tokens=max_tokens, logprobs=_num_logprobs(logprobs, vocab_size), stop=stop,
+                            prompt_logprobs=_num_logprobs(prompt_logprobs, vocab_size, "prompt_logprobs"),
                             stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias(body, vocab_size), **kw)
     try:
         params.validate(vocab_size)
@@ -186,13 +189,15 @@ def check_stream_options(body: SamplingFields) -> None:
                        code="invalid_value")
 
 
-def _num_logprobs(asked: int | None, vocab_size: int) -> int | None:
-    """The logprobs count: -1 is the whole vocabulary (vLLM's), so more than MAX_LOGPROBS is a 400 saying so."""
+def _num_logprobs(asked: int | None, vocab_size: int, name: str = "logprobs") -> int | None:
+    """A logprobs count (name: logprobs or prompt_logprobs): -1 is the whole vocabulary (vLLM's), so more than
+    MAX_LOGPROBS is a 400 saying so in vLLM's words."""
     if asked == -1:
         asked = vocab_size
     if asked is not None and asked > MAX_LOGPROBS:
-        raise ApiError(400, f"Requested sample logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}",
-                       param="logprobs", code="invalid_value")
+        kind = "sample" if name == "logprobs" else "prompt"
+        raise ApiError(400, f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}",
+                       param=name, code="invalid_value")
     return asked
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -81,13 +81,11 @@ class Reply:
         return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-async def stream(request: web.Request, run: Run, choices: list[Choice], reply: Reply, chunk_of: ChunkOf,
-                 first: Sequence[list[dict]] = ()) -> web.StreamResponse:
-    """Send the `first` chunks, then each output as an SSE event as it comes; then usage (when asked) and [DONE]."""
+async def stream(request: web.Request, run: Run, choices: list[Choice], reply: Reply, chunk_of: ChunkOf
+                 ) -> web.StreamResponse:
+    """Send each output as an SSE event as it comes; then usage (when asked) and [DONE]."""
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
-    for parts, choice in zip(first, choices):
-        await response.write(reply.event(reply.chunk(parts, choice)))
     async for msg in run.messages():
         if isinstance(msg, Error):
             await response.write(reply.event(ApiError.from_engine(msg).body()))

@@ -36,6 +36,7 @@ class Choice:
     offsets: list[int] = field(default_factory=list)  # each kept logprob's token's place in the text
     token_ids: list[int] = field(default_factory=list)  # every output token (return_token_ids)
     prompt_ids: list[int] | None = None  # the prompt's tokens, when the handler tokenized it
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs: one per prompt token
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -66,6 +67,8 @@ class Choice:
     def fold(self, msg: Delta) -> None:
         """Count one Delta into the choice (its text is kept only when the whole answer is built at the end)."""
         self.token_ids.extend(msg.token_ids)
+        if msg.prompt_logprobs is not None:
+            self.prompt_logprobs = msg.prompt_logprobs
         if msg.finish_reason is not None:
             self.finish_reason = msg.finish_reason
             self.prompt_tokens = msg.prompt_tokens or 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from metrale.ipc.errors import ErrorCode
-from metrale.ipc.messages import AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta
+from metrale.ipc.messages import AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta, TokenLogprob
 from metrale.ipc.sampling import SamplingParams
 
 from .detokenizer import Decoder, IncrementalDetokenizer
@@ -69,6 +69,9 @@ class RequestState:
     held_text: str = ""
     held_logprobs: list | None = None
     sent_tokens: bool = False  # a Delta with tokens went out (the first tokens are never held)
+    # params.prompt_logprobs went out (with the first tokens); an engine core that runs the request again after a
+    # restart or a move reports them again only if none of its tokens had come, and then they are not sent twice.
+    sent_prompt_logprobs: bool = False
     engine_deaths: int = 0  # engine cores that died while running it, since its last token (MAX_ENGINE_DEATHS)
     engine_deaths_in_all: int = 0  # ... in its whole life (MAX_ENGINE_DEATHS_IN_ALL)
     cached_tokens: int | None = None  # prompt tokens the engine core found in its prefix cache (it says so first)
@@ -357,27 +360,40 @@ class LiveRequests:
             self._tokens_came(req, len(accepted))
         wants_logprobs = out.logprobs is not None and req.params.logprobs is not None
         logprobs = out.logprobs[: len(accepted)] if wants_logprobs else None
+        prompt_logprobs = self._prompt_logprobs(req, out)
         if stopped:
-            self._finish(req, "stop", text, accepted, logprobs)
+            self._finish(req, "stop", text, accepted, logprobs, prompt_logprobs)
             if out.finish_reason is None:
                 aborts.append(out.request_id)
         elif out.finish_reason is not None:
             text += req.detok.flush()
             reason = "stop" if req.detok.stopped else out.finish_reason
-            self._finish(req, reason, text, accepted, logprobs)
+            self._finish(req, reason, text, accepted, logprobs, prompt_logprobs)
         else:
-            self._stream(req, text, accepted, logprobs)
+            self._stream(req, text, accepted, logprobs, prompt_logprobs)
 
-    def _stream(self, req: RequestState, text: str, accepted: list[int], logprobs) -> None:
+    @staticmethod
+    def _prompt_logprobs(req: RequestState, out: RequestOutputDelta) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs the engine core sent with out, unless the client has them already (None)."""
+        if out.prompt_logprobs is None or req.params.prompt_logprobs is None or req.sent_prompt_logprobs:
+            return None
+        req.sent_prompt_logprobs = True
+        return out.prompt_logprobs
+
+    def _stream(self, req: RequestState, text: str, accepted: list[int], logprobs,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         """Send new tokens as a Delta, or hold them while fewer than stream_interval are waiting (the
-        request's first tokens go at once: time to first token does not wait for an interval)."""
+        request's first tokens, which carry its prompt logprobs, go at once: time to first token does not wait for an
+        interval)."""
         if req.held_ids or req.held_text:
             text, accepted, logprobs = self._with_held(req, text, accepted, logprobs)
-        if self.stream_interval > 1 and req.sent_tokens and len(accepted) < self.stream_interval:
+        if self.stream_interval > 1 and req.sent_tokens and len(accepted) < self.stream_interval \
+                and prompt_logprobs is None:
             req.held_ids, req.held_text, req.held_logprobs = accepted, text, logprobs
             return
         req.sent_tokens = req.sent_tokens or bool(accepted)
-        delta = Delta(id=req.client_id, text=text, token_ids=accepted, logprobs=logprobs)
+        delta = Delta(id=req.client_id, text=text, token_ids=accepted, logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs)
         self._deliver(req, delta, self.clients[req.client].envelope)
 
     @staticmethod
@@ -408,8 +424,10 @@ class LiveRequests:
         if engine_id:
             self.replicas.links[replica].abort([engine_id])
 
-    def _finish(self, req: RequestState, reason: str, text: str, token_ids: list[int], logprobs) -> None:
-        """Send a request's final Delta (with whatever it held back) and forget it."""
+    def _finish(self, req: RequestState, reason: str, text: str, token_ids: list[int], logprobs,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+        """Send a request's final Delta (with whatever it held back, and the prompt's logprobs when they come with
+        its only tokens) and forget it."""
         if req.held_ids or req.held_text:
             text, token_ids, logprobs = self._with_held(req, text, token_ids, logprobs)
         final = Delta(
@@ -418,6 +436,7 @@ class LiveRequests:
             token_ids=token_ids,
             finish_reason=reason,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.detok.output_ids) if req.detok is not None else 0,
             cached_tokens=req.cached_tokens,

@@ -98,6 +98,13 @@ class Tokenizer:
         encoding = await self.backend.async_encode(text, add_special_tokens=add_special_tokens)
         return encoding.ids
 
+    async def char_starts(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Where each token of encode(text) starts in text, in characters, on the tokenizer's own threads: a token
+        holding some bytes of a character where that character starts, an added special token (BOS) where it is
+        added (0)."""
+        encoding = await self.backend.async_encode(text, add_special_tokens=add_special_tokens)
+        return [start for start, _ in encoding.offsets]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 sequence decodes to U+FFFD."""
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

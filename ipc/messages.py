@@ -91,6 +91,9 @@ class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
     prompt_tokens: int | None = None  # on the last delta
     completion_tokens: int | None = None  # on the last delta
     cached_tokens: int | None = None  # on the last delta: prompt tokens the prefix cache held
+    # With sampling.prompt_logprobs, on the first delta with tokens (once per request): entry i is prompt token i's
+    # log-probability given those before it, with the top-N alternatives; None first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Error(msgspec.Struct, tag="error", kw_only=True):

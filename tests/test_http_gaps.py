@@ -269,15 +269,28 @@ def test_return_tokens_as_token_ids_names_logprobs_by_id(api):
     assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
 
 
-@pytest.mark.parametrize("route,field,value", [
-    ("completions", "prompt_logprobs", 1),
-    ("chat/completions", "echo", True),
-    ("completions", "truncate_prompt_tokens", 0),
+@pytest.mark.parametrize("route,field,fields", [
+    ("completions", "prompt_logprobs", {"prompt_logprobs": 1, "stream": True}),  # served in whole answers only
+    ("chat/completions", "echo", {"echo": True}),
+    ("completions", "truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
 ])
-def test_unserved_extensions_are_400_naming_them(server, route, field, value):
+def test_unserved_extensions_are_400_naming_them(server, route, field, fields):
     body = {"prompt": "x"} if route == "completions" else {"messages": CHAT}
-    status, answer = http("POST", f"{server.http}/v1/{route}", {**body, field: value})
+    status, answer = http("POST", f"{server.http}/v1/{route}", {**body, **fields})
     assert_error(status, answer, 400, param=field)
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_are_served(server, tokenizer):
+    """Once refused: now each prompt token is listed (tests/test_http_prompt_logprobs.py checks the numbers)."""
+    ids = tokenizer.encode("Sort a list")
+    status, answer = http("POST", server.http + "/v1/completions", {"prompt": "Sort a list", "echo": True,
+                                                                   "logprobs": 1, "max_tokens": 0})
+    assert status == 200 and answer["choices"][0]["text"] == "Sort a list"
+    assert len(answer["choices"][0]["logprobs"]["tokens"]) == len(ids)
+    status, answer = http("POST", server.http + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                                        "prompt_logprobs": 0})
+    assert status == 200 and answer["prompt_logprobs"][0] is None
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
 
 
 # ---- 11: lax values ---------------------------------------------------------------------------
