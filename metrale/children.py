@@ -73,8 +73,10 @@ class Child:
                 self.proc.wait(5)
         _, alive = psutil.wait_procs(descendants, timeout=grace_s)
         for p in alive:
-            p.kill()
-
+            try:
+                p.kill()
+            except psutil.Error:  # it ended meanwhile: the rest are still killed
+                pass
 
     def kill(self) -> None:
         """SIGKILL it (and what it started) at once and reap it: a rank of a broken group, which may be stopped or

@@ -98,3 +98,24 @@ def test_a_stop_signal_arriving_inside_the_watch_loop_s_wait_still_stops_it(supe
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGUSR1, previous)
     sup.watch()  # returns at once: the flag is set
+
+
+def test_stopping_a_child_goes_on_when_a_descendant_ends_while_it_is_killed(monkeypatch):
+    """A descendant that ends between the grace wait and its SIGKILL does not stop the others being killed."""
+    import psutil
+
+    killed = []
+
+    class Ended:
+        def kill(self):
+            raise psutil.NoSuchProcess(1)
+
+    class Alive:
+        def kill(self):
+            killed.append(True)
+
+    child = Child("stand-in", ["sleep", "60"])
+    child.start(dict(os.environ), 0.0)
+    monkeypatch.setattr(psutil, "wait_procs", lambda procs, timeout: ([], [Ended(), Alive()]))
+    child.stop(5.0)
+    assert killed == [True] and child.proc.poll() is not None
