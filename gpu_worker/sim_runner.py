@@ -37,7 +37,7 @@ prefix-cache hit changes it; reading a never-written slot fails the step. Row ma
 move on to the next allowed id (mod vocab). Temperature, seeds, top-k/p and penalties do not change the pick
 (the plan still carries them: the engine's cost of building them is real). This is not FakeDevice's rule:
 FakeDevice samples full logits through the host sampler, ~50 µs a row, more than a step at 1,024 rows.
-Logprobs are 0.0 for every sampled token. Decode bursts run their steps one after another (each timed);
+Logprobs are 0.0 for every sampled token (and every asked prompt position). Decode bursts run their steps one after another (each timed);
 verify steps (speculative decoding) and logits tickets are not simulated.
 """
 
@@ -209,7 +209,10 @@ class SimRunner:
             self._apply_masks(plan, tokens)
         self.prev_tokens = tokens
         lp = np.where(tokens >= 0, 0.0, np.nan).astype(np.float32) if (plan.num_logprobs >= 0).any() else None
-        return StepResult(tokens=tokens.astype(np.int32), logprobs=lp)
+        result = StepResult(tokens=tokens.astype(np.int32), logprobs=lp)
+        if plan.prompt_lp_count.any():  # 0.0 for each asked prompt position, as for sampled tokens; no alternatives
+            result.prompt_logprobs = np.zeros(int(plan.prompt_lp_count.sum()), dtype=np.float32)
+        return result
 
     def _apply_masks(self, plan: StepPlan, tokens: np.ndarray) -> None:
         """Forced tokens; banned picks and picks outside a grammar bitmask move on to the next allowed id."""

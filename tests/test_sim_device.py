@@ -88,3 +88,15 @@ def test_step_cost_parses_a_b_c_in_ms():
         StepCost.parse("5,1")
     with pytest.raises(ValueError):
         StepCost.parse("-1,0,0")
+
+
+def test_prompt_logprobs_are_zero_for_every_asked_position(sim_model, plans):
+    """The simulated device answers a prefill that asks for prompt logprobs with 0.0 per asked position (as it
+    gives 0.0 for sampled tokens), so the engine gets one entry per prompt token."""
+    path, _ = sim_model
+    runner = SimRunner(str(path), step_ms="0,0,0")
+    bs = runner.info.block_size
+    plan = plans.make_plan([plans.Row([1, 50, 60, 70], 0, plans.blocks_for(0, 64, bs))], block_size=bs)
+    plan.prompt_lp_n[0], plan.prompt_lp_count[0] = 2, 3
+    assert runner.execute(plan).prompt_logprobs.tolist() == [0.0, 0.0, 0.0]
+    assert runner.execute(plans.make_plan([plans.Row([5], 0, plans.blocks_for(1, 64, bs))], block_size=bs)).prompt_logprobs is None
