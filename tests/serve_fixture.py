@@ -85,6 +85,22 @@ def running_server(model_dir, *args: str, ready_timeout: float = 180.0, api_key:
         assert not leftovers, f"left behind after shutdown: {leftovers}\n{text[-3000:]}"
 
 
+@contextlib.contextmanager
+def http_server(model_dir, *args: str, **kw):
+    """running_server with the OpenAI HTTP API on a free port too: Server.http is its base URL."""
+    port = free_port()
+    with running_server(model_dir, "--http-port", str(port), *args, **kw) as server:
+        server.http = f"http://127.0.0.1:{port}"
+        yield server
+
+
+def openai_client(server: Server, timeout: float = 60.0):
+    """The official openai client on a server's HTTP API (no retries, so a failure shows)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def _wait_ready(server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:

@@ -10,7 +10,6 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,7 +18,7 @@ from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.sampling import SamplingParams
 
 from conftest import expected_kernels
-from serve_fixture import free_port, running_server
+from serve_fixture import http_server, openai_client
 
 MODEL = "tiny-llama-4k"  # the folder's name is the model id
 MAX_MODEL_LEN = 4096  # long enough that an unaborted 3,000-token request runs for seconds
@@ -43,15 +42,13 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    port = free_port()
-    with running_server(model_dir, "--http-port", str(port)) as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_server(model_dir) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def api(server):
-    with openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(server, timeout=60) as client:
         yield client
 
 
@@ -364,9 +361,7 @@ def narrow_server(model_dir, tmp_path_factory):
     cfg = json.loads((plain / "tokenizer_config.json").read_text())
     del cfg["chat_template"]
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
-    port = free_port()
-    with running_server(plain, "--http-port", str(port), "--max-num-seqs", "1", "--max-waiting", "1") as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_server(plain, "--max-num-seqs", "1", "--max-waiting", "1") as s:
         yield s
 
 
@@ -380,7 +375,7 @@ def test_full_waiting_queue_is_503(narrow_server):
     url = narrow_server.http + "/v1/completions"
     queued: dict = {}
     waiter = threading.Thread(target=lambda: queued.update(answer=http("POST", url, {"prompt": PROMPT, "max_tokens": 2})))
-    with openai.OpenAI(base_url=narrow_server.http + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(narrow_server, timeout=60) as client:
         running = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3000, stream=True,
                                             extra_body={"ignore_eos": True})
         try:

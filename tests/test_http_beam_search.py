@@ -15,14 +15,13 @@ import random
 import shutil
 from http.client import HTTPConnection
 
-import openai
 import pytest
 
 from metrale import LLM, BeamSearchParams
 from metrale.frontend.chat import ChatTemplate
 from metrale.frontend.tokenizer import Tokenizer
 
-from serve_fixture import free_port, running_server
+from serve_fixture import http_server, openai_client
 from test_http_api import assert_error, http, scrape, wait_until
 
 SMALL_VOCAB = 24
@@ -39,9 +38,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _serve(model_dir):
-    port = free_port()
-    with running_server(model_dir, "--http-port", str(port)) as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_server(model_dir) as s:
         yield s
 
 
@@ -83,7 +80,7 @@ def llama_llm(llama_dir):
 
 @pytest.fixture(scope="module")
 def api(llama_server):
-    with openai.OpenAI(base_url=llama_server.http + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+    with openai_client(llama_server, timeout=120) as client:
         yield client
 
 

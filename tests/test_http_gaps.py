@@ -14,7 +14,7 @@ import pytest
 
 from metrale.frontend.tokenizer import Tokenizer
 
-from serve_fixture import free_port, running_server
+from serve_fixture import http_server, openai_client
 from test_http_api import assert_error, http
 
 MODEL = "tiny-gaps"
@@ -38,15 +38,13 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    port = free_port()
-    with running_server(model_dir, "--http-port", str(port), "--enable-force-include-usage") as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_server(model_dir, "--enable-force-include-usage") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def api(server):
-    with openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+    with openai_client(server, timeout=60) as client:
         yield client
 
 

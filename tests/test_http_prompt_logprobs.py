@@ -13,7 +13,6 @@ import tempfile
 import urllib.request
 
 import msgspec
-import openai
 import pytest
 
 from metrale import LLM
@@ -23,7 +22,7 @@ from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.messages import EngineOutputs, TokenLogprob
 from metrale.ipc.sampling import SamplingParams
 
-from serve_fixture import free_port, running_server
+from serve_fixture import http_server, openai_client
 from test_frontend_server import WAIT_S, FakeEngine, Script, Stack, start_server, stop_server
 from test_http_api import assert_error, http
 
@@ -49,15 +48,13 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    port = free_port()
-    with running_server(model_dir, "--http-port", str(port), "--max-num-batched-tokens", str(STEP_TOKENS)) as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_server(model_dir, "--max-num-batched-tokens", str(STEP_TOKENS)) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def api(server):
-    with openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+    with openai_client(server, timeout=120) as client:
         yield client
 
 

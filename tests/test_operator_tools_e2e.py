@@ -16,7 +16,7 @@ from metrale.ipc.sampling import SamplingParams
 from metrale.top.snapshot import Sampler
 from metrale.top.view import render
 
-from serve_fixture import free_port, running_server
+from serve_fixture import http_server
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +28,7 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    port = free_port()
-    with running_server(model_dir, "--http-port", str(port)) as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_server(model_dir) as s:
         yield s
 
 

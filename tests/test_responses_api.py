@@ -20,7 +20,7 @@ from metrale.frontend.tokenizer import Tokenizer
 from metrale.frontend.http_responses import chat_messages, chat_tool_choice, chat_tools
 from metrale.frontend.responses_events import EventStream, OutputItems, reasoning_token_count
 
-from serve_fixture import free_port, running_server
+from serve_fixture import free_port, http_server, openai_client, running_server
 from test_http_api import assert_error, http
 
 MODEL = ""  # the served model's id (its folder's name), set by the server fixture
@@ -37,17 +37,15 @@ STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     global MODEL
-    port = free_port()
     model = tiny_model_dir("llama")
     MODEL = model.name
-    with running_server(model, "--http-port", str(port)) as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_server(model) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def api(server):
-    with openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+    with openai_client(server, timeout=120) as client:
         yield client
 
 

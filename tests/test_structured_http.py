@@ -12,7 +12,7 @@ import pytest
 
 from metrale.ipc.sampling import SamplingParams, StructuredOutputs
 
-from serve_fixture import free_port, running_server
+from serve_fixture import http_server, openai_client
 from test_grammar_compiler import SLOW
 
 SCHEMA = {
@@ -36,17 +36,15 @@ MODEL = ""  # the served model's id (its folder's name), set by the server fixtu
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     global MODEL
-    port = free_port()
     model = tiny_model_dir("llama")
     MODEL = model.name
-    with running_server(model, "--http-port", str(port), "--grammar-timeout", "1") as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_server(model, "--grammar-timeout", "1") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def api(server):
-    with openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+    with openai_client(server, timeout=120) as client:
         yield client
 
 
