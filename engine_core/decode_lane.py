@@ -148,7 +148,6 @@ def _commit_picks(inf: Inflight, results: list, io: StepIo) -> None:
                 s.num_computed += 1
                 kept[i] += 1
         commit_tokens(io, rows, result.tokens, result, gone)
-    _release(inf)
     if inf.kind == StepKind.VERIFY:
         for s, d in zip(rows, inf.drafts):
             if d:

@@ -328,7 +328,7 @@ class ModelRunner:
         targets = np.where(inside, plan.input_ids[np.minimum(after, plan.num_tokens - 1)],
                            np.repeat(plan.prompt_lp_next[rows], counts)).astype(np.int64)
         n = max(int(plan.prompt_lp_n[rows].max()), 0)
-        at_t, targets_t = self._to_device(at), self._to_device(targets)
+        at_t, targets_t = self._staging.put("prompt_lp_at", at), self._staging.put("prompt_lp_targets", targets)
         lp = torch.empty(len(at), dtype=torch.float32, device=self.device)
         ids = torch.empty(len(at), n, dtype=torch.int64, device=self.device) if n else None
         top = torch.empty(len(at), n, dtype=torch.float32, device=self.device) if n else None
@@ -341,9 +341,6 @@ class ModelRunner:
                 ids[a:b], top[a:b] = best.indices, best.values
         return lp, ids, top
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """An int64 host array as a tensor on the runner's device."""
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
     @staticmethod
     def _fill_fed_history(plan: StepPlan, prev: PendingResult | None) -> None:
