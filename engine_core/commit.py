@@ -6,7 +6,8 @@ import numpy as np
 
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.messages import TokenLogprob
-from metrale.ipc.plan import StepResult
+from metrale.ipc.plan import POOL_LAST, POOL_SUM, StepResult
+from metrale.ipc.pooling import finish_embedding
 
 from .grammar import advance as advance_grammar
 from .pipeline import update_row_state
@@ -85,3 +86,27 @@ def commit_prompt_logprobs(seqs: list[Sequence], starts: list[int], counts: np.n
                 else:
                     seq.prompt_entries.append(TokenLogprob(token, lps[i]))
         at += count
+
+
+def commit_pooled(seqs: list[Sequence], starts: list[int], kinds: np.ndarray, result: StepResult,
+                  skip: list[bool]) -> None:
+    """Take each pooled row's vector from a settled step (StepResult.pooled, one per row with kinds[r], in row
+    order) and finish the embeddings requests whose whole prompt is now computed. A chunk at position 0 starts a
+    request's vector again (a recompute after preemption starts there too); a later chunk adds to a sum, replaces
+    a last token's and leaves a first token's."""
+    pooled = result.pooled
+    for q, r in enumerate(np.flatnonzero(kinds).tolist()):
+        seq = seqs[r]
+        if skip[r] or seq.finished:
+            continue
+        if pooled is None or q >= len(pooled):
+            seq.finish("error", "the device returned no pooled vector for an embeddings request", ErrorCode.INTERNAL)
+            continue
+        kind, start = kinds[r], starts[r]
+        if start == 0 or kind == POOL_LAST:
+            seq.pool_total = pooled[q].astype(np.float64)
+        elif kind == POOL_SUM:
+            seq.pool_total += pooled[q]
+        if seq.num_computed >= seq.num_tokens:
+            seq.embedding = finish_embedding(seq.pool_total, seq.pool_kind, seq.num_tokens, seq.pooling)
+            seq.finish("stop")

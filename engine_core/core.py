@@ -73,6 +73,7 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     # The vocabulary of the logits the ring carries back for host sampling: the model's when it keeps recurrent
     # state (RepickOnly repairs), else 0 (no logits region).
     logits_vocab: int = 0
+    pool_dim: int = 0  # the model's hidden size: the width of the embeddings the ring carries back
     status_address: str = ""  # the supervisor's status inbox (ipc/status_channel.py)
     replica: int = 0  # this engine core's data-parallel replica (for its logs)
     ring_ranks: int = 1  # the worker ranks that serve its ring together (a tensor-parallel group on this host)
@@ -82,13 +83,14 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
     """Ticket slots sized for the largest step this engine can build."""
     # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
     return geometry_for(args.serve.engine, args.max_model_len, max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
-                        args.vocab_size, args.logits_vocab)
+                        args.vocab_size, args.logits_vocab, args.pool_dim)
 
 
-def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int, vocab_size: int, logits_vocab: int = 0) -> RingGeometry:
+def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int, vocab_size: int, logits_vocab: int = 0,
+                 pool_dim: int = 0) -> RingGeometry:
     """Ticket slots for an engine's largest step and bursts of up to max_burst steps (serve, and LLM's worker group):
-    grammar rows' bitmasks for vocab_size, a verify step's picks, and logits of logits_vocab (0: none) for host
-    sampling."""
+    grammar rows' bitmasks for vocab_size, a verify step's picks, logits of logits_vocab (0: none) for host
+    sampling, and every row's embedding of pool_dim (0: none)."""
     return RingGeometry(
         num_slots=4,
         max_tokens=max(e.max_num_batched_tokens, e.max_num_seqs),
@@ -100,6 +102,7 @@ def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int, vocab_size: 
         max_burst=max(max_burst, 1 + e.num_speculative_tokens if e.speculative else 1),
         max_bitmask_words=max(1, -(-vocab_size // 32)),
         max_logits_vocab=logits_vocab,
+        max_pool_dim=pool_dim,
     )
 
 
@@ -203,7 +206,7 @@ class EngineCoreProcess:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
-                                        cache_salt=msg.cache_salt, grammar=msg.grammar)
+                                        cache_salt=msg.cache_salt, grammar=msg.grammar, pooling=msg.pooling)
             except Refused as e:
                 self._refuse(msg.request_id, e.code, e.message)
             except Exception as e:  # noqa: BLE001 - a bug admitting one request fails that request only

@@ -25,7 +25,7 @@ import numpy as np
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, StepKind
 
-from .commit import commit_prompt_logprobs, commit_tokens
+from .commit import commit_pooled, commit_prompt_logprobs, commit_tokens
 from .host_sampler import repick
 from .pipeline import NO_MASK, Inflight, Pipeline, Settled, row_mask
 from .scheduler import ScheduledStep
@@ -78,6 +78,7 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
         discard=[False] * len(seqs),
         drafts=step.drafts,
         prompt_lp=plan.prompt_lp_count.copy() if plan.prompt_lp_count.any() else None,
+        pool=plan.pool.copy() if plan.pool.any() else None,
     )
 
 
@@ -122,6 +123,8 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
         commit_tokens(io, inf.seqs, tokens, result, inf.discard)
         if inf.prompt_lp is not None:
             commit_prompt_logprobs(inf.seqs, inf.written, inf.prompt_lp, result, inf.discard)
+        if inf.pool is not None:
+            commit_pooled(inf.seqs, inf.written, inf.pool, result, inf.discard)
     finally:
         _release(inf)  # its positions are settled or gone (a no-op once given back)
     if nxt is not None:

@@ -22,7 +22,8 @@ from metrale.config import EngineArgs
 from metrale.settings import DEFAULTS
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, RequestOutputDelta
-from metrale.ipc.plan import FEED_HOST, Device, StepKind
+from metrale.ipc.plan import FEED_HOST, POOL_KINDS, POOL_NONE, Device, StepKind
+from metrale.ipc.pooling import PoolingParams, with_model_default
 from metrale.ipc.sampling import SamplingParams
 
 from .decode_lane import abandon, discard_row, drain, forget, launch, settle
@@ -151,11 +152,15 @@ class EngineCore:
         stream: bool = True,
         cache_salt: str | None = None,
         grammar: GrammarBlob | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request; Refused (a ValueError with its ErrorCode, naming the field) if it cannot be served.
 
         grammar: the compiled grammar of params.structured_outputs (frontend/grammar_compiler.py), against the
         vocabulary set_grammar_vocab was given.
+
+        pooling: an embeddings request: its prompt is run and pooled as the model pools (ModelInfo.pooling), nothing is
+        sampled, and its one delta carries the embedding.
 
         stream=False: its tokens are reported once, in the delta that finishes it (vLLM's FINAL_ONLY; the
         offline LLM's requests without stop strings), which spares a delta per request per tick.
@@ -164,6 +169,11 @@ class EngineCore:
             raise Refused(ErrorCode.BAD_REQUEST, f"request id {request_id!r} is already live")
         try:
             params.validate(self.info.vocab_size)
+            if pooling is not None:
+                pooling.validate(self.info.hidden_size, self.info.matryoshka)
+                if output_token_ids or params.structured_outputs is not None or params.prompt_logprobs is not None:
+                    raise ValueError("an embeddings request has no output: no output tokens, structured outputs or "
+                                     "prompt logprobs")
         except ValueError as e:
             raise Refused(ErrorCode.BAD_REQUEST, str(e)) from None
         if not prompt_token_ids:
@@ -184,6 +194,8 @@ class EngineCore:
             cache_salt=cache_salt,
             outbox=self._outbox,
             prompt_entries=None if params.prompt_logprobs is None else [None],
+            pooling=None if pooling is None else with_model_default(pooling, self.info.pooling_normalize),
+            pool_kind=POOL_KINDS[self.info.pooling] if pooling is not None else POOL_NONE,
         )
         if params.structured_outputs is not None:
             if grammar is None:
@@ -322,9 +334,9 @@ class EngineCore:
 
     def _quiet_decode(self) -> bool:
         """True when the running rows may go on decoding as they are: no arrival to admit, nothing to
-        retire, no prefill."""
+        retire, no prefill (an embeddings request's last token is a prefill's)."""
         return not self.scheduler.has_admissible() and all(
-            not s.finished and s.num_tokens - s.num_computed <= 1 for s in self.scheduler.running
+            not s.finished and s.num_tokens - s.num_computed <= 1 and not s.pool_kind for s in self.scheduler.running
         )
 
     def _fail_unschedulable(self) -> None:
@@ -362,6 +374,7 @@ class EngineCore:
                         seq.error_code.value if finishing and seq.error_code is not None else None,
                         seq.num_cached_tokens if finishing or pending == seq.num_output else None,
                         seq.prompt_entries if pending and pending == seq.num_output else None,
+                        seq.embedding if finishing else None,
                     )
                 )
                 self.generated_tokens += len(seq.pending)

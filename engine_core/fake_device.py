@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from metrale.ipc.plan import (
-    FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepKind, StepPlan, StepResult, Ticket, check_ticket,
+    FEED_HOST, POOL_FIRST, POOL_LAST, DeviceError, DeviceLost, FedAheadPolicy, ModelInfo, StepKind, StepPlan, StepResult, Ticket, check_ticket,
     moved_on,
 )
 
@@ -37,6 +37,17 @@ def uniform_noise(seed: int, position: int, vocab: int) -> np.ndarray:
         x = x ^ (x >> np.uint64(31))
     return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
 
+
+FAKE_HIDDEN = 8  # the toy model's hidden size (its pooled vectors' width)
+
+
+def fake_hidden(context: np.ndarray | list[int]) -> np.ndarray:
+    """The toy model's final hidden state at the last token of context: a function of every token before it and
+    its place, as a causal model's is (float64 [FAKE_HIDDEN])."""
+    tokens = np.asarray(context, dtype=np.float64)
+    places = np.arange(1, len(tokens) + 1, dtype=np.float64)
+    dims = np.arange(1, FAKE_HIDDEN + 1, dtype=np.float64)
+    return np.cos(np.outer((tokens + 1.0) * places * 0.013, dims)).sum(axis=0) / len(tokens)
 
 @dataclass(slots=True)
 class FakeClock:
@@ -94,11 +105,13 @@ class FakeDevice:
         deferred: bool = False,
         repetitive: bool = False,
         num_state_slots: int = 0,
+        pooling: str = "last",
+        matryoshka: bool = False,
     ):
         """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst);
         repetitive: the logits depend on the last token only (a model whose greedy output soon cycles, so
         prompt lookup's drafts are often right); num_state_slots > 0: a recurrent model (see the module
-        docstring)."""
+        docstring); pooling, matryoshka: how the toy model's embeddings are pooled (ModelInfo)."""
         self.info = ModelInfo(
             name="fake",
             vocab_size=vocab_size,
@@ -110,6 +123,9 @@ class FakeDevice:
             fed_ahead_policy=policy,
             num_swap_blocks=num_swap_blocks,
             num_state_slots=num_state_slots,
+            hidden_size=FAKE_HIDDEN,
+            pooling=pooling,
+            matryoshka=matryoshka,
         )
         self.state: list[list[int]] = [[] for _ in range(num_state_slots)]
         self.clock = clock or FakeClock()
@@ -264,6 +280,8 @@ class FakeDevice:
         results = [StepResult(tokens=row.astype(np.int32), logprobs=lp) for row in picks]
         if plan.prompt_lp_count.any():
             self._prompt_logprobs(plan, input_ids, results[0])
+        if plan.pool.any():
+            results[0].pooled = self._pooled(plan)
         return results if any(drafts) else results[0]
 
     def _prompt_logprobs(self, plan: StepPlan, input_ids: np.ndarray, result: StepResult) -> None:
@@ -285,6 +303,18 @@ class FakeDevice:
         if n:
             result.prompt_top_ids = np.array(ids, dtype=np.int32).reshape(len(lps), n)
             result.prompt_top_logprobs = np.array(tops, dtype=np.float32).reshape(len(lps), n)
+
+    def _pooled(self, plan: StepPlan) -> np.ndarray:
+        """The pooled rows' vectors (StepPlan.pool) from the toy model's hidden states (fake_hidden of each token's
+        context as the KV cache holds it)."""
+        out = []
+        for r in np.flatnonzero(plan.pool).tolist():
+            start, end = int(plan.query_start[r]), int(plan.query_start[r + 1])
+            first, kind = int(plan.positions[start]), int(plan.pool[r])
+            at = {POOL_LAST: [end - start - 1], POOL_FIRST: [0]}.get(kind, range(end - start))
+            contexts = [self._read_context(plan.block_tables[r], first + j + 1) for j in at]
+            out.append(np.sum([fake_hidden(c) for c in contexts], axis=0))
+        return np.array(out, dtype=np.float32)
 
     def _advance_state(self, plan: StepPlan, input_ids: np.ndarray) -> None:
         """Run each row's tokens through its state slot: reset at position 0, else continue exactly where the

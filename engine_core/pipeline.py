@@ -64,6 +64,7 @@ class Inflight:
     host_logits: bool = False  # RepickOnly: a mask went stale, the host samples the step's logits
     kept: list[int] | None = None  # a settled VERIFY's committed picks per row
     prompt_lp: np.ndarray | None = None  # positions per row whose prompt logprobs the step reports (None: none)
+    pool: np.ndarray | None = None  # POOL_* per row whose pooled vector the step reports (None: no row pools)
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from metrale.ipc.errors import ErrorCode, Refused
-from metrale.ipc.plan import FEED_HOST, StepKind
+from metrale.ipc.plan import FEED_HOST, POOL_LAST, POOL_NONE, StepKind
 from metrale.settings import DEFAULTS
 
 from .kv_blocks import KvBlockPool
@@ -289,8 +289,10 @@ class Scheduler:
         """Start (or resume) the head of the waiting queue with a first chunk; False if it does not fit."""
         if not self._may_start(seq):
             return False
-        if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
-            seq.num_computed = self.pool.match_prefix(seq)  # prompt logprobs need every prompt position computed
+        # Prompt logprobs, and a mean or first-token embedding, need every prompt position computed.
+        if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None \
+                and seq.pool_kind in (POOL_NONE, POOL_LAST):
+            seq.num_computed = self.pool.match_prefix(seq)
         k = min(seq.num_tokens - seq.num_computed, budget)
         if not self._fits(seq, seq.num_computed + k):
             self.pool.free(seq)  # give back a prefix match; it is matched again next time

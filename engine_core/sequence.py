@@ -6,8 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.messages import TokenLogprob
+from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -22,7 +25,7 @@ WRITERS: dict[str, frozenset[str]] = {
     for names, mods in (
         # progress: committed tokens by the commit, settled KV positions by the settle (reset by the scheduler when
         # a sequence leaves the device, set from a prefix hit when it joins), positions in flight by the lane
-        ("tokens prompt_entries", "commit"),
+        ("tokens prompt_entries pool_total embedding", "commit"),
         ("num_computed", "decode_lane scheduler"),
         ("num_inflight", "decode_lane"),
         # the outbox: filled by the commit, taken by the engine
@@ -113,6 +116,12 @@ class Sequence:
     grammar: RowGrammar | None = None  # structured outputs: its matcher, past the committed output (grammar.py)
     # params.prompt_logprobs: entry i is prompt token i's (None for the first), appended as prefill chunks settle.
     prompt_entries: list[TokenLogprob | None] | None = None
+    # Embeddings: an embeddings request runs its prompt and samples nothing; pool_kind (POOL_*) is what each of its
+    # rows gives back, pool_total the sum (or the last vector) so far, embedding the finished vector it reports.
+    pooling: PoolingParams | None = None
+    pool_kind: int = 0
+    pool_total: np.ndarray | None = field(default=None, repr=False)
+    embedding: list[float] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -133,8 +142,9 @@ class Sequence:
 
     @property
     def is_decode(self) -> bool:
-        """True when the next step for this sequence is a single-token decode."""
-        return self.num_tokens - self.num_computed == 1
+        """True when the next step for this sequence is a single-token decode (never for an embeddings request,
+        whose last token is the end of a prefill: no burst or verify step may take it)."""
+        return self.num_tokens - self.num_computed == 1 and not self.pool_kind
 
     @property
     def output_ids(self) -> list[int]:

@@ -13,7 +13,7 @@ from operator import add
 
 import numpy as np
 
-from metrale.ipc.plan import FEED_HOST, MASK_GRAMMAR, StepPlan
+from metrale.ipc.plan import FEED_HOST, MASK_GRAMMAR, POOL_NONE, StepPlan
 
 from .grammar import fill_bitmasks
 from .pipeline import NO_MASK, RowMask
@@ -65,6 +65,7 @@ class _Buffers:
     bias_ids: np.ndarray  # grown when a step's logit_bias entries exceed it
     bias_values: np.ndarray
     prompt_lp: np.ndarray  # [3, max_rows]: prompt_lp_n, prompt_lp_count, prompt_lp_next
+    pool: np.ndarray
 
     @classmethod
     def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> "_Buffers":
@@ -104,6 +105,7 @@ class _Buffers:
             bias_ids=np.zeros(1024, i32),
             bias_values=np.zeros(1024, np.float32),
             prompt_lp=np.zeros((3, max_rows), i32),
+            pool=np.zeros(max_rows, i32),
         )
 
 
@@ -150,6 +152,7 @@ class _Mirror:
         self.penalties = np.zeros(capacity, np.bool_)
         self.biased = np.zeros(capacity, np.bool_)
         self.prompt_lp = np.full(capacity, -1, np.int32)  # prompt_logprobs asked (-1: none)
+        self.pool = np.zeros(capacity, np.int32)  # an embeddings request's POOL_* (0: a generating request)
         self._entries: dict[Sequence, _Entry] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -190,6 +193,7 @@ class _Mirror:
         self.seeds[e.row] = seed
         self.penalties[e.row] = seq.params.has_penalties
         self.prompt_lp[e.row] = -1 if seq.params.prompt_logprobs is None else seq.params.prompt_logprobs
+        self.pool[e.row] = seq.pool_kind
         bias = seq.params.logit_bias
         self.biased[e.row] = bool(bias)
         if bias:
@@ -261,6 +265,7 @@ class StepBuilder:
         h = self._history(b, seqs, rows, feed)
         n_bias = self._bias(b, seqs, rows)
         prompt_lp = self._prompt_logprobs(b, seqs, rows, starts, num_new, feed)
+        pool = self._pool(b, rows)
         swap_out, swap_in = self.swap.take_copies()
         state_slots = _NO_STATE
         if self.state_slots:  # state slot (recurrent models)
@@ -301,6 +306,7 @@ class StepBuilder:
             prompt_lp_n=prompt_lp[0],
             prompt_lp_count=prompt_lp[1],
             prompt_lp_next=prompt_lp[2],
+            pool=pool,
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray,
@@ -421,6 +427,16 @@ class StepBuilder:
                 continue
             out[0, r], out[1, r] = seq.params.prompt_logprobs, count
             out[2, r] = seq.tokens[start + k] if count == k else -1
+        return out
+
+    def _pool(self, b: _Buffers, rows: np.ndarray) -> np.ndarray:
+        """int32[R] POOL_* per row: an embeddings request's row never samples, and every chunk of it pools (the
+        commit keeps what its kind needs: the sum, the last chunk's, the first chunk's)."""
+        R = len(rows)
+        out = b.pool[:R]
+        self._mirror.pool.take(rows, out=out)
+        if out.any():
+            b.sample[:R][out != POOL_NONE] = False
         return out
 
     def _bias(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray) -> int:

@@ -1,7 +1,8 @@
 """HttpApi: the OpenAI-compatible HTTP API, served by aiohttp on the frontend's own event loop.
 
 Routes: POST /v1/completions (http_completions.py), POST /v1/chat/completions (http_chat.py), POST /v1/responses
-(http_responses.py, run through the chat route), each as SSE streams or one JSON answer; GET /v1/models[/{id}]
+(http_responses.py, run through the chat route), each as SSE streams or one JSON answer; POST /v1/embeddings
+(http_embeddings.py); GET /v1/models[/{id}]
 (http_models.py); POST /tokenize, /detokenize (http_tokenize.py); GET|POST /ping, POST /invocations
 (http_sagemaker.py); GET /health, /metrics, /version, /load (here). docs/http.md is the reference.
 
@@ -27,6 +28,7 @@ from aiohttp import web
 from .api_key import UNAUTHORIZED_MESSAGE
 from .http_chat import ChatCompletions
 from .http_completions import Completions
+from .http_embeddings import Embeddings
 from .http_access_log import access_log
 from .http_errors import ApiError, errors_as_json, json_response
 from .http_models import Models
@@ -63,6 +65,7 @@ class HttpApi:
         self.chat = ChatCompletions(server, self.model, texts)
         responses = Responses(self.chat, self.model, texts)
         models = Models(server, self.model)
+        embeddings = Embeddings(server, self.model)
         tokenization = Tokenization(server, self.model, self.chat)
         sagemaker = SageMaker(self)
         middlewares = [access_log] if cfg.log_requests else []  # outermost: it sees the status errors_as_json sends
@@ -72,6 +75,7 @@ class HttpApi:
             web.post("/v1/completions", self.completions.handle),
             web.post("/v1/chat/completions", self.chat.handle),
             web.post("/v1/responses", responses.handle),
+            web.post("/v1/embeddings", embeddings.handle),
             web.get("/v1/models", models.list),
             web.get("/v1/models/{id:.+}", models.retrieve),  # an id may be a folder's path, slashes and all
             web.post("/tokenize", tokenization.tokenize),

@@ -25,7 +25,9 @@ import msgspec
 
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.messages import AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta, TokenLogprob
+from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams
+from metrale.pooling_config import PoolingConfig
 
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .engine_link import EngineLink
@@ -80,6 +82,7 @@ class RequestState:
     # else the engine core stops the request at max_model_len (finish_reason "length").
     strict_length: bool = False
     grammar: GrammarBlob | None = None  # params.structured_outputs compiled (grammar_compiler.py)
+    pooling: PoolingParams | None = None  # an embeddings request (Generate.pooling)
 
 
 @dataclass(slots=True)
@@ -97,7 +100,9 @@ class LiveRequests:
 
     def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, metrics: Metrics, clock: Callable[[], float],
                  send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1,
-                 grammar_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 grammar_timeout_s: float = DEFAULT_TIMEOUT_S, pooling: PoolingConfig = PoolingConfig(),
+                 hidden_size: int = 0) -> None:
+        """pooling, hidden_size: the model's (model_facts), which embeddings requests are checked against."""
         self.tokenizer = tokenizer
         self.replicas = replicas
         self.metrics = metrics
@@ -105,6 +110,7 @@ class LiveRequests:
         self._send = send
         self.vocab_size = vocab_size  # what requests are checked against (the engine core's once it says)
         self.max_model_len = max_model_len
+        self.pooling, self.hidden_size = pooling, hidden_size
         self.stream_interval = max(1, stream_interval)
         self.clients: dict[bytes, ClientState] = {}  # a client is here while it has live requests
         self._by_engine_id: dict[str, RequestState] = {}
@@ -135,16 +141,29 @@ class LiveRequests:
         if state is not None and msg.id in state.requests:
             raise Rejected("bad_request", f"duplicate id {msg.id!r}: a request with it is running")
         check_generate(msg, self.vocab_size)
+        if msg.pooling is not None:
+            self._check_pooling(msg)
         if self.refusing is not None:
             raise Rejected(*self.refusing)
         if state is None:
             state = self.clients[client] = ClientState(envelope=envelope, fd=fd, local=local)
         state.fd = fd if fd is not None else state.fd
         req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock(),
-                           cache_salt=msg.cache_salt)
+                           cache_salt=msg.cache_salt, pooling=msg.pooling)
         state.requests[msg.id] = req
         self.idle.clear()
         return req
+
+    def _check_pooling(self, msg: Generate) -> None:
+        """Rejected unless this model gives the embedding msg asks for (and msg asks nothing else of it)."""
+        if self.pooling.unsupported:
+            raise Rejected("bad_request", f"this model gives no embeddings: metrale does not run {self.pooling.unsupported}")
+        try:
+            msg.pooling.validate(self.hidden_size, self.pooling.matryoshka)
+        except ValueError as exc:
+            raise Rejected("bad_request", f"pooling.{exc}") from None
+        if msg.sampling.structured_outputs is not None or msg.sampling.prompt_logprobs is not None:
+            raise Rejected("bad_request", "an embeddings request takes no structured outputs or prompt logprobs")
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -270,6 +289,7 @@ class LiveRequests:
             output_token_ids=list(req.detok.output_ids),
             cache_salt=req.cache_salt,
             grammar=req.grammar,
+            pooling=req.pooling,
         )
         link.send(add)
 
@@ -368,7 +388,7 @@ class LiveRequests:
         elif out.finish_reason is not None:
             text += req.detok.flush()
             reason = "stop" if req.detok.stopped else out.finish_reason
-            self._finish(req, reason, text, accepted, logprobs, prompt_logprobs)
+            self._finish(req, reason, text, accepted, logprobs, prompt_logprobs, out.embedding)
         else:
             self._stream(req, text, accepted, logprobs, prompt_logprobs)
 
@@ -381,7 +401,7 @@ class LiveRequests:
         return out.prompt_logprobs
 
     def _stream(self, req: RequestState, text: str, accepted: list[int], logprobs,
-                prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+                prompt_logprobs: list[TokenLogprob | None] | None = None, embedding: list[float] | None = None) -> None:
         """Send new tokens as a Delta, or hold them while fewer than stream_interval are waiting (the
         request's first tokens, which carry its prompt logprobs, go at once: time to first token does not wait for an
         interval)."""
@@ -425,7 +445,7 @@ class LiveRequests:
             self.replicas.links[replica].abort([engine_id])
 
     def _finish(self, req: RequestState, reason: str, text: str, token_ids: list[int], logprobs,
-                prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+                prompt_logprobs: list[TokenLogprob | None] | None = None, embedding: list[float] | None = None) -> None:
         """Send a request's final Delta (with whatever it held back, and the prompt's logprobs when they come with
         its only tokens) and forget it."""
         if req.held_ids or req.held_text:
@@ -440,6 +460,7 @@ class LiveRequests:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.detok.output_ids) if req.detok is not None else 0,
             cached_tokens=req.cached_tokens,
+            embedding=embedding,
         )
         self.send_final(req, final)
 

@@ -61,6 +61,7 @@ from metrale.ipc.messages import (
     WorkerLost,
 )
 from metrale.ipc.errors import ErrorCode
+from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, StatusSender
 from metrale.model_facts import generation_defaults, resolve_model
@@ -169,7 +170,7 @@ class FrontendServer:
         max_model_len = self.facts.max_model_len
         self.requests = LiveRequests(self.tokenizer, self.replicas, self.metrics, clock, self._send,
                                      self.tokenizer.vocab_size, max_model_len, config.stream_interval,
-                                     config.grammar_timeout_s)
+                                     config.grammar_timeout_s, self.facts.pooling, self.facts.hidden_size)
         self._started = clock()
         self._local_keys = itertools.count()
         self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
@@ -476,13 +477,15 @@ class FrontendServer:
         decoder: Decoder | None = None,
         cache_salt: str | None = None,
         strict_length: bool = False,
+        pooling: PoolingParams | None = None,
     ) -> None:
-        """Start a request exactly as a Generate frame would; its Deltas (or its one Error) go to sink.
+        """Start a request exactly as a Generate frame would (pooling: an embeddings request); its Deltas (or its one Error) go to sink.
 
         sink is called on the event loop; the last message is a Delta with a finish_reason or an Error. A decoder
         replaces the tokenizer for detokenizing (e.g. one that keeps reasoning tags in the text).
         """
-        msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params, cache_salt=cache_salt)
+        msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params, cache_salt=cache_salt,
+                       pooling=pooling)
         try:
             req = self.requests.register(key, (), None, msg, local=True)
         except Rejected as exc:

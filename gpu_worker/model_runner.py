@@ -29,6 +29,7 @@ from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.layers.recurrent_state import RecurrentState, StateStep, build_state_step
 from metrale.gpu_worker.loader import load_model
+from metrale.gpu_worker.pooler import check_pool, pool_hidden
 from metrale.gpu_worker.kv_swap import KvSwapSpace
 from metrale.gpu_worker.result_copy import PendingResult, ResultCopier
 from metrale.gpu_worker.sampler import Sampler
@@ -148,6 +149,10 @@ class ModelRunner:
             num_swap_blocks=self.swap.num_blocks,
             num_state_slots=self.state.num_slots if self.state is not None else 0,
             kernels=(cpu_kernels.isa() if self._native else "torch") if self.device.type == "cpu" else self.device.type,
+            hidden_size=self.facts.hidden_size,
+            pooling=self.facts.pooling.kind,
+            pooling_normalize=self.facts.pooling.normalize,
+            matryoshka=self.facts.pooling.matryoshka,
         )
         self.sampler = Sampler(self.facts.vocab_size, self.device)
         self._copier = ResultCopier(self.device)
@@ -295,12 +300,13 @@ class ModelRunner:
             self._staging.begin()
             hidden = self._run_model(plan, self._inputs(plan, prev_sample))
             prompt = self._prompt_logprobs(plan, hidden) if plan.prompt_lp_count.any() else None
+            pooled = pool_hidden(plan, hidden, self.model.model.norm, self._staging.put) if plan.pool.any() else None
             rows = np.flatnonzero(plan.sample)
             if len(rows) == 0:
                 self._staging.end()
                 self._last_tokens[: plan.num_rows].fill_(-1)
                 self._last_sample = plan.sample.copy()
-                return self._copier.start(plan.num_rows, rows, None, start, prompt)
+                return self._copier.start(plan.num_rows, rows, None, start, prompt, pooled)
             self._fill_fed_history(plan, prev_picks)
             logits = self._logits_of(plan, hidden, rows)
             # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync. When
@@ -310,7 +316,7 @@ class ModelRunner:
             self._keep_tokens(plan, rows, out.tokens)
             self._staging.end()
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
-            self._last_picks = self._copier.start(plan.num_rows, rows, out, start, prompt)
+            self._last_picks = self._copier.start(plan.num_rows, rows, out, start, prompt, pooled)
             return self._last_picks
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple:
@@ -387,6 +393,7 @@ class ModelRunner:
                                 f"{MAX_LOGPROBS} alternatives")
             if _outside(plan.prompt_lp_next[(counts > 0) & (counts == q_lens)], self.info.vocab_size):
                 raise PlanError("invalid plan: a row's prompt logprobs end past its tokens without a next token")
+        check_pool(plan)
         grammar_rows = int(np.count_nonzero(plan.mask_kind & MASK_GRAMMAR))
         if grammar_rows and (plan.grammar_bitmask.shape[0] != grammar_rows
                              or 32 * plan.grammar_bitmask.shape[1] < self.info.vocab_size):

@@ -33,6 +33,7 @@ class PendingResult:
     event: object  # a torch.cuda.Event, or device_event.DONE
     start: float  # perf_counter when the step began
     prompt: tuple | None = None  # host (float32 [P], int64 [P, N] | None, float32 [P, N] | None): prompt logprobs
+    pooled: torch.Tensor | None = None  # host float32 [Q, hidden]: the pooled rows' vectors (embeddings)
 
     def ready(self) -> bool:
         """Whether the copies have landed (result() will not wait)."""
@@ -64,6 +65,8 @@ class PendingResult:
             if ids is not None:
                 result.prompt_top_ids = ids.numpy().astype(np.int32)
                 result.prompt_top_logprobs = top.numpy()
+        if self.pooled is not None:
+            result.pooled = self.pooled.numpy()
         # The host's wall time from the step's start: on a device that queues, it includes the wait here.
         result.timings = {"execute_s": time.perf_counter() - self.start}
         return result
@@ -78,17 +81,19 @@ class ResultCopier:
         self.pinned = self.device.type == "cuda"
 
     def start(self, num_rows: int, rows: np.ndarray, out: SamplerOutput | None, start: float,
-              prompt: tuple | None = None) -> PendingResult:
-        """Queue the copies of out (None: no row sampled) and of the prompt logprobs (device tensors: logprobs [P],
-        top ids and logprobs [P, N] or None; None: none asked) and mark their end with an event."""
+              prompt: tuple | None = None, pooled: torch.Tensor | None = None) -> PendingResult:
+        """Queue the copies of out (None: no row sampled), of the prompt logprobs (device tensors: logprobs [P],
+        top ids and logprobs [P, N] or None; None: none asked) and of the pooled vectors (float32 [Q, hidden];
+        None: no row pooled), and mark their end with an event."""
         event = new_event(self.device)
         host_prompt = None if prompt is None else tuple(self._copy(t) for t in prompt)
+        host_pooled = self._copy(pooled)
         if out is None:
             event.record()
-            return PendingResult(num_rows, rows, None, None, None, None, event, start, host_prompt)
+            return PendingResult(num_rows, rows, None, None, None, None, event, start, host_prompt, host_pooled)
         pending = PendingResult(
             num_rows, rows, self._copy(out.tokens), self._copy(out.logprobs, torch.float32), self._copy(out.top_ids),
-            self._copy(out.top_logprobs, torch.float32), event, start, host_prompt,
+            self._copy(out.top_logprobs, torch.float32), event, start, host_prompt, host_pooled,
         )
         event.record()
         return pending

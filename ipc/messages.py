@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .pooling import PoolingParams
 from .sampling import SamplingParams
 
 # ---- client ↔ frontend ---------------------------------------------------------------
@@ -36,6 +37,8 @@ class Generate(_Keyed, tag="generate", kw_only=True):
     token_ids: list[int] | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV blocks
+    # An embeddings request: the prompt is pooled (sampling is ignored) and the one Delta carries its embedding.
+    pooling: PoolingParams | None = None
 
 
 class Abort(_Keyed, tag="abort", kw_only=True):
@@ -94,6 +97,7 @@ class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
     # With sampling.prompt_logprobs, on the first delta with tokens (once per request): entry i is prompt token i's
     # log-probability given those before it, with the top-N alternatives; None first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embeddings request's vector (Generate.pooling), on its one delta
 
 
 class Error(msgspec.Struct, tag="error", kw_only=True):
@@ -246,6 +250,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     output_token_ids: list[int] = []
     cache_salt: str | None = None
     grammar: GrammarBlob | None = None  # with params.structured_outputs
+    pooling: PoolingParams | None = None  # an embeddings request: its prompt is pooled, nothing is generated
 
 
 class AbortRequest(msgspec.Struct, tag="abort_req", kw_only=True):
@@ -271,6 +276,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int | None = None  # on a request's first delta and its last: prompt tokens the prefix cache held
     # With SamplingParams.prompt_logprobs, on the delta with its first tokens: entry i is prompt token i's (None first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embeddings request's vector, on its last delta
 
 
 class EngineLoad(msgspec.Struct, array_like=True):

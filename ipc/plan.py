@@ -25,6 +25,13 @@ MASK_GRAMMAR = 8  # only the tokens of the row's grammar bitmask (grammar_bitmas
 
 NO_SEED = -1
 
+# pool values (StepPlan.pool): what a row's hidden states give back (embeddings; ModelInfo.pooling names the model's).
+POOL_NONE = 0
+POOL_LAST = 1  # the final-normed hidden state of the row's last token
+POOL_SUM = 2  # the sum of the row's tokens' final-normed hidden states (mean pooling: the host adds chunks, divides)
+POOL_FIRST = 3  # the first token's of the row (CLS pooling: the host keeps the chunk at position 0)
+POOL_KINDS = {"last": POOL_LAST, "mean": POOL_SUM, "cls": POOL_FIRST}
+
 
 class StepKind(enum.IntEnum):
     """What a ticket asks the device to run; it travels with the plan and the device dispatches on it."""
@@ -87,6 +94,13 @@ class ModelInfo:
     # The worker's kernels: on a CPU the instruction-set class its native kernels run (metrale/cpu_isa.py), or
     # "torch" without them; on an accelerator its kind ("cuda").
     kernels: str = ""
+    # Embeddings: the pooled vector's width (the hidden size), the model's pooling ("last", "mean" or "cls", as its
+    # sentence-transformers config says; "last" for a plain decoder), whether it normalises, and whether it was
+    # trained for truncated vectors (`dimensions`).
+    hidden_size: int = 0
+    pooling: str = "last"
+    pooling_normalize: bool = True
+    matryoshka: bool = False
 
 
 @dataclass(slots=True)
@@ -142,6 +156,8 @@ class StepPlan:
     prompt_lp_n: np.ndarray | None = None  # int32[R]: -1 none; None: no row asks (all -1, counts 0)
     prompt_lp_count: np.ndarray | None = None  # int32[R]
     prompt_lp_next: np.ndarray | None = None  # int32[R]: the token after the row's last input (-1: not needed)
+    # Embeddings: a POOL_* value per row (a pooled row never samples); StepResult.pooled has one vector per such row.
+    pool: np.ndarray | None = None  # int32[R]; None: no row pools (all POOL_NONE)
 
     def __post_init__(self) -> None:
         if self.num_drafts is None:
@@ -153,6 +169,8 @@ class StepPlan:
             self.prompt_lp_n = np.full(r, -1, dtype=np.int32)
             self.prompt_lp_count = np.zeros(r, dtype=np.int32)
             self.prompt_lp_next = np.full(r, -1, dtype=np.int32)
+        if self.pool is None:
+            self.pool = np.zeros(len(self.seq_lens), dtype=np.int32)
 
     @property
     def num_rows(self) -> int:
@@ -198,6 +216,8 @@ class StepResult:
     prompt_logprobs: np.ndarray | None = None  # float32[P]: the log-probability of the token after each position
     prompt_top_ids: np.ndarray | None = None  # int32[P, N]
     prompt_top_logprobs: np.ndarray | None = None  # float32[P, N]
+    # Embeddings (StepPlan.pool): one vector per pooled row, in row order (float32 [Q, hidden_size]).
+    pooled: np.ndarray | None = None
     timings: dict[str, float] = field(default_factory=dict)  # optional figures for benchmarks
 
 

@@ -23,9 +23,10 @@ from .plan import StepPlan, StepResult
 from .sampling import MAX_LOGIT_BIAS
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 8  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
+VERSION = 9  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
 # 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND);
-# 8: prompt logprobs (StepPlan.prompt_lp_*, StepResult.prompt_*)
+# 8: prompt logprobs (StepPlan.prompt_lp_*, StepResult.prompt_*); 9: embeddings (StepPlan.pool, StepResult.pooled,
+# RingGeometry.max_pool_dim; the worker's counters moved to H_WORKER 24)
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -37,8 +38,8 @@ CTRL_BYTES = 256  # two 128-byte halves: engine-written and worker-written (no f
 # Header int64 indices.
 H_MAGIC, H_VERSION, H_OWNER_PID, H_SLOT_BYTES = 0, 1, 2, 3
 H_GEOMETRY = 4  # the RingGeometry fields, in order
-N_GEOMETRY = 12  # RingGeometry's fields in the header (at most 12: the worker's counters follow)
-H_WORKER = 16  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_ns (worker-written)
+N_GEOMETRY = 13  # RingGeometry's fields in the header (at most 20: the worker's counters follow)
+H_WORKER = 24  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_ns (worker-written)
 # Control block int64 indices (relative to the slot's first int64).
 C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI, C_G, C_W, C_STEPS = range(11)  # C_STEPS: a burst's steps
 C_S = 11  # state_slots entries (0 or R)
@@ -47,7 +48,8 @@ C_BI = 13  # logit_bias entries (bias_ids, bias_values)
 C_KIND = 14  # the ticket's StepKind: what the worker runs
 C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_RES_STEPS = range(16, 24)
 C_RES_P, C_RES_PN = 24, 25  # prompt logprobs: positions, and alternatives per position
-HAS_LOGPROBS, HAS_TOP, HAS_PROMPT = 1, 2, 4
+C_RES_Q, C_RES_QD = 26, 27  # pooled vectors: rows, and their width
+HAS_LOGPROBS, HAS_TOP, HAS_PROMPT, HAS_POOLED = 1, 2, 4, 8
 
 # Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
 # RB rows × block-table width, RK rows × ban width, H history tokens, SO / SI swap pairs × 2,
@@ -88,6 +90,7 @@ PLAN_FIELDS = (
     ("prompt_lp_n", np.int32, "R"),
     ("prompt_lp_count", np.int32, "R"),
     ("prompt_lp_next", np.int32, "R"),
+    ("pool", np.int32, "R"),
 )
 assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fields(StepPlan)), (
     "StepPlan changed: update the ticket layout"
@@ -96,7 +99,7 @@ PLAN_NAMES = tuple(f[0] for f in PLAN_FIELDS)
 
 # StepResult arrays, one result per step of a burst, step after step: tokens and logprobs per row (RS),
 # top-N per row (RNS), the error message (E); then a STEP's prompt logprobs, one per position (P) and its top-N
-# (PN).
+# (PN); then a STEP's pooled vectors, one per pooled row (QD).
 RESULT_FIELDS = (
     ("tokens", np.int32, "RS"),
     ("logprobs", np.float32, "RS"),
@@ -106,6 +109,7 @@ RESULT_FIELDS = (
     ("prompt_logprobs", np.float32, "P"),
     ("prompt_top_ids", np.int32, "PN"),
     ("prompt_top_logprobs", np.float32, "PN"),
+    ("pooled", np.float32, "QD"),
 )
 
 
@@ -125,6 +129,7 @@ class RingGeometry:
     max_burst: int = 1  # decode steps one ticket may ask for (results held per step; a verify step's picks too)
     max_bitmask_words: int = 1  # int32 words of a grammar row's token bitmask (the model's vocab / 32)
     max_logits_vocab: int = 0  # vocabulary of the logits region (0: none; a model that never host-samples)
+    max_pool_dim: int = 0  # width of a pooled vector (the model's hidden size; 0: the ring carries no embeddings)
 
     def capacity(self, kind: str) -> int:
         """Elements a region of this length kind holds."""
@@ -145,6 +150,7 @@ class RingGeometry:
             "BI": self.max_rows * MAX_LOGIT_BIAS,
             "P": self.max_tokens,
             "PN": self.max_tokens * self.max_logprobs,
+            "QD": self.max_rows * self.max_pool_dim,
         }[kind]
 
     @property
@@ -154,9 +160,9 @@ class RingGeometry:
 
 
 def check_geometry(g: RingGeometry) -> None:
-    """ValueError unless every capacity is positive (the logits region may be absent)."""
+    """ValueError unless every capacity is positive (the logits and pooled regions may be absent)."""
     for f in dataclasses.fields(g):
-        if getattr(g, f.name) < (0 if f.name == "max_logits_vocab" else 1):
+        if getattr(g, f.name) < (0 if f.name in ("max_logits_vocab", "max_pool_dim") else 1):
             raise ValueError(f"RingGeometry.{f.name} must be >= 1, got {getattr(g, f.name)}")
 
 
@@ -233,8 +239,8 @@ def result_counts(results: list[StepResult], g: RingGeometry) -> tuple[int, int,
     counts = {_counts(result, g) for result in results}
     if len(counts) > 1:
         raise ValueError("the steps of a burst must have results of one shape")
-    if any(r.prompt_logprobs is not None for r in results[1:]):
-        raise ValueError("only a ticket's first result carries prompt logprobs")
+    if any(r.prompt_logprobs is not None or r.pooled is not None for r in results[1:]):
+        raise ValueError("only a ticket's first result carries prompt logprobs and pooled vectors")
     return counts.pop()
 
 
@@ -250,6 +256,16 @@ def prompt_counts(result: StepResult, g: RingGeometry) -> tuple[int, int]:
         raise ValueError(f"result has prompt logprobs for {p} positions x {n}, the ticket ring holds "
                          f"{g.max_tokens} x {g.max_logprobs}")
     return p, n
+
+
+def pooled_counts(result: StepResult, g: RingGeometry) -> tuple[int, int]:
+    """(Q, D) of a result's pooled vectors ((0, 0): none), checked against the ring."""
+    if result.pooled is None:
+        return 0, 0
+    q, d = result.pooled.shape
+    if q > g.max_rows or d > g.max_pool_dim:
+        raise ValueError(f"result has {q} pooled vectors of {d}, the ticket ring holds {g.max_rows} of {g.max_pool_dim}")
+    return q, d
 
 
 def _counts(result: StepResult, g: RingGeometry) -> tuple[int, int, int]:

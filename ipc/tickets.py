@@ -53,6 +53,8 @@ from .ticket_layout import (
     C_RES_N,
     C_RES_P,
     C_RES_PN,
+    C_RES_Q,
+    C_RES_QD,
     C_RES_R,
     C_RES_STEPS,
     C_RESULT_SEQ,
@@ -70,6 +72,7 @@ from .ticket_layout import (
     H_VERSION,
     H_WORKER,
     HAS_LOGPROBS,
+    HAS_POOLED,
     HAS_PROMPT,
     HAS_TOP,
     HEADER_BYTES,
@@ -87,6 +90,7 @@ from .ticket_layout import (
     region_lengths,
     region_offsets,
     regions,
+    pooled_counts,
     prompt_counts,
     result_counts,
 )
@@ -299,7 +303,8 @@ class TicketRing:
         written) if they do not fit."""
         r, n, flags = result_counts(results, self.geometry)
         p, pn = prompt_counts(results[0], self.geometry)
-        tokens, logprobs, top_ids, top_logprobs, _, prompt_lp, prompt_ids, prompt_top = self._result_regions[slot]
+        pq, pd = pooled_counts(results[0], self.geometry)
+        tokens, logprobs, top_ids, top_logprobs, _, prompt_lp, prompt_ids, prompt_top, pooled = self._result_regions[slot]
         for k, result in enumerate(results):
             np.copyto(tokens[k * r : (k + 1) * r], result.tokens, casting="same_kind")
             if flags & HAS_LOGPROBS:
@@ -314,9 +319,13 @@ class TicketRing:
             if pn:
                 np.copyto(prompt_ids[: p * pn], results[0].prompt_top_ids.reshape(-1), casting="same_kind")
                 np.copyto(prompt_top[: p * pn], results[0].prompt_top_logprobs.reshape(-1), casting="same_kind")
+        if results[0].pooled is not None:
+            flags |= HAS_POOLED
+            np.copyto(pooled[: pq * pd], results[0].pooled.reshape(-1), casting="same_kind")
         c = self._ctrl[slot]
         self._q[c + C_STATUS : c + C_RES_STEPS + 1] = (STATUS_OK, r, n, flags, 0, exec_ns, len(results))
         self._q[c + C_RES_P], self._q[c + C_RES_PN] = p, pn
+        self._q[c + C_RES_Q], self._q[c + C_RES_QD] = pq, pd
 
     def write_error(self, slot: int, message: str, exec_ns: int = 0) -> None:
         """Record that a slot's step failed, with a message (truncated to error_msg_bytes)."""
@@ -366,7 +375,7 @@ class TicketRing:
         c = self._ctrl[slot]
         q = self._seqs
         r, n, flags = q[c + C_RES_R], q[c + C_RES_N], q[c + C_RES_FLAGS]
-        tokens, logprobs, top_ids, top_logprobs, _, prompt_lp, prompt_ids, prompt_top = self._result_regions[slot]
+        tokens, logprobs, top_ids, top_logprobs, _, prompt_lp, prompt_ids, prompt_top, pooled = self._result_regions[slot]
         at, at_n = step * r, step * r * n
         result = StepResult(tokens=tokens[at : at + r], timings={"worker_execute_s": q[c + C_EXEC_NS] * 1e-9})
         if flags & HAS_LOGPROBS:
@@ -380,9 +389,13 @@ class TicketRing:
             if pn:
                 result.prompt_top_ids = prompt_ids[: p * pn].reshape(p, pn)
                 result.prompt_top_logprobs = prompt_top[: p * pn].reshape(p, pn)
+        if step == 0 and flags & HAS_POOLED:
+            pq, pd = q[c + C_RES_Q], q[c + C_RES_QD]
+            result.pooled = pooled[: pq * pd].reshape(pq, pd)
         if copy:
             result.tokens = result.tokens.copy()
-            for name in ("logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs"):
+            for name in ("logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs",
+                         "pooled"):
                 if getattr(result, name) is not None:
                     setattr(result, name, getattr(result, name).copy())
         return result

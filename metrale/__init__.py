@@ -4,13 +4,18 @@ from metrale import cpu_isa
 
 cpu_isa.apply_to_environment()  # before torch starts: a forced kernel class caps torch's and oneDNN's kernels too
 
+from metrale.ipc.pooling import PoolingParams  # noqa: E402
 from metrale.ipc.sampling import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "BeamSearchParams", "BeamSearchOutput",
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "PoolingParams", "EmbeddingRequestOutput", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "Client", "AsyncClient"]
 
 
 def __getattr__(name: str):
+    if name == "EmbeddingRequestOutput":
+        from metrale import llm_embed
+
+        return llm_embed.EmbeddingRequestOutput
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from metrale import llm
 

@@ -19,7 +19,9 @@ from metrale.frontend.chat import ChatTemplate, ChatTemplateError, chat_template
 from metrale.frontend.detokenizer import IncrementalDetokenizer
 from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.messages import EngineStats, RequestOutputDelta, TokenLogprob
+from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams, seeded_for_choice
+from metrale.llm_embed import EmbeddingRequestOutput, embed
 from metrale.model_facts import generation_defaults
 
 log = logging.getLogger(__name__)
@@ -163,6 +165,16 @@ class LLM:
         texts, token_lists = self._prompts(prompts)
         return self._run(texts, token_lists, params)
 
+    def embed(self, prompts, pooling_params: PoolingParams | Seq[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (text, token ids, or vLLM's prompt dicts), pooled as the model pools (its
+        sentence-transformers config; a plain decoder: its last token, normalised): `outputs[i].outputs.embedding`."""
+        texts, token_lists = self._prompts(prompts)
+        return embed(self, texts, token_lists, list(pooling_params) if isinstance(pooling_params, Seq) else pooling_params)
+
+    def next_id(self) -> int:
+        """A fresh number for an offline request's id."""
+        return next(self._ids)
+
     def chat(
         self,
         messages: Seq[dict] | Seq[Seq[dict]],
@@ -216,7 +228,7 @@ class LLM:
             for s in live:
                 rows = [next(alternatives) for _ in s.beams]
                 s.advance(np.array([r.top_ids for r in rows]), np.array([r.top_logprobs for r in rows]))
-        self._run_until_idle()  # retire the last round's requests (their blocks stay cached)
+        self.run_until_idle()  # retire the last round's requests (their blocks stay cached)
         outputs = []
         for s in searches:
             sequences = s.results()
@@ -265,7 +277,7 @@ class LLM:
         except BaseException:
             for rid in open_ids:
                 self.engine.abort(rid)
-            self._run_until_idle()
+            self.run_until_idle()
             raise
         return got
 
@@ -311,7 +323,7 @@ class LLM:
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
-            self._run_until_idle()
+            self.run_until_idle()
             raise
         open_ids = set(samples)
         while open_ids:
@@ -336,7 +348,7 @@ class LLM:
                     self._finish(out, detok.finish(out.token_ids), delta)
                 if out.finish_reason is not None:
                     open_ids.discard(rid)
-        self._run_until_idle()
+        self.run_until_idle()
         return results
 
     def _grammar(self, params: SamplingParams):
@@ -394,7 +406,7 @@ class LLM:
         out.finish_reason = delta.finish_reason
         out.error = delta.error
 
-    def _run_until_idle(self) -> None:
+    def run_until_idle(self) -> None:
         """Step until aborted requests are retired and nothing is in flight (their blocks are freed)."""
         while self.engine.has_unfinished():
             self.engine.step()
@@ -435,7 +447,8 @@ def _spawn_group(args: EngineArgs, model_dir: str):
         env["OMP_NUM_THREADS"] = str(args.worker_threads or max(1, (os.cpu_count() or 1) // n))
     facts = resolve_model(model_dir, args.max_model_len)
     logits_vocab = facts.vocab_size if facts.state_kind == STATE_RECURRENT else 0
-    geometry = geometry_for(args, facts.max_model_len, args.decode_burst, facts.vocab_size, logits_vocab)
+    geometry = geometry_for(args, facts.max_model_len, args.decode_burst, facts.vocab_size, logits_vocab,
+                            facts.hidden_size)
     return WorkerDevice.spawn(geometry, runner_kwargs=args.runner_kwargs(model_dir),
                               env=env, tensor_parallel_size=n, all_reduce=args.all_reduce)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 
 from metrale import gguf_metadata
+from metrale.pooling_config import PoolingConfig, read_pooling
 
 # What a launched-ahead step leaves behind: paged KV only ("attention": an over-run position is simply never
 # read, the seed's Rewind), or recurrent state that a step overwrites ("recurrent": the seed's RepickOnly).
@@ -47,6 +48,8 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     layer_windows: tuple[int | None, ...]  # per layer: sliding window in tokens, or None
     state_kind: str = STATE_ATTENTION
     config: dict = {}  # the checkpoint's config.json (a GGUF's mapped to it), for the worker that builds the model
+    hidden_size: int = 0  # the width of a hidden state (an embedding's, before any `dimensions` cut)
+    pooling: PoolingConfig = PoolingConfig()  # how an embedding is pooled (its sentence-transformers files)
 
 
 def resolve_model(path: str | Path, max_model_len: int | None = None) -> ModelFacts:
@@ -87,7 +90,8 @@ def _resolve(path: str) -> ModelFacts:
         )
     config = _read_json(root / "config.json", required=True)
     generation = _read_json(root / "generation_config.json", required=False)
-    return facts_from_config(config, generation, path=path, name=root.name)
+    facts = facts_from_config(config, generation, path=path, name=root.name)
+    return msgspec.structs.replace(facts, pooling=read_pooling(root, config))
 
 
 def facts_from_config(config: dict, generation: dict, *, path: str, name: str) -> ModelFacts:
@@ -114,6 +118,8 @@ def facts_from_config(config: dict, generation: dict, *, path: str, name: str) -
         layer_windows=layer_windows(cfg, num_layers),
         state_kind=STATE_RECURRENT if _has_recurrent_layers(cfg) else STATE_ATTENTION,
         config=config,
+        hidden_size=int(cfg.get("hidden_size") or 0),
+        pooling=PoolingConfig(matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions"))),
     )
 
 

@@ -259,6 +259,7 @@ class Supervisor:
             replica=rep.index,
             ring_ranks=self.layout.ring_ranks,
             logits_vocab=self.facts.vocab_size if self.facts.state_kind == STATE_RECURRENT else 0,
+            pool_dim=self.facts.hidden_size,
         )
         return [sys.executable, "-m", "metrale.engine_core.core", "--args", msgspec.json.encode(args).decode()]
 

@@ -28,7 +28,7 @@ from shm_guard import no_segment_left_behind  # noqa: E402,F401 - an autouse fix
 
 GEOMETRY = RingGeometry(
     num_slots=3, max_tokens=64, max_rows=8, max_blocks_per_row=6, max_ban_ids=3, max_hist_tokens=40, max_logprobs=5,
-    error_msg_bytes=64, max_bitmask_words=4,
+    error_msg_bytes=64, max_bitmask_words=4, max_pool_dim=12,
 )  # fmt: skip
 
 
@@ -135,6 +135,9 @@ def test_result_round_trip_is_bit_exact_with_and_without_logprobs(ring):
             if pn:
                 result.prompt_top_ids = rng.integers(0, 50000, size=(p, pn), dtype=np.int32)
                 result.prompt_top_logprobs = rng.standard_normal((p, pn)).astype(np.float32)
+        if i % 5 == 2:  # pooled vectors: Q rows of D
+            q, d = int(rng.integers(0, GEOMETRY.max_rows + 1)), int(rng.integers(1, GEOMETRY.max_pool_dim + 1))
+            result.pooled = rng.standard_normal((q, d)).astype(np.float32)
         slot = i % ring.num_slots
         ring.write_result(slot, result, exec_ns=1234)
         ring.publish_result(slot, i + 1)
@@ -142,12 +145,18 @@ def test_result_round_trip_is_bit_exact_with_and_without_logprobs(ring):
         for copy in (False, True):
             back = ring.read_result(slot, copy=copy)
             for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids",
-                         "prompt_top_logprobs"):
+                         "prompt_top_logprobs", "pooled"):
                 x, y = getattr(back, name), getattr(result, name)
                 assert (x is None) == (y is None), name
                 if y is not None:
                     assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
             assert back.timings["worker_execute_s"] == pytest.approx(1.234e-6)
+
+
+def test_pooled_vectors_wider_than_the_ring_are_refused(ring):
+    result = StepResult(tokens=np.full(2, -1, np.int32), pooled=np.zeros((2, GEOMETRY.max_pool_dim + 1), np.float32))
+    with pytest.raises(ValueError, match="pooled vectors"):
+        ring.write_result(0, result)
 
 
 def test_error_result_carries_a_truncated_message(ring):
@@ -351,7 +360,7 @@ def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_hea
         ring.write_plan(1, plan, StepKind.BURST, steps=3)
         other = TicketRing.attach(ring.name)
         try:
-            assert other.geometry == geometry and ticket_layout.VERSION == 8
+            assert other.geometry == geometry and ticket_layout.VERSION == 9
             assert other.plan_kind(1) == StepKind.BURST and other.plan_steps(1) == 3
             assert_plans_equal(other.read_plan(1), plan)
             ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
