@@ -10,16 +10,22 @@ Each layer's `weight_loader(param, loaded_weight, shard_id=None)` is attached to
 method creates (layers/linear_method.py): a split checkpoint loads part by part (`shard_id` 0/1 for
 gate/up, "q"/"k"/"v"), a pre-fused one (Phi-3's qkv_proj and gate_up_proj) in one call with shard_id None,
 and either way the loader keeps only this rank's rows (column) or columns (row). With a group of one the
-forward is the method's product and nothing else.
+forward is the method's product and nothing else. Where LoRA slots are attached (layers/lora.py sets `lora`), the
+step's adapter products are added to it (a row-parallel layer adds its partial one, before the all-reduce).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod, LinearMethod, set_weight_attrs
 from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
+
+if TYPE_CHECKING:
+    from metrale.gpu_worker.layers.lora import LoraLinear
 
 
 class LinearBase(nn.Module):
@@ -43,6 +49,7 @@ class LinearBase(nn.Module):
         self.output_partition_sizes = list(output_partition_sizes)
         self.output_size_per_partition = sum(output_partition_sizes)
         self.quant_method = quant_method or DenseLinearMethod()
+        self.lora: LoraLinear | None = None  # set by LoraSlots: adds the step's adapter products to the output
         self.quant_method.create_weights(
             self, input_size_per_partition, self.output_partition_sizes,
             dtype=dtype, device=device, weight_loader=self.weight_loader,
@@ -60,7 +67,10 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] (this rank's rows)."""
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, out)
+        return out
 
     def process_weights_after_loading(self) -> None:
         """Let the method prepare what its products read."""
@@ -179,11 +189,12 @@ class RowParallelLinear(LinearBase):
         self.reduce = group.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The partial product, summed over the group; the bias is added once (rank 0, before the sum)."""
-        if not self.reduce:
-            return self.quant_method.apply(self, x, self.bias)
+        """The partial product, summed over the group; the bias is added once (rank 0, before the sum), a LoRA
+        product on every rank (its partial product over this rank's columns of A)."""
         out = self.quant_method.apply(self, x, self.bias if self.group.rank == 0 else None)
-        return self.group.all_reduce(out)
+        if self.lora is not None:
+            self.lora.add(x, out)
+        return self.group.all_reduce(out) if self.reduce else out
 
     def weight_loader(self, param, loaded, shard_id=None):
         """This rank's columns of the full tensor (a bias is whole)."""

@@ -14,7 +14,8 @@ A family's file (models/llama.py, gemma.py, ...) defines its decoder layer from 
   then every parameter must have been loaded, each weight processed once (packing, folded norms).
 - For the runner: `kv_shape` (the KV cache it needs: its attention layers'), `state_shape` (the state slots
   a model with recurrent layers needs, else None), `windows`, `dtype`, `uses_native_decode` /
-  `uses_masked_decode` (what the step's attention metadata must hold) and `rope_seq_len_threshold`.
+  `uses_masked_decode` (what the step's attention metadata must hold) and `rope_seq_len_threshold`; `lora_active`,
+  which LoraSlots (layers/lora.py) sets for a step with adapter tokens, keeps the fused decode step off it.
 """
 
 from __future__ import annotations
@@ -238,6 +239,9 @@ class DecoderLM(nn.Module):
     # What each state slot holds (layers/recurrent_state.py) when the model has recurrent layers; the runner
     # then allocates the slots and hands forward each step's `state`.
     state_shape: StateShape | None = None
+    # Set by LoraSlots (layers/lora.py) for a step with adapter tokens: the linear layers add their products, so
+    # the fused decode step, which has none, must not serve it.
+    lora_active: bool = False
 
     # (parameter suffix, checkpoint suffix, shard id): split checkpoint weights stacked into one parameter.
     stacked_params: tuple[tuple[str, str, ShardId], ...] = (
@@ -323,7 +327,7 @@ class DecoderLM(nn.Module):
         if self.embed_scale is not None:
             h = h * self.embed_scale
         fused = self.fused_decode
-        if fused is not None and fused.serves(meta, ropes[0]):
+        if fused is not None and not self.lora_active and fused.serves(meta, ropes[0]):
             return h.add_(fused(h, ropes[0], cache, meta))
         delta = None
         for layer in self.model.layers:
