@@ -206,7 +206,8 @@ class EngineCoreProcess:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
-                                        cache_salt=msg.cache_salt, grammar=msg.grammar, pooling=msg.pooling)
+                                        cache_salt=msg.cache_salt, grammar=msg.grammar, pooling=msg.pooling,
+                                        lora=msg.lora)
             except Refused as e:
                 self._refuse(msg.request_id, e.code, e.message)
             except Exception as e:  # noqa: BLE001 - a bug admitting one request fails that request only

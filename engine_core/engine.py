@@ -18,7 +18,7 @@ import logging
 import random
 from dataclasses import dataclass
 
-from metrale.config import EngineArgs
+from metrale.config import EngineArgs, lora_pairs
 from metrale.settings import DEFAULTS
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, RequestOutputDelta
@@ -67,6 +67,8 @@ class EngineOptions:
     num_speculative_tokens: int = DEFAULTS.num_speculative_tokens
     # Steps of this many rows or more decode plainly.
     speculative_disable_by_batch_size: int | None = DEFAULTS.speculative_disable_by_batch_size
+    # --lora-modules (NAME=PATH): the device holds adapter i in LoRA slot i; a request names one.
+    lora_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULTS.lora_modules))
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
@@ -130,6 +132,8 @@ class EngineCore:
         self.shaper = StepShaper((min(options.decode_burst, limit), min(options.stream_interval, limit)),
                                  self.speculator, info.max_model_len, builder.max_tokens)
         self.requests: dict[str, Sequence] = {}
+        # Each adapter's LoRA slot on the device: --lora-modules' in order (the runner loads them so), then add_lora's.
+        self.lora_slots: dict[str, int] = {name: i for i, (name, _) in enumerate(lora_pairs(self.options.lora_modules))}
         self._outbox: dict[int, Sequence] = {}  # sequences with tokens or a finish to report (Sequence.outbox)
         self._rng = random.Random(options.seed)
         self._arrivals = 0
@@ -153,6 +157,7 @@ class EngineCore:
         cache_salt: str | None = None,
         grammar: GrammarBlob | None = None,
         pooling: PoolingParams | None = None,
+        lora: str | None = None,
     ) -> None:
         """Queue a request; Refused (a ValueError with its ErrorCode, naming the field) if it cannot be served.
 
@@ -161,6 +166,8 @@ class EngineCore:
 
         pooling: an embeddings request: its prompt is run and pooled as the model pools (ModelInfo.pooling), nothing is
         sampled, and its one delta carries the embedding.
+
+        lora: the name of a LoRA adapter (EngineOptions.lora_modules, or add_lora's) its rows run with.
 
         stream=False: its tokens are reported once, in the delta that finishes it (vLLM's FINAL_ONLY; the
         offline LLM's requests without stop strings), which spares a delta per request per tick.
@@ -182,6 +189,12 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise Refused(ErrorCode.BAD_REQUEST, f"token_ids must be in [0, {vocab}) (got {bad[:5]})")
+        lora_slot = -1
+        if lora is not None:
+            lora_slot = self.lora_slots.get(lora, -1)
+            if lora_slot < 0:
+                served = ", ".join(sorted(self.lora_slots)) or "none"
+                raise Refused(ErrorCode.BAD_REQUEST, f"the LoRA adapter {lora!r} is not loaded (loaded: {served})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(
             request_id=request_id,
@@ -196,6 +209,7 @@ class EngineCore:
             prompt_entries=None if params.prompt_logprobs is None else [None],
             pooling=None if pooling is None else with_model_default(pooling, self.info.pooling_normalize),
             pool_kind=POOL_KINDS[self.info.pooling] if pooling is not None else POOL_NONE,
+            lora_slot=lora_slot,
         )
         if params.structured_outputs is not None:
             if grammar is None:
@@ -206,6 +220,11 @@ class EngineCore:
         init_row_state(seq, self.io.toks)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def add_lora(self, name: str) -> int:
+        """The LoRA slot of adapter `name`, the next one for a new name: the caller loads its weights into the
+        device's slot (and keeps within the device's max_loras) before a request names it."""
+        return self.lora_slots.setdefault(name, len(self.lora_slots))
 
     def set_grammar_vocab(self, vocab: GrammarVocab) -> None:
         """The vocabulary structured outputs' grammars are compiled against (sent by the frontend)."""

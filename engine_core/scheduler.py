@@ -85,7 +85,7 @@ class Scheduler:
     def check_admissible(self, seq: Sequence) -> None:
         """Raise Refused (too_long) or SchedulerBusy (queue full) before a request is queued."""
         limit = min(self.config.max_model_len, self.pool.num_blocks * self.pool.block_size)
-        if seq.num_tokens >= limit:
+        if seq.num_tokens >= limit + bool(seq.pool_kind):  # an embeddings request needs no room for a new token
             raise Refused(
                 ErrorCode.TOO_LONG,
                 f"prompt has {seq.num_tokens} tokens; this server accepts at most {limit - 1} "

@@ -122,6 +122,7 @@ class Sequence:
     pool_kind: int = 0
     pool_total: np.ndarray | None = field(default=None, repr=False)
     embedding: list[float] | None = field(default=None, repr=False)
+    lora_slot: int = -1  # the device's LoRA slot of its adapter (-1: the base model)
 
     @property
     def num_tokens(self) -> int:

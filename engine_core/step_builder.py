@@ -66,6 +66,7 @@ class _Buffers:
     bias_values: np.ndarray
     prompt_lp: np.ndarray  # [3, max_rows]: prompt_lp_n, prompt_lp_count, prompt_lp_next
     pool: np.ndarray
+    lora_slots: np.ndarray
 
     @classmethod
     def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> "_Buffers":
@@ -106,6 +107,7 @@ class _Buffers:
             bias_values=np.zeros(1024, np.float32),
             prompt_lp=np.zeros((3, max_rows), i32),
             pool=np.zeros(max_rows, i32),
+            lora_slots=np.zeros(max_rows, i32),
         )
 
 
@@ -153,6 +155,7 @@ class _Mirror:
         self.biased = np.zeros(capacity, np.bool_)
         self.prompt_lp = np.full(capacity, -1, np.int32)  # prompt_logprobs asked (-1: none)
         self.pool = np.zeros(capacity, np.int32)  # an embeddings request's POOL_* (0: a generating request)
+        self.lora = np.full(capacity, -1, np.int32)  # the request's LoRA slot (-1: the base model)
         self._entries: dict[Sequence, _Entry] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -194,6 +197,7 @@ class _Mirror:
         self.penalties[e.row] = seq.params.has_penalties
         self.prompt_lp[e.row] = -1 if seq.params.prompt_logprobs is None else seq.params.prompt_logprobs
         self.pool[e.row] = seq.pool_kind
+        self.lora[e.row] = seq.lora_slot
         bias = seq.params.logit_bias
         self.biased[e.row] = bool(bias)
         if bias:
@@ -307,6 +311,7 @@ class StepBuilder:
             prompt_lp_count=prompt_lp[1],
             prompt_lp_next=prompt_lp[2],
             pool=pool,
+            lora_slots=self._mirror.lora.take(rows, out=b.lora_slots[:R]),
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray,

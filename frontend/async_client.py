@@ -106,10 +106,11 @@ class AsyncClient:
         token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Run a request, yielding its Deltas; leaving the loop early aborts it."""
         request_id = request_id or new_id()
-        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key)
+        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key, lora)
         q = self._register(request_id)
         finished = False
         try:
@@ -141,10 +142,11 @@ class AsyncClient:
         token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> Completion:
         """Run a request to its end and return the whole output."""
         done = Completion(id=request_id or new_id())
-        async for delta in self.generate(prompt, token_ids=token_ids, params=params, request_id=done.id):
+        async for delta in self.generate(prompt, token_ids=token_ids, params=params, request_id=done.id, lora=lora):
             done.add(delta)
         return done
 

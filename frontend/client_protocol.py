@@ -87,13 +87,13 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def generate_frame(
     request_id: str, prompt: str | None, token_ids: list[int] | None, params: SamplingParams | None,
-    api_key: str | None = None,
+    api_key: str | None = None, lora: str | None = None,
 ) -> bytes:
-    """The Generate frame for one request."""
+    """The Generate frame for one request (lora: a LoRA adapter the server loaded)."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt and token_ids")
     msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params or SamplingParams(),
-                   api_key=api_key)
+                   api_key=api_key, lora=lora)
     return _encoder.encode(msg)
 
 

@@ -106,6 +106,7 @@ class ChatCompletions:
             raise ApiError(400, "top_logprobs must be a positive value or -1, with logprobs true", param="top_logprobs",
                            code="invalid_value")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        self.model.adapter(body.model, body.use_beam_search)
         if body.use_beam_search:
             return await self._beam_search(request, body, prompt, max_tokens if explicit_max else None, logprobs)
         forced = StructuredOutputs(json=tools.schema) if tools.schema is not None else None  # the call must parse
@@ -114,6 +115,7 @@ class ChatCompletions:
         check_count(body.n)
         decoder = self.decoder if params.skip_special_tokens else None
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)
+        adapter = self.model.adapter(body.model)
         run = Run(self.server, self.texts)
         try:
             choices = request[CHOICES] = []  # the access log counts their tokens
@@ -122,7 +124,7 @@ class ChatCompletions:
                 choices.append(Choice(index=j, prompt_index=0, splitter=splitter, prompt_ids=ids,
                                       tools=tools.parser(self.server.config.tool_call_parser)))
                 run.start(j, seeded(params, j), prompt=None if ids else prompt, token_ids=ids, add_special_tokens=False,
-                          decoder=decoder, cache_salt=body.cache_salt, strict_length=explicit_max)
+                          decoder=decoder, cache_salt=body.cache_salt, strict_length=explicit_max, lora=adapter)
             await run.wait_first("messages")
         except BaseException:  # refused, or the client left: nothing of it may keep running
             run.close()

@@ -101,12 +101,13 @@ class Completions:
         prompt_only = body.echo and max_tokens == 0  # each choice runs the one token the engine must, then drops it
         params = sampling_params(body, 1 if prompt_only else max_tokens, body.logprobs, self.server.vocab_size,
                                  defaults=self.model.sampling_defaults, prompt_logprobs=_prompt_logprobs(body))
+        adapter = self.model.adapter(body.model)
         run = Run(self.server, self.texts)
         try:
             for p, (text, ids) in enumerate(prompts):
                 for j in range(body.n):
                     run.start(p * body.n + j, seeded(params, j), prompt=text, token_ids=ids,
-                              cache_salt=body.cache_salt, strict_length=body.max_tokens is not None)
+                              cache_salt=body.cache_salt, strict_length=body.max_tokens is not None, lora=adapter)
             await run.wait_first("prompt")
         except BaseException:  # refused, or the client left: nothing of it may keep running
             run.close()

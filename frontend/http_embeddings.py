@@ -57,13 +57,15 @@ class Embeddings:
         pooling = self._pooling(body)
         inputs = await self._inputs(body)
         params = SamplingParams(priority=body.priority)
+        adapter = self.model.adapter(body.model)
         run = Run(self.server, TokenTexts(self.server.tokenizer))
         try:
             for i, item in enumerate(inputs):
                 if isinstance(item, str):
-                    run.start(i, params, prompt=item, add_special_tokens=body.add_special_tokens, pooling=pooling)
+                    run.start(i, params, prompt=item, add_special_tokens=body.add_special_tokens, pooling=pooling,
+                              lora=adapter)
                 else:
-                    run.start(i, params, token_ids=item, pooling=pooling)
+                    run.start(i, params, token_ids=item, pooling=pooling, lora=adapter)
             vectors: list[list[float] | None] = [None] * len(inputs)
             prompt_tokens = 0
             async for msg in run.messages():

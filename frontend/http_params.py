@@ -81,6 +81,7 @@ class ServedModel:
     dir_named: bool = True  # no --served-model-name: the folder's path names it too
     sampling_defaults: dict = field(default_factory=dict)  # model_facts.generation_defaults
     force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
+    adapters: tuple[str, ...] = ()  # --lora-modules' names: a request naming one runs with that LoRA adapter
 
     @property
     def id(self) -> str:
@@ -88,11 +89,23 @@ class ServedModel:
         return self.names[0]
 
     def check(self, model: str | None) -> None:
-        """404 unless model names this server's model (or is left out)."""
-        if model is not None and model not in self.names and not (self.dir_named and model == str(self.dir)):
-            served = ", ".join(repr(n) for n in self.names)
+        """404 unless model names this server's model or one of its LoRA adapters (or is left out)."""
+        if model is not None and model not in self.names and model not in self.adapters \
+                and not (self.dir_named and model == str(self.dir)):
+            served = ", ".join(repr(n) for n in (*self.names, *self.adapters))
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
+
+
+    def adapter(self, model: str | None, use_beam_search: bool = False) -> str | None:
+        """The LoRA adapter model names (None: the base model); 400 for an adapter with beam search, which runs on
+        the base model only."""
+        if model is None or model not in self.adapters:
+            return None
+        if use_beam_search:
+            raise ApiError(400, "use_beam_search runs on the base model, not a LoRA adapter", param="model",
+                           code="unsupported_value")
+        return model
 
 
 # Media types a JSON body may be sent as (none given is taken as JSON, as curl with --data-binary sends).

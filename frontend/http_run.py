@@ -89,13 +89,14 @@ class Run:
 
     def start(self, index: int, params: SamplingParams, *, prompt: str | None = None,
               token_ids: list[int] | None = None, add_special_tokens: bool = True, decoder=None,
-              cache_salt: str | None = None, strict_length: bool = False, pooling=None) -> None:
+              cache_salt: str | None = None, strict_length: bool = False, pooling=None, lora: str | None = None) -> None:
         """Submit one choice (or one input's embedding, with pooling); its messages arrive on the queue with id
         str(index)."""
         self.live.add(str(index))
         self.server.generate_local(self.key, str(index), self.queue.put_nowait, params, prompt=prompt,
                                    token_ids=token_ids, add_special_tokens=add_special_tokens, decoder=decoder,
-                                   cache_salt=cache_salt, strict_length=strict_length, pooling=pooling)
+                                   cache_salt=cache_salt, strict_length=strict_length, pooling=pooling,
+                                   lora=lora)
 
     async def wait_first(self, param: str | None) -> None:
         """Wait for every choice's first message; ApiError (and the others aborted) when one is an Error."""

@@ -83,6 +83,7 @@ class RequestState:
     strict_length: bool = False
     grammar: GrammarBlob | None = None  # params.structured_outputs compiled (grammar_compiler.py)
     pooling: PoolingParams | None = None  # an embeddings request (Generate.pooling)
+    lora: str | None = None  # its LoRA adapter (Generate.lora)
 
 
 @dataclass(slots=True)
@@ -149,7 +150,8 @@ class LiveRequests:
             state = self.clients[client] = ClientState(envelope=envelope, fd=fd, local=local)
         state.fd = fd if fd is not None else state.fd
         req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock(),
-                           cache_salt=msg.cache_salt, pooling=msg.pooling)
+                           cache_salt=msg.cache_salt, pooling=msg.pooling,
+                           lora=msg.lora)
         state.requests[msg.id] = req
         self.idle.clear()
         return req
@@ -234,7 +236,7 @@ class LiveRequests:
         if not prompt_ids:
             self.send_final(req, Error(id=req.client_id, code="bad_request", message="the prompt is empty"))
             return
-        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len + (req.pooling is not None):
             message = (f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                        "(the prompt and at least one new token must fit)")
             self.send_final(req, Error(id=req.client_id, code="too_long", message=message))
@@ -290,6 +292,7 @@ class LiveRequests:
             cache_salt=req.cache_salt,
             grammar=req.grammar,
             pooling=req.pooling,
+            lora=req.lora,
         )
         link.send(add)
 

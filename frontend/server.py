@@ -111,6 +111,8 @@ class FrontendConfig:
     # --served-model-name: the names /v1/models lists and requests must give (the first is the one replies
     # carry); none: the model folder's name (its path is accepted too).
     served_model_names: list[str] = field(default_factory=list)
+    # --lora-modules: NAME=PATH of each adapter the engine serves; a request names one as its model.
+    lora_modules: list[str] = field(default_factory=list)
     # --chat-template: a file, or inline Jinja; None: the model's own
     chat_template: str | None = DEFAULTS.chat_template
     generation_config: str = DEFAULTS.generation_config  # HTTP requests' sampling defaults (generation_defaults)
@@ -478,14 +480,15 @@ class FrontendServer:
         cache_salt: str | None = None,
         strict_length: bool = False,
         pooling: PoolingParams | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Start a request exactly as a Generate frame would (pooling: an embeddings request); its Deltas (or its one Error) go to sink.
+        """Start a request exactly as a Generate frame would (pooling: an embeddings request; lora: the adapter); its Deltas (or its one Error) go to sink.
 
         sink is called on the event loop; the last message is a Delta with a finish_reason or an Error. A decoder
         replaces the tokenizer for detokenizing (e.g. one that keeps reasoning tags in the text).
         """
         msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params, cache_salt=cache_salt,
-                       pooling=pooling)
+                       pooling=pooling, lora=lora)
         try:
             req = self.requests.register(key, (), None, msg, local=True)
         except Rejected as exc:

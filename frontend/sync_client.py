@@ -103,10 +103,11 @@ class Client:
         token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> DeltaStream:
         """Start a request now; iterate the result for its Deltas (the last has a finish_reason)."""
         request_id = request_id or new_id()
-        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key)
+        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key, lora)
         q = self._register(request_id)
         try:
             self._post(frame)
@@ -122,9 +123,10 @@ class Client:
         token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> Completion:
         """Run a request to its end and return the whole output."""
-        stream = self.generate(prompt, token_ids=token_ids, params=params, request_id=request_id)
+        stream = self.generate(prompt, token_ids=token_ids, params=params, request_id=request_id, lora=lora)
         done = Completion(id=stream.request_id)
         with stream:
             for delta in stream:

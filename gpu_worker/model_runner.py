@@ -28,6 +28,7 @@ from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, buil
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.layers.recurrent_state import RecurrentState, StateStep, build_state_step
+from metrale.gpu_worker.layers.lora import LoraSlots
 from metrale.gpu_worker.loader import load_model
 from metrale.gpu_worker.pooler import check_pool, pool_hidden
 from metrale.gpu_worker.kv_swap import KvSwapSpace
@@ -35,6 +36,7 @@ from metrale.gpu_worker.result_copy import PendingResult, ResultCopier
 from metrale.gpu_worker.sampler import Sampler
 from metrale.gpu_worker.step_staging import StepStaging
 from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
+from metrale.config import lora_pairs
 from metrale.settings import DEFAULTS
 from metrale.ipc.plan import MASK_GRAMMAR, FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
 from metrale.ipc.sampling import MAX_LOGPROBS
@@ -90,6 +92,10 @@ class ModelRunner:
         max_model_len: int | None = DEFAULTS.max_model_len,
         group: ParallelGroup = SINGLE,
         decode_graphs: bool | None = None,
+        enable_lora: bool = DEFAULTS.enable_lora,
+        lora_modules: list[str] = DEFAULTS.lora_modules,
+        max_loras: int = DEFAULTS.max_loras,
+        max_lora_rank: int = DEFAULTS.max_lora_rank,
     ):
         """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)
         and swap_space bytes of host blocks for swap preemption.
@@ -98,7 +104,9 @@ class ModelRunner:
         rank's KV heads, and every rank of the group agrees on the number of blocks.
         decode_graphs: run decode steps through the bucketed persistent buffers (graph_runner.py), captured as
         CUDA graphs on CUDA; None = on CUDA only (on a CPU the native fused step is faster uncaptured), False =
-        eager everywhere (`--enforce-eager`)."""
+        eager everywhere (`--enforce-eager`).
+        enable_lora: LoRA slots (max_loras of rank max_lora_rank) on every projection, lora_modules' adapters
+        (NAME=PATH) loaded into slots 0, 1, ... in order: a plan's lora_slots name them per row."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = pathlib.Path(model_dir)
         self.facts = resolve_model(model_dir, max_model_len)
@@ -154,6 +162,11 @@ class ModelRunner:
             pooling_normalize=self.facts.pooling.normalize,
             matryoshka=self.facts.pooling.matryoshka,
         )
+        self.lora: LoraSlots | None = None
+        if enable_lora:
+            self.lora = LoraSlots(self.model, max_loras=max_loras, max_lora_rank=max_lora_rank, group=group)
+            for slot, (_, path) in enumerate(lora_pairs(lora_modules)):
+                self.lora.load(slot, path)
         self.sampler = Sampler(self.facts.vocab_size, self.device)
         self._copier = ResultCopier(self.device)
         self._staging = StepStaging(self.device)
@@ -219,8 +232,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.swap.apply(plan)
             self._staging.begin()
-            prepared = self._prepare(plan, self._staging.put("input_ids", plan.input_ids))
-            hidden = self._forward(prepared)
+            hidden = self._eager(plan, self._staging.put("input_ids", plan.input_ids))
             rows = np.flatnonzero(plan.sample)
             counts = plan.num_drafts[rows].astype(np.int64) + 1  # picks of each sampling row
             of_row = np.repeat(rows, counts)
@@ -394,6 +406,9 @@ class ModelRunner:
             if _outside(plan.prompt_lp_next[(counts > 0) & (counts == q_lens)], self.info.vocab_size):
                 raise PlanError("invalid plan: a row's prompt logprobs end past its tokens without a next token")
         check_pool(plan)
+        if (plan.lora_slots >= 0).any() and (self.lora is None or _outside(plan.lora_slots[plan.lora_slots >= 0],
+                                                                          len(self.lora.adapters))):
+            raise PlanError("invalid plan: a row's LoRA slot is not one this runner holds")
         grammar_rows = int(np.count_nonzero(plan.mask_kind & MASK_GRAMMAR))
         if grammar_rows and (plan.grammar_bitmask.shape[0] != grammar_rows
                              or 32 * plan.grammar_bitmask.shape[1] < self.info.vocab_size):
@@ -465,10 +480,21 @@ class ModelRunner:
         return input_ids
 
     def _run_model(self, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] of the step: a decode step through the decode graphs when they serve it."""
-        if self.graphs is not None and self.graphs.serves(plan):
+        """Hidden states [T, hidden] of the step: a decode step through the decode graphs when they serve it (and
+        no row has an adapter: a graph holds no LoRA product)."""
+        if self.graphs is not None and not (plan.lora_slots >= 0).any() and self.graphs.serves(plan):
             return self.graphs.run(plan, input_ids)
-        return self._forward(self._prepare(plan, input_ids))
+        return self._eager(plan, input_ids)
+
+    def _eager(self, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step through the model's layers, each row's adapter (if any) added."""
+        if not (plan.lora_slots >= 0).any():
+            return self._forward(self._prepare(plan, input_ids))
+        self.lora.begin_step(np.repeat(plan.lora_slots, np.diff(plan.query_start)))
+        try:
+            return self._forward(self._prepare(plan, input_ids))
+        finally:
+            self.lora.end_step()
 
     def _forward(self, p: _Prepared) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens."""

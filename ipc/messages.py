@@ -39,6 +39,7 @@ class Generate(_Keyed, tag="generate", kw_only=True):
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share KV blocks
     # An embeddings request: the prompt is pooled (sampling is ignored) and the one Delta carries its embedding.
     pooling: PoolingParams | None = None
+    lora: str | None = None  # a LoRA adapter the server loaded (--lora-modules): the request runs with it
 
 
 class Abort(_Keyed, tag="abort", kw_only=True):
@@ -251,6 +252,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     cache_salt: str | None = None
     grammar: GrammarBlob | None = None  # with params.structured_outputs
     pooling: PoolingParams | None = None  # an embeddings request: its prompt is pooled, nothing is generated
+    lora: str | None = None  # the LoRA adapter its rows run with (EngineOptions.lora_modules' name)
 
 
 class AbortRequest(msgspec.Struct, tag="abort_req", kw_only=True):

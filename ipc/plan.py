@@ -158,6 +158,8 @@ class StepPlan:
     prompt_lp_next: np.ndarray | None = None  # int32[R]: the token after the row's last input (-1: not needed)
     # Embeddings: a POOL_* value per row (a pooled row never samples); StepResult.pooled has one vector per such row.
     pool: np.ndarray | None = None  # int32[R]; None: no row pools (all POOL_NONE)
+    # Multi-LoRA: each row's adapter slot (-1: the base model alone), the slots the device loaded (--lora-modules).
+    lora_slots: np.ndarray | None = None  # int32[R]; None: no row has an adapter (all -1)
 
     def __post_init__(self) -> None:
         if self.num_drafts is None:
@@ -171,6 +173,8 @@ class StepPlan:
             self.prompt_lp_next = np.full(r, -1, dtype=np.int32)
         if self.pool is None:
             self.pool = np.zeros(len(self.seq_lens), dtype=np.int32)
+        if self.lora_slots is None:
+            self.lora_slots = np.full(len(self.seq_lens), -1, dtype=np.int32)
 
     @property
     def num_rows(self) -> int:

@@ -26,7 +26,7 @@ MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
 VERSION = 9  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
 # 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND);
 # 8: prompt logprobs (StepPlan.prompt_lp_*, StepResult.prompt_*); 9: embeddings (StepPlan.pool, StepResult.pooled,
-# RingGeometry.max_pool_dim; the worker's counters moved to H_WORKER 24)
+# RingGeometry.max_pool_dim; the worker's counters moved to H_WORKER 24; StepPlan.lora_slots)
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -91,6 +91,7 @@ PLAN_FIELDS = (
     ("prompt_lp_count", np.int32, "R"),
     ("prompt_lp_next", np.int32, "R"),
     ("pool", np.int32, "R"),
+    ("lora_slots", np.int32, "R"),
 )
 assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fields(StepPlan)), (
     "StepPlan changed: update the ticket layout"

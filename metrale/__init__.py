@@ -7,11 +7,15 @@ cpu_isa.apply_to_environment()  # before torch starts: a forced kernel class cap
 from metrale.ipc.pooling import PoolingParams  # noqa: E402
 from metrale.ipc.sampling import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "PoolingParams", "EmbeddingRequestOutput", "BeamSearchParams", "BeamSearchOutput",
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "PoolingParams", "EmbeddingRequestOutput", "LoRARequest", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "Client", "AsyncClient"]
 
 
 def __getattr__(name: str):
+    if name == "LoRARequest":
+        from metrale import llm_lora
+
+        return llm_lora.LoRARequest
     if name == "EmbeddingRequestOutput":
         from metrale import llm_embed
 

@@ -34,6 +34,27 @@ class _EngineArgs(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0 (got {self.swap_space_gb})")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        """ValueError naming the first --lora-modules entry that cannot be served (read without torch)."""
+        from metrale.gpu_worker.lora_adapters import LoraError, read_adapter
+
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"{len(self.lora_modules)} lora_modules, but max_loras is {self.max_loras} (--max-loras)")
+        names = [name for name, _ in lora_pairs(self.lora_modules)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
+        for name, path in lora_pairs(self.lora_modules):
+            try:
+                spec = read_adapter(path)
+            except LoraError as e:
+                raise ValueError(f"lora_modules {name}: {e}") from None
+            if spec.rank > self.max_lora_rank:
+                raise ValueError(f"lora_modules {name}: rank {spec.rank} is above max_lora_rank {self.max_lora_rank} "
+                                 "(--max-lora-rank)")
 
     def runner_kwargs(self, model_dir: str) -> dict:
         """The model runner's keyword arguments (in-process for LLM, as JSON for a worker process)."""
@@ -50,7 +71,29 @@ class _EngineArgs(msgspec.Struct, kw_only=True):
             "swap_space": int(self.swap_space_gb * 2**30) if self.preemption_mode == "swap" else 0,
             "max_model_len": self.max_model_len,
             "decode_graphs": False if self.enforce_eager else None,
+            "enable_lora": self.enable_lora,
+            "lora_modules": list(self.lora_modules),
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
         }
+
+
+def lora_pairs(modules: list[str]) -> list[tuple[str, str]]:
+    """--lora-modules entries as (name, path); ValueError for one that is not NAME=PATH (or vLLM's JSON form)."""
+    pairs = []
+    for entry in modules:
+        if entry.lstrip().startswith("{"):
+            try:
+                item = msgspec.json.decode(entry)
+                pairs.append((str(item["name"]), str(item["path"])))
+                continue
+            except (msgspec.DecodeError, KeyError, TypeError):
+                raise ValueError(f"lora_modules {entry!r}: JSON needs \"name\" and \"path\"") from None
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules {entry!r}: expected NAME=PATH")
+        pairs.append((name, path))
+    return pairs
 
 
 EngineArgs = msgspec.defstruct(

@@ -22,6 +22,7 @@ from metrale.ipc.messages import EngineStats, RequestOutputDelta, TokenLogprob
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams, seeded_for_choice
 from metrale.llm_embed import EmbeddingRequestOutput, embed
+from metrale.llm_lora import LoRARequest, adapter_names
 from metrale.model_facts import generation_defaults
 
 log = logging.getLogger(__name__)
@@ -152,18 +153,20 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}) to
         completion, params.n samples each; outputs in the order of the prompts.
 
         A prompt or parameter the engine cannot serve raises ValueError naming the field, and nothing runs.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model).
         """
         if sampling_params is not None:  # vLLM's keyword
             if params is not None:
                 raise ValueError("give params or sampling_params, not both")
             params = sampling_params
         texts, token_lists = self._prompts(prompts)
-        return self._run(texts, token_lists, params)
+        return self._run(texts, token_lists, params, adapter_names(self, lora_request, len(token_lists)))
 
     def embed(self, prompts, pooling_params: PoolingParams | Seq[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (text, token ids, or vLLM's prompt dicts), pooled as the model pools (its
@@ -186,6 +189,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them, each
         rendered by the model's chat template (or chat_template: a file or Jinja); one RequestOutput each, whose
@@ -200,7 +204,8 @@ class LLM:
                                  continue_final_message=continue_final_message, tools=tools,
                                  extra=chat_template_kwargs) for chat in conversations]
         # The template writes the special tokens it wants (BOS included): nothing is added, as over HTTP.
-        return self._run(texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts], params)
+        return self._run(texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts], params,
+                         adapter_names(self, lora_request, len(texts)))
 
     def beam_search(
         self,
@@ -292,8 +297,11 @@ class LLM:
                 raise ChatTemplateError(f"the model {self.model_dir} has no chat template; pass chat_template=")
         return self._chat_template
 
-    def _run(self, texts: list[str | None], token_lists: list[list[int]], params) -> list[RequestOutput]:
-        """Run each prompt's n samples to completion; one RequestOutput per prompt, samples in order."""
+    def _run(self, texts: list[str | None], token_lists: list[list[int]], params,
+             adapters: list[str | None] | None = None) -> list[RequestOutput]:
+        """Run each prompt's n samples to completion (adapters: each prompt's LoRA adapter); one RequestOutput per
+        prompt, samples in order."""
+        adapters = adapters or [None] * len(token_lists)
         plist = _params_list(params, len(token_lists), self.get_default_sampling_params)
         for p in plist:
             p.validate(self.engine.info.vocab_size)
@@ -304,7 +312,7 @@ class LLM:
         firsts: dict[str, RequestOutput] = {}  # each prompt's first sample's id -> its result
         added = []
         try:
-            for result, p, g in zip(results, plist, grammars):
+            for result, p, g, adapter in zip(results, plist, grammars, adapters):
                 for j in range(p.n):
                     sample_params = seeded_for_choice(p, j)  # a copy: the engine may keep it
                     if j and sample_params.prompt_logprobs is not None:  # the first sample reports them for all
@@ -318,7 +326,7 @@ class LLM:
                         firsts[rid] = result
                     # Only a request with stop strings needs its tokens as they come (to detokenize them).
                     self.engine.add_request(rid, result.prompt_token_ids, msgspec.structs.replace(sample_params),
-                                            stream=detok.has_stop_strings, grammar=g)
+                                            stream=detok.has_stop_strings, grammar=g, lora=adapter)
                     added.append(rid)
         except Exception:
             for rid in added:

@@ -205,6 +205,16 @@ SETTINGS: tuple[Setting, ...] = (
     S("admin_allow_remote", bool, False,
       "with --enable-admin and a non-loopback --host: take admin requests from other machines too.", "serve",
       ("frontend",), flag="--admin-allow-remote"),
+    S("enable_lora", bool, False, "serve LoRA adapters (--lora-modules): a request names one as its model.",
+      "engine", ("runner",), flag="--enable-lora", vllm="--enable-lora"),
+    S("lora_modules", list[str], [],
+      "a LoRA adapter as NAME=PATH (a PEFT folder: adapter_config.json + adapter_model.safetensors); repeat for "
+      "several. Each takes a slot of --max-loras, loaded at start-up.", "engine", ("engine_core", "runner", "frontend"),
+      flag="--lora-modules", vllm="--lora-modules", metavar="NAME=PATH", multiple=True, from_flag=list),
+    S("max_loras", int, 1, "LoRA adapters held at once (their slots); rows of all of them run in one step.",
+      "engine", ("runner",), flag="--max-loras", vllm="--max-loras", min=1),
+    S("max_lora_rank", int, 16, "the largest LoRA rank an adapter may have.", "engine", ("runner",),
+      flag="--max-lora-rank", vllm="--max-lora-rank", min=1),
     # LLM(...) only.
     S("decode_burst", int, 8,
       "most decode steps one tick runs for requests that report only at their finish (the offline LLM's), where "

@@ -235,6 +235,7 @@ class Supervisor:
             "admin_address": self._ipc("admin") if self.config.enable_admin else None,
             "admin_allow_remote": self.config.admin_allow_remote,
             "served_model_names": self.config.served_model_names,
+            "lora_modules": list(self.config.engine.lora_modules),
             "chat_template": str(self.run_dir / "chat_template.jinja") if self.chat_template is not None else None,
             "generation_config": self.config.generation_config,
             "log_requests": not self.config.disable_log_requests,

@@ -71,7 +71,7 @@ def test_a_one_token_embedding_beside_decodes_that_burst_and_speculate():
     engine = EngineCore(device, EngineOptions(max_num_batched_tokens=64, max_num_seqs=8, stream_interval=4,
                                               speculative="ngram", num_speculative_tokens=3))
     for i in range(3):
-        engine.add_request(f"g{i}", [5 + i, 7, 5 + i, 7], SamplingParams(max_tokens=24, ignore_eos=True))
+        engine.add_request(f"g{i}", [5 + i, 7, 5 + i, 7], SamplingParams(max_tokens=24, ignore_eos=True, temperature=0))
     early = [d for _ in range(2) for d in engine.step()]
     engine.add_request("e", [42], SamplingParams(), pooling=PoolingParams(normalize=False))
     tokens, finish, embeddings = run(engine)

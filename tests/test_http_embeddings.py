@@ -70,6 +70,11 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, hf):
     assert status == 200, body
     np.testing.assert_allclose(body["data"][0]["embedding"], hf_embedding(hf, ids[-5:], "mean", True), atol=2e-5)
     assert body["usage"]["prompt_tokens"] == 5
+    status, models = http("GET", server.http + "/v1/models")
+    limit = models["data"][0]["max_model_len"]
+    status, body = http("POST", server.http + "/v1/embeddings", {"input": [list(range(3, limit + 40))],
+                                                                 "truncate_prompt_tokens": -1})
+    assert status == 200 and body["usage"]["prompt_tokens"] == limit, body  # a whole context: no room for output
 
 
 @pytest.mark.parametrize("body,param", [
