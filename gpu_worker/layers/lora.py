@@ -41,16 +41,27 @@ Rows = slice | torch.Tensor | None
 
 @dataclass(slots=True)
 class LoraStep:
-    """The step's selection, which every LoraLinear of a model reads: (slot, its rows) per adapter present."""
+    """The step's selection, which every LoraLinear of a model reads: (slot, its rows) per adapter present; with
+    several adapters, each token's slot one-hot (onehot [T, max_loras]) and, per rank-block width, that one-hot
+    widened over each slot's block (masks: what zeroes the other slots' share of a token's product)."""
 
     groups: list[tuple[int, Rows]] = field(default_factory=list)
     num_tokens: int = 0
+    onehot: torch.Tensor | None = None
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, width: int) -> torch.Tensor:
+        """[T, max_loras * width]: 1 where a token's column belongs to its own slot's block."""
+        m = self.masks.get(width)
+        if m is None:
+            m = self.masks[width] = self.onehot.repeat_interleave(width, dim=1)
+        return m
 
 
 class LoraLinear:
     """One linear layer's adapter slots, and the products it adds to the layer's output for the step's groups."""
 
-    __slots__ = ("layer", "a", "b", "max_rank", "blocks", "targeted", "step")
+    __slots__ = ("layer", "a", "b", "a_cat", "b_cat", "width", "max_rank", "blocks", "targeted", "step")
 
     def __init__(self, layer: LinearBase, blocks: dict, step: LoraStep, *, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         """blocks: each part's shard id -> its block of the rank dimension (None: the whole layer as one part)."""
@@ -58,8 +69,13 @@ class LoraLinear:
         self.max_rank = max_rank
         self.blocks = blocks
         width = (max(blocks.values()) + 1) * max_rank
-        self.a = torch.zeros(max_loras, width, layer.input_size_per_partition, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, layer.output_size_per_partition, width, dtype=dtype, device=device)
+        # Every slot's A and B side by side ([L * width, in] and [out, L * width]): a step of several adapters is
+        # then two products over all slots, the other slots' columns masked off per token, whatever the mix.
+        self.width = width
+        self.a_cat = torch.zeros(max_loras * width, layer.input_size_per_partition, dtype=dtype, device=device)
+        self.b_cat = torch.zeros(layer.output_size_per_partition, max_loras * width, dtype=dtype, device=device)
+        self.a = self.a_cat.view(max_loras, width, -1)  # [L, width, in]
+        self.b = self.b_cat.view(-1, max_loras, width).permute(1, 0, 2)  # [L, out, width]
         self.targeted = [False] * max_loras  # a slot whose adapter leaves this layer alone costs it nothing
         self.step = step
 
@@ -72,6 +88,11 @@ class LoraLinear:
             x, out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         if x.shape[0] != step.num_tokens:
             raise RuntimeError(f"LoRA step selected {step.num_tokens} tokens, the layer got {x.shape[0]} (padded decode graphs?)")
+        if step.onehot is not None:  # several adapters (or one over scattered rows): two products, masked
+            if any(self.targeted[slot] for slot, _ in step.groups):
+                h = torch.mm(x, self.a_cat.t()).mul_(step.mask(self.width))
+                out.addmm_(h, self.b_cat.t())
+            return
         for slot, rows in step.groups:
             if not self.targeted[slot]:
                 continue
@@ -132,7 +153,7 @@ class LoraSlots:
         self.adapters: list[AdapterSpec | None] = [None] * max_loras
         self.step = LoraStep()
         self.active = False  # the step selected adapter tokens
-        self._device = model.ctx.device
+        self._device, self._dtype = model.ctx.device, model.dtype
         self._targets: dict[str, tuple[LoraLinear, object]] = {}  # PEFT module name -> (its layer's slots, part)
         self._linears: list[LoraLinear] = []
         for layer, names in _projections(model):
@@ -208,6 +229,13 @@ class LoraSlots:
                 rows = torch.from_numpy(idx).to(self._device)
             groups.append((slot, rows))
         self.step.groups, self.step.num_tokens = groups, len(slots)
+        self.step.masks = {}
+        self.step.onehot = None
+        if len(groups) > 1 or isinstance(groups[0][1], torch.Tensor):
+            onehot = np.zeros((len(slots), self.max_loras), dtype=np.float32)
+            adapted = np.flatnonzero(slots >= 0)
+            onehot[adapted, slots[adapted]] = 1.0
+            self.step.onehot = torch.from_numpy(onehot).to(device=self._device, dtype=self._dtype)
         if not self.active:
             self.active = self.model.lora_active = True
 
@@ -215,6 +243,7 @@ class LoraSlots:
         """Back to the base model for every token (what a forward without begin_step runs)."""
         if self.step.groups:
             self.step.groups, self.step.num_tokens = [], 0
+            self.step.onehot, self.step.masks = None, {}
         if self.active:
             self.active = self.model.lora_active = False
 
