@@ -37,9 +37,30 @@ def _option(s: settings.Setting):
     if s.is_switch:
         return click.option(s.flag, s.name, is_flag=True, help=s.help)
     if s.multiple:
-        return click.option(s.flag, s.name, multiple=True, help=s.help, **extra)
+        cls = _EntryList if s.name == "lora_modules" else click.Option
+        return click.option(s.flag, s.name, multiple=True, help=s.help, cls=cls, **extra)
     return click.option(s.flag, *s.aliases, s.name, default=s.default, type=kind, show_default=s.default is not None,
                         help=s.help, **extra)
+
+
+class _EntryList(click.Option):
+    """vLLM's `--lora-modules a=PATH b=PATH` (argparse nargs="+") as well as the flag repeated: the words after the
+    flag that are NAME=PATH entries (or JSON objects) are its values too, so a model argument after them is not."""
+
+    def add_to_parser(self, parser, ctx):
+        super().add_to_parser(parser, ctx)
+        option = getattr(parser, "_long_opt", {}).get(self.opts[0])  # click's parser: a private table
+        if option is None:
+            return
+        take = option.process
+
+        def process(value, state):
+            take(value, state)
+            while state.rargs and ("=" in state.rargs[0] or state.rargs[0].startswith("{")) \
+                    and not state.rargs[0].startswith("-"):
+                take(state.rargs.pop(0), state)
+
+        option.process = process
 
 
 def serve_options(f):

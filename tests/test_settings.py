@@ -179,6 +179,16 @@ def test_each_flag_reaches_its_field(captured):
     assert (config.max_frame_bytes, config.shutdown_timeout_s, config.disable_log_requests) == (4096, 3.0, True)
 
 
+def test_lora_modules_take_vllm_s_list_after_one_flag_and_leave_the_model_alone(captured, tmp_path):
+    from test_lora_layers import _write_adapter
+
+    x, y, z = (str(_write_adapter(tmp_path / name)) for name in "xyz")
+    config = captured("--enable-lora", "--max-loras", "3", "--lora-modules", f"a={x}", f"b={y}", "tiny",
+                      "--lora-modules", f'{{"name": "c", "path": "{z}"}}')
+    assert config.engine.lora_modules == [f"a={x}", f"b={y}", f'{{"name": "c", "path": "{z}"}}']
+    assert config.engine.model == "tiny"
+
+
 def test_the_table_imports_neither_torch_nor_click():
     code = ("import sys\nimport metrale.settings, metrale.config, metrale.engine_core.engine\n"
             "assert 'torch' not in sys.modules and 'click' not in sys.modules, 'torch or click imported'\n")
