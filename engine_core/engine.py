@@ -22,7 +22,7 @@ from metrale.config import EngineArgs, lora_pairs
 from metrale.settings import DEFAULTS
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, RequestOutputDelta
-from metrale.ipc.plan import FEED_HOST, POOL_KINDS, POOL_NONE, Device, StepKind
+from metrale.ipc.plan import FEED_HOST, POOL_KINDS, POOL_NONE, Device, DeviceError, StepKind
 from metrale.ipc.pooling import PoolingParams, with_model_default
 from metrale.ipc.sampling import SamplingParams
 
@@ -132,8 +132,11 @@ class EngineCore:
         self.shaper = StepShaper((min(options.decode_burst, limit), min(options.stream_interval, limit)),
                                  self.speculator, info.max_model_len, builder.max_tokens)
         self.requests: dict[str, Sequence] = {}
-        # Each adapter's LoRA slot on the device: --lora-modules' in order (the runner loads them so), then add_lora's.
+        # Each adapter's LoRA slot on the device: --lora-modules' in order (the runner loads them so), then load_lora's;
+        # and its prefix-cache key, new for every load (a slot refilled with another adapter shares no KV with it).
         self.lora_slots: dict[str, int] = {name: i for i, (name, _) in enumerate(lora_pairs(self.options.lora_modules))}
+        self.lora_keys: dict[str, int] = {name: i for i, name in enumerate(self.lora_slots)}
+        self._lora_loads = len(self.lora_slots)
         self._outbox: dict[int, Sequence] = {}  # sequences with tokens or a finish to report (Sequence.outbox)
         self._rng = random.Random(options.seed)
         self._arrivals = 0
@@ -210,6 +213,7 @@ class EngineCore:
             pooling=None if pooling is None else with_model_default(pooling, self.info.pooling_normalize),
             pool_kind=POOL_KINDS[self.info.pooling] if pooling is not None else POOL_NONE,
             lora_slot=lora_slot,
+            lora_key=self.lora_keys[lora] if lora is not None else -1,
         )
         if params.structured_outputs is not None:
             if grammar is None:
@@ -221,10 +225,40 @@ class EngineCore:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def add_lora(self, name: str) -> int:
-        """The LoRA slot of adapter `name`, the next one for a new name: the caller loads its weights into the
-        device's slot (and keeps within the device's max_loras) before a request names it."""
-        return self.lora_slots.setdefault(name, len(self.lora_slots))
+    def load_lora(self, name: str, path: str) -> int:
+        """Load the PEFT adapter at path under `name` into a free LoRA slot of the device (after every step in
+        flight) and return the slot; Refused naming why not (no LoRA, the name taken, every slot taken, the
+        device's reason). Requests may name it once this returns."""
+        if not self.info.max_loras:
+            raise Refused(ErrorCode.BAD_REQUEST, "this server serves no LoRA adapters (--enable-lora)")
+        if name in self.lora_slots:
+            raise Refused(ErrorCode.BAD_REQUEST, f"the LoRA adapter {name!r} is already loaded")
+        free = sorted(set(range(self.info.max_loras)) - set(self.lora_slots.values()))
+        if not free:
+            raise Refused(ErrorCode.BAD_REQUEST, f"every LoRA slot is taken (max_loras {self.info.max_loras}): "
+                                                 f"{', '.join(sorted(self.lora_slots))}")
+        try:
+            self.device.load_lora(free[0], path)
+        except DeviceError as e:
+            raise Refused(ErrorCode.BAD_REQUEST, f"the LoRA adapter {name!r} cannot be loaded: {e}") from None
+        self.lora_slots[name] = free[0]
+        self._lora_loads += 1
+        self.lora_keys[name] = self._lora_loads
+        return free[0]
+
+    def unload_lora(self, name: str) -> None:
+        """Empty the slot of adapter `name`; Refused when it is not loaded or a live request runs with it."""
+        slot = self.lora_slots.get(name)
+        if slot is None:
+            raise Refused(ErrorCode.BAD_REQUEST, f"the LoRA adapter {name!r} is not loaded")
+        users = sum(1 for s in self.requests.values() if s.lora_slot == slot and not s.finished)
+        if users:
+            raise Refused(ErrorCode.BAD_REQUEST, f"the LoRA adapter {name!r} runs {users} requests; unload it after")
+        del self.lora_slots[name], self.lora_keys[name]
+        try:
+            self.device.load_lora(slot, "")
+        except DeviceError as e:  # the slot is no request's any more either way
+            log.warning("emptying LoRA slot %d failed: %s", slot, e)
 
     def set_grammar_vocab(self, vocab: GrammarVocab) -> None:
         """The vocabulary structured outputs' grammars are compiled against (sent by the frontend)."""

@@ -107,6 +107,7 @@ class FakeDevice:
         num_state_slots: int = 0,
         pooling: str = "last",
         matryoshka: bool = False,
+        max_loras: int = 0,
     ):
         """max_burst > 1: the device also runs decode bursts (launch(plan, steps), await_burst);
         repetitive: the logits depend on the last token only (a model whose greedy output soon cycles, so
@@ -126,7 +127,9 @@ class FakeDevice:
             hidden_size=FAKE_HIDDEN,
             pooling=pooling,
             matryoshka=matryoshka,
+            max_loras=max_loras,
         )
+        self.loras: dict[int, str] = {}
         self.state: list[list[int]] = [[] for _ in range(num_state_slots)]
         self.clock = clock or FakeClock()
         self.step_cost = step_cost
@@ -195,6 +198,15 @@ class FakeDevice:
 
     def read_logits(self, ticket: Ticket) -> np.ndarray:
         return self._logits[ticket.seq]
+
+    def load_lora(self, slot: int, path: str) -> None:
+        """Record the slot's adapter (the toy model's picks do not change with it)."""
+        if not 0 <= slot < self.info.max_loras:
+            raise DeviceError(f"LoRA slot {slot} outside this device's {self.info.max_loras}")
+        if path:
+            self.loras[slot] = path
+        else:
+            self.loras.pop(slot, None)
 
     def model(self) -> ModelInfo:
         return self.info

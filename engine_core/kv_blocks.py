@@ -27,12 +27,12 @@ def block_hash(parent: BlockHash, tokens: list[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-def chain_root(cache_salt: str | None, lora_slot: int = -1) -> BlockHash:
+def chain_root(cache_salt: str | None, lora_key: int = -1) -> BlockHash:
     """Where a request's chain of block digests starts: empty, or a digest of its cache salt and its LoRA adapter
     (an adapter's KV is its own: the same tokens give other keys and values)."""
-    if not cache_salt and lora_slot < 0:
+    if not cache_salt and lora_key < 0:
         return b""
-    key = b"salt:" + (cache_salt or "").encode("utf-8") + (b"\0lora:%d" % lora_slot if lora_slot >= 0 else b"")
+    key = b"salt:" + (cache_salt or "").encode("utf-8") + (b"\0lora:%d" % lora_key if lora_key >= 0 else b"")
     return hashlib.blake2b(key, digest_size=16).digest()
 
 
@@ -160,7 +160,7 @@ class KvBlockPool:
         bs = self.block_size
         full = (seq.num_tokens - 1) // bs
         self.stats.queried_tokens += seq.num_tokens
-        parent = root = chain_root(seq.cache_salt, seq.lora_slot)
+        parent = root = chain_root(seq.cache_salt, seq.lora_key)
         for i in range(full):
             chunk = seq.tokens[i * bs : (i + 1) * bs]
             h = block_hash(parent, chunk)
@@ -185,7 +185,7 @@ class KvBlockPool:
             return  # off, or no block filled since the last call
         upto = min(seq.num_computed // bs, len(seq.block_table))
         if seq.hashed_blocks == 0:
-            seq.prefix_hash = chain_root(seq.cache_salt, seq.lora_slot)
+            seq.prefix_hash = chain_root(seq.cache_salt, seq.lora_key)
         for i in range(seq.hashed_blocks, upto):  # incremental: each block is hashed once
             chunk = seq.tokens[i * bs : (i + 1) * bs]
             h = block_hash(seq.prefix_hash, chunk)

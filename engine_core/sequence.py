@@ -123,6 +123,7 @@ class Sequence:
     pool_total: np.ndarray | None = field(default=None, repr=False)
     embedding: list[float] | None = field(default=None, repr=False)
     lora_slot: int = -1  # the device's LoRA slot of its adapter (-1: the base model)
+    lora_key: int = -1  # its adapter's prefix-cache key (EngineCore.lora_keys: one per load)
 
     @property
     def num_tokens(self) -> int:

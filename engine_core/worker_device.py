@@ -92,6 +92,7 @@ class WorkerDevice:
         self._next_seq = 1
         self._first_seq = 1  # tickets below this were launched to a previous worker
         self._closed = False
+        self._loras: dict[int, str] = {}  # adapters loaded at run time (LoRA slot -> path): a new worker loads them too
 
     # ---- starting a worker ---------------------------------------------------------------
 
@@ -198,6 +199,8 @@ class WorkerDevice:
         self._inflight = [0] * self._ring.num_slots
         self.hang.reset()
         self._progress_ns = time.monotonic_ns()
+        for slot, path in list(self._loras.items()):  # what the worker before it loaded at run time
+            self.load_lora(slot, path)
         return self._info
 
     @staticmethod
@@ -292,6 +295,32 @@ class WorkerDevice:
         self._work[slot] = 1
         self._next_seq = seq + 1
         return self._collect(Ticket(slot, seq), self._ring.read_logits)
+
+    def load_lora(self, slot: int, path: str) -> None:
+        """A LoRA ticket, run in order after what is in flight: the worker loads the adapter at path into slot (""
+        empties it); DeviceError with the worker's reason when it cannot. Remembered for the workers after it."""
+        if self._closed:
+            raise DeviceError("the device is closed")
+        seq = self._next_seq
+        ring_slot = seq % self._ring.num_slots
+        if self._inflight[ring_slot]:
+            raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
+        try:
+            self._ring.write_lora_request(ring_slot, slot, path)
+        except ValueError as e:
+            raise DeviceError(str(e)) from None
+        self._ring.publish_plan(ring_slot, seq)
+        if self._bell is not None:
+            self._bell.ring()
+        self._inflight[ring_slot] = seq
+        self._launched_ns[ring_slot] = time.monotonic_ns()
+        self._work[ring_slot] = 1
+        self._next_seq = seq + 1
+        self._collect(Ticket(ring_slot, seq), lambda _: None)
+        if path:
+            self._loras[slot] = path
+        else:
+            self._loras.pop(slot, None)
 
     def model(self) -> ModelInfo:
         """The worker's ModelInfo (from its ready message)."""

@@ -117,6 +117,17 @@ class LocalDevice:
         except KeyError as exc:
             raise DeviceError(str(exc)) from exc
 
+    def load_lora(self, slot: int, path: str) -> None:
+        """Load (or, path "", empty) a LoRA slot of the runner once every launched step has run; DeviceError naming
+        what is wrong."""
+        with self._done:
+            while self._finished < self._next_seq and not self._closed:
+                self._done.wait(_WAIT_SLICE_S)
+        try:
+            self.runner.load_lora(slot, path)
+        except ValueError as exc:
+            raise DeviceError(str(exc)) from None
+
     def model(self) -> ModelInfo:
         """The runner's model facts."""
         return self.runner.info

@@ -161,6 +161,7 @@ class ModelRunner:
             pooling=self.facts.pooling.kind,
             pooling_normalize=self.facts.pooling.normalize,
             matryoshka=self.facts.pooling.matryoshka,
+            max_loras=max_loras if enable_lora else 0,
         )
         self.lora: LoraSlots | None = None
         if enable_lora:
@@ -269,6 +270,16 @@ class ModelRunner:
             for k, result in enumerate(results):
                 result.top_ids, result.top_logprobs = ids[k], top[k]
         return results
+
+    def load_lora(self, slot: int, path: str) -> None:
+        """Load the PEFT adapter at path into LoRA slot ("" empties it), between steps; ValueError naming what is
+        wrong (LoRA not enabled, the slot, the adapter)."""
+        if self.lora is None:
+            raise ValueError("this runner serves no LoRA adapters (enable_lora, --enable-lora)")
+        if path:
+            self.lora.load(slot, path)
+        else:
+            self.lora.unload(slot)
 
     def forward_only(self, plan: StepPlan, *, sync: bool = True) -> torch.Tensor:
         """The same step without feeds or sampling: [S, V] logits of the sampling rows (the model's dtype).

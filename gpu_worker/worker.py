@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from metrale.ipc import worker_group
 from metrale.ipc.doorbell import Attached, Bell, Shutdown, WorkerFailed, WorkerReady, bell_path
-from metrale.ipc.plan import StepKind
+from metrale.ipc.plan import StepKind, StepResult
 from metrale.ipc.tickets import SPIN_IS_SAFE, TicketRing
 from metrale.ipc.worker_group import KEEPALIVE_S, GroupSpec
 
@@ -174,6 +175,9 @@ class WorkerLoop:
         if kind == StepKind.LOGITS:
             self._answer_logits(slot, t0)
             return _Started(slot, seq, 0, t0, None)
+        if kind == StepKind.LORA:
+            self._answer_lora(slot, t0)
+            return _Started(slot, seq, 0, t0, None)
         steps = ring.plan_steps(slot)
         try:
             plan = ring.read_plan(slot)
@@ -258,6 +262,12 @@ class WorkerLoop:
         kind = ring.plan_kind(slot)
         if kind == StepKind.LOGITS:
             return 0
+        if kind == StepKind.LORA:  # every rank holds its shard of the adapter; rank 0 answers
+            try:
+                self.runner.load_lora(*ring.lora_request(slot))
+            except Exception:  # noqa: BLE001 - rank 0 fails the same load the same way and says so
+                traceback.print_exc(file=sys.stderr)
+            return 0
         steps = ring.plan_steps(slot)
         try:
             run_ticket(self.runner, ring.read_plan(slot), kind, steps)
@@ -277,6 +287,18 @@ class WorkerLoop:
             ring.write_logits(slot, self.logits_of(ring.logits_of(slot)), exec_ns=time.perf_counter_ns() - t0)
         except Exception as exc:  # noqa: BLE001 - that ticket's error; no collective ran, the group goes on
             traceback.print_exc(file=sys.stderr)
+            ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+
+    def _answer_lora(self, slot: int, t0: int) -> None:
+        """Load (or empty) the LoRA slot a LoRA ticket names and answer it, or write its error; not across hosts
+        (the off-host ranks follow plans only)."""
+        ring = self.ring
+        try:
+            if self.sender is not None:
+                raise ValueError("adapters of a group spread over hosts are fixed at start-up (--lora-modules)")
+            self.runner.load_lora(*ring.lora_request(slot))
+            ring.write_result(slot, StepResult(tokens=np.zeros(0, dtype=np.int32)), exec_ns=time.perf_counter_ns() - t0)
+        except Exception as exc:  # noqa: BLE001 - that ticket's error; no collective ran, the group goes on
             ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
 
     def _ran(self, seq: int) -> None:

@@ -40,12 +40,13 @@ class StepKind(enum.IntEnum):
     BURST = 1  # `steps` decode steps of the same rows, each fed its own previous pick (await_burst)
     VERIFY = 2  # each row's last token and its drafts, picks kept up to the first rejected draft (await_burst)
     LOGITS = 3  # no plan: the logits of a settled step (Device.read_logits; a ticket of its own on the ring)
+    LORA = 4  # no plan: load a LoRA adapter into a slot, or empty it (Device.load_lora; in order with the steps)
 
 
 def check_ticket(kind: StepKind, steps: int, burst_limit: int) -> None:
     """ValueError unless a device that bursts up to burst_limit steps runs this ticket: a BURST of 1 to
     burst_limit steps, a STEP or a VERIFY of one (a LOGITS ticket carries no plan)."""
-    if kind == StepKind.LOGITS or kind not in StepKind.__members__.values():
+    if kind in (StepKind.LOGITS, StepKind.LORA) or kind not in StepKind.__members__.values():
         raise ValueError(f"a plan cannot be launched as {kind!r}")
     top = burst_limit if kind == StepKind.BURST else 1
     if not 1 <= steps <= top:
@@ -101,6 +102,7 @@ class ModelInfo:
     pooling: str = "last"
     pooling_normalize: bool = True
     matryoshka: bool = False
+    max_loras: int = 0  # LoRA adapter slots (0: the device serves no adapters)
 
 
 @dataclass(slots=True)
@@ -250,6 +252,11 @@ class Device(Protocol):
     def read_logits(self, ticket: Ticket) -> np.ndarray:
         """float32[R, V] raw logits of a settled step, zero rows where it did not sample (host sampling
         under RepickOnly); DeviceError when they are no longer kept."""
+        ...
+
+    def load_lora(self, slot: int, path: str) -> None:
+        """Load the PEFT adapter at path into LoRA slot (after every step launched before; "" empties the slot);
+        DeviceError naming what failed. A device that is replaced loads the same adapters again."""
         ...
 
     def model(self) -> ModelInfo:

@@ -23,10 +23,10 @@ from .plan import StepPlan, StepResult
 from .sampling import MAX_LOGIT_BIAS
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 9  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
+VERSION = 10  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
 # 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND);
 # 8: prompt logprobs (StepPlan.prompt_lp_*, StepResult.prompt_*); 9: embeddings (StepPlan.pool, StepResult.pooled,
-# RingGeometry.max_pool_dim; the worker's counters moved to H_WORKER 24; StepPlan.lora_slots)
+# RingGeometry.max_pool_dim; the worker's counters moved to H_WORKER 24; StepPlan.lora_slots); 10: LoRA tickets (C_KIND LORA, C_LORA_SLOT, the request text region)
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -46,6 +46,7 @@ C_S = 11  # state_slots entries (0 or R)
 C_LOGITS_OF = 12  # a logits ticket (C_KIND LOGITS): the seq of the step whose logits it asks for
 C_BI = 13  # logit_bias entries (bias_ids, bias_values)
 C_KIND = 14  # the ticket's StepKind: what the worker runs
+C_LORA_SLOT = 15  # a LoRA ticket: the adapter slot; its adapter's path is the slot's request text (empty: unload)
 C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_RES_STEPS = range(16, 24)
 C_RES_P, C_RES_PN = 24, 25  # prompt logprobs: positions, and alternatives per position
 C_RES_Q, C_RES_QD = 26, 27  # pooled vectors: rows, and their width
@@ -112,6 +113,8 @@ RESULT_FIELDS = (
     ("prompt_top_logprobs", np.float32, "PN"),
     ("pooled", np.float32, "QD"),
 )
+# What an engine-written ticket without a plan says in words (a LoRA ticket's path): one region after the results.
+TEXT_FIELDS = (("request_text", np.uint8, "E"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +173,7 @@ def check_geometry(g: RingGeometry) -> None:
 def region_offsets(g: RingGeometry) -> dict[str, int]:
     """Byte offset of every region inside a slot (aligned to 64), and the slot size under "_end"."""
     offsets, at = {}, CTRL_BYTES
-    for name, dtype, kind in PLAN_FIELDS + RESULT_FIELDS:
+    for name, dtype, kind in PLAN_FIELDS + RESULT_FIELDS + TEXT_FIELDS:
         offsets[name] = at
         at += -(-g.capacity(kind) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
     offsets["_end"] = -(-at // 4096) * 4096

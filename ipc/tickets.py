@@ -47,6 +47,7 @@ from .ticket_layout import (
     C_K,
     C_KIND,
     C_LOGITS_OF,
+    C_LORA_SLOT,
     C_PLAN_SEQ,
     C_R,
     C_RES_FLAGS,
@@ -81,6 +82,7 @@ from .ticket_layout import (
     PLAN_FIELDS,
     PLAN_NAMES,
     RESULT_FIELDS,
+    TEXT_FIELDS,
     STATUS_ERROR,
     STATUS_OK,
     VERSION,
@@ -168,6 +170,7 @@ class TicketRing:
         slot_at = [HEADER_BYTES + s * slot_bytes for s in range(self.num_slots)]
         self._plan_regions = [regions(base, at, offsets, self.geometry, PLAN_FIELDS) for at in slot_at]
         self._result_regions = [regions(base, at, offsets, self.geometry, RESULT_FIELDS) for at in slot_at]
+        self._text_regions = [regions(base, at, offsets, self.geometry, TEXT_FIELDS)[0] for at in slot_at]
         logits_at = HEADER_BYTES + self.num_slots * slot_bytes
         self._logits = base[logits_at : logits_at + self.geometry.logits_bytes].view(np.float32)
         self._plan_cache: list[tuple[tuple | None, list[np.ndarray] | None]] = [(None, None)] * self.num_slots
@@ -210,7 +213,7 @@ class TicketRing:
 
     def close(self) -> None:
         """Unmap the ring; the owner also unlinks the segment. Idempotent."""
-        self._plan_regions = self._result_regions = self._plan_cache = []
+        self._plan_regions = self._result_regions = self._text_regions = self._plan_cache = []
         self._q = self._logits = None
         self._finalizer()
 
@@ -255,6 +258,25 @@ class TicketRing:
         c = self._ctrl[slot]
         self._seqs[c + C_LOGITS_OF] = of_seq
         self._seqs[c + C_KIND] = StepKind.LOGITS
+
+    def write_lora_request(self, slot: int, lora_slot: int, path: str) -> None:
+        """Make the slot a LoRA ticket: load the adapter at path into lora_slot ("" empties it); publish it like a
+        plan. ValueError (nothing written) for a path longer than the text region."""
+        raw = path.encode("utf-8")
+        text = self._text_regions[slot]
+        if len(raw) >= len(text):
+            raise ValueError(f"a LoRA adapter path of {len(raw)} bytes; the ticket ring holds {len(text) - 1}")
+        text[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        text[len(raw)] = 0
+        c = self._ctrl[slot]
+        self._seqs[c + C_LORA_SLOT] = lora_slot
+        self._seqs[c + C_KIND] = StepKind.LORA
+
+    def lora_request(self, slot: int) -> tuple[int, str]:
+        """A LoRA ticket's (adapter slot, path) ("" to empty the slot)."""
+        text = self._text_regions[slot]
+        end = int(np.argmax(text == 0))
+        return self._seqs[self._ctrl[slot] + C_LORA_SLOT], text[:end].tobytes().decode("utf-8")
 
     def logits_of(self, slot: int) -> int:
         """The seq whose logits a logits ticket asks for."""

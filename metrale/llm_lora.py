@@ -39,22 +39,12 @@ def adapter_names(llm: LLM, lora_request, count: int) -> list[str | None]:
 
 
 def _load(llm: LLM, req: LoRARequest) -> None:
-    """Load a new adapter into the in-process runner's next slot."""
-    from metrale.gpu_worker.lora_adapters import LoraError, read_adapter
+    """Load a new adapter into a free slot the engine core picks (the device loads it, every rank its shard)."""
+    from metrale.ipc.errors import Refused
 
     if not req.lora_path:
         raise ValueError(f"the LoRA adapter {req.lora_name!r} is not loaded and its lora_path is not given")
-    if llm.runner is None:
-        raise ValueError("with tensor_parallel_size > 1, adapters are given at start: LLM(..., lora_modules=[NAME=PATH])")
-    if len(llm.engine.lora_slots) >= llm.args.max_loras:
-        raise ValueError(f"every LoRA slot is taken (max_loras {llm.args.max_loras}): "
-                         f"{', '.join(sorted(llm.engine.lora_slots))}")
     try:
-        spec = read_adapter(req.lora_path)
-        if spec.rank > llm.args.max_lora_rank:
-            raise LoraError(f"rank {spec.rank} is above max_lora_rank {llm.args.max_lora_rank}")
-        slot = len(llm.engine.lora_slots)
-        llm.runner.lora.load(slot, spec)
-    except LoraError as e:
-        raise ValueError(f"lora_request {req.lora_name!r}: {e}") from None
-    llm.engine.add_lora(req.lora_name)
+        llm.engine.load_lora(req.lora_name, req.lora_path)
+    except Refused as e:
+        raise ValueError(f"lora_request {req.lora_name!r}: {e.message}") from None

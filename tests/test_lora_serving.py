@@ -183,3 +183,48 @@ def test_two_tensor_parallel_ranks_shard_the_adapters_as_the_base(base, adapters
                             lora_request=[LoRARequest(name) if name else None for name, _ in cases])
         for (name, i), out in zip(cases, outs):
             assert out.outputs[0].token_ids == expected[name, i], (name, i)
+
+
+def test_an_adapter_loaded_at_run_time_is_loaded_again_by_a_new_worker(base, adapters, prompts, expected):
+    """Through the ticket ring (two tensor-parallel ranks): a LoRARequest's adapter is loaded by a LoRA ticket and
+    serves its request; after the worker group is replaced it still does (the new ranks load it again)."""
+    name = NAMES[1]
+    with LLM(str(base), dtype="float32", tensor_parallel_size=2, enable_lora=True, max_loras=2,
+             max_lora_rank=8) as llm:
+        out = llm.generate([prompts[2]], GREEDY, lora_request=LoRARequest(name, 1, adapters[name]))
+        assert out[0].outputs[0].token_ids == expected[name, 2]
+        llm.device.respawn()
+        llm.engine.recover()
+        out = llm.generate([prompts[2], prompts[0]], GREEDY, lora_request=[LoRARequest(name), None])
+        assert [o.outputs[0].token_ids for o in out] == [expected[name, 2], expected[None, 0]]
+
+
+def test_engine_load_and_unload_name_what_they_refuse():
+    """EngineCore.load_lora / unload_lora on FakeDevice: free slots are reused, a name in use cannot be unloaded,
+    and a slot refilled with another adapter starts a fresh prefix-cache chain."""
+    from metrale.engine_core.engine import EngineCore, EngineOptions
+    from metrale.engine_core.fake_device import FakeDevice
+    from metrale.ipc.errors import Refused
+
+    device = FakeDevice(vocab_size=512, num_kv_blocks=64, block_size=4, max_loras=2)
+    engine = EngineCore(device, EngineOptions())
+    assert engine.load_lora("a", "/a") == 0 and engine.load_lora("b", "/b") == 1
+    with pytest.raises(Refused, match="every LoRA slot is taken"):
+        engine.load_lora("c", "/c")
+    with pytest.raises(Refused, match="already loaded"):
+        engine.load_lora("a", "/a2")
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4), lora="a")
+    with pytest.raises(Refused, match="runs 1 requests"):
+        engine.unload_lora("a")
+    key_a = engine.requests["r"].lora_key
+    while engine.has_unfinished():
+        engine.step()
+    engine.unload_lora("a")
+    assert device.loras == {1: "/b"}
+    assert engine.load_lora("c", "/c") == 0 and device.loras == {0: "/c", 1: "/b"}
+    engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=4), lora="c")
+    assert engine.requests["s"].lora_slot == 0 and engine.requests["s"].lora_key != key_a
+    with pytest.raises(Refused, match="is not loaded"):
+        engine.add_request("t", [5], SamplingParams(), lora="a")
+    with pytest.raises(Refused, match="serves no LoRA"):
+        EngineCore(FakeDevice(vocab_size=512, num_kv_blocks=64, block_size=4), EngineOptions()).load_lora("x", "/x")

@@ -153,6 +153,17 @@ def test_result_round_trip_is_bit_exact_with_and_without_logprobs(ring):
             assert back.timings["worker_execute_s"] == pytest.approx(1.234e-6)
 
 
+def test_a_lora_ticket_carries_its_slot_and_path_and_leaves_the_plan_alone(ring):
+    plan = random_plan(np.random.default_rng(3), 5, 3, 2, 1, 4)
+    ring.write_plan(1, plan)
+    ring.write_lora_request(1, 2, "/adapters/é-1")
+    assert ring.plan_kind(1) == StepKind.LORA and ring.lora_request(1) == (2, "/adapters/é-1")
+    ring.write_lora_request(1, 0, "")
+    assert ring.lora_request(1) == (0, "")
+    with pytest.raises(ValueError, match="path of"):
+        ring.write_lora_request(2, 0, "x" * GEOMETRY.error_msg_bytes)
+
+
 def test_pooled_vectors_wider_than_the_ring_are_refused(ring):
     result = StepResult(tokens=np.full(2, -1, np.int32), pooled=np.zeros((2, GEOMETRY.max_pool_dim + 1), np.float32))
     with pytest.raises(ValueError, match="pooled vectors"):
@@ -360,7 +371,7 @@ def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_hea
         ring.write_plan(1, plan, StepKind.BURST, steps=3)
         other = TicketRing.attach(ring.name)
         try:
-            assert other.geometry == geometry and ticket_layout.VERSION == 9
+            assert other.geometry == geometry and ticket_layout.VERSION == 10
             assert other.plan_kind(1) == StepKind.BURST and other.plan_steps(1) == 3
             assert_plans_equal(other.read_plan(1), plan)
             ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
@@ -373,7 +384,8 @@ def test_control_block_fields_are_distinct_and_in_the_engine_half():
     """The engine-written counts (grammar rows and words, steps, state slots, a logits ticket's step) never
     share an int64, and all sit before the worker-written half."""
     engine = [getattr(ticket_layout, n) for n in ("C_PLAN_SEQ", "C_T", "C_R", "C_B", "C_K", "C_H", "C_SO", "C_SI",
-                                                   "C_G", "C_W", "C_STEPS", "C_S", "C_LOGITS_OF", "C_BI")]
+                                                   "C_G", "C_W", "C_STEPS", "C_S", "C_LOGITS_OF", "C_BI",
+                                                   "C_KIND", "C_LORA_SLOT")]
     assert len(set(engine)) == len(engine) and max(engine) < ticket_layout.C_RESULT_SEQ
     assert ticket_layout.C_RESULT_SEQ * 8 >= ticket_layout.CTRL_BYTES // 2
     assert ticket_layout.N_GEOMETRY == len(dataclasses.fields(RingGeometry))
