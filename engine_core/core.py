@@ -34,6 +34,8 @@ from metrale.ipc.messages import (
     EngineReady,
     GrammarVocab,
     RequestOutputDelta,
+    LoraUpdate,
+    LoraUpdated,
     StatsRequest,
     StatsResponse,
     WorkerBack,
@@ -218,6 +220,8 @@ class EngineCoreProcess:
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
+        elif isinstance(msg, LoraUpdate):
+            self._update_lora(msg)
         elif isinstance(msg, StatsRequest):
             stats = self.engine.stats()
             worker = self.device.worker_stats()
@@ -226,6 +230,20 @@ class EngineCoreProcess:
             stats.prefix_cache_hit_tokens, stats.prefix_cache_queried_tokens = cache.hit_tokens, cache.queried_tokens
             stats.worker_recoveries, stats.last_worker_recovery = self.recoveries, self.recovery
             self._send(StatsResponse(id=msg.id, stats=stats))
+
+    def _update_lora(self, msg: LoraUpdate) -> None:
+        """Load or unload an adapter (in order after the steps in flight) and say how it went."""
+        try:
+            if msg.path:
+                self.engine.load_lora(msg.name, msg.path)
+            else:
+                self.engine.unload_lora(msg.name)
+            self._send(LoraUpdated(id=msg.id))
+        except Refused as e:
+            self._send(LoraUpdated(id=msg.id, error=e.message))
+        except Exception as e:  # noqa: BLE001 - a bug in one update fails that update only
+            log.exception("LoRA update %r failed", msg.name)
+            self._send(LoraUpdated(id=msg.id, error=f"internal error: {e}"))
 
     def _load(self) -> EngineLoad:
         """How busy this engine core is now (for the frontend's routing between replicas)."""

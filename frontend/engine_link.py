@@ -6,9 +6,9 @@ The FRONTEND binds both ipc:// endpoints; the engine core connects to them (so a
 reconnects, and ZMQ queues nothing for a peer that is not there):
 
 * ``engine_input_address``: frontend PUSH (bind) → engine core PULL (connect). One frame = msgpack of one
-  ``EngineInput`` (AddRequest | AbortRequest | StatsRequest), tagged by "type".
+  ``EngineInput`` (AddRequest | AbortRequest | StatsRequest | GrammarVocab | LoraUpdate), tagged by "type".
 * ``engine_output_address``: engine core PUSH (connect) → frontend PULL (bind). One frame = msgpack of one
-  ``EngineOutput`` (EngineOutputs | StatsResponse | EngineReady).
+  ``EngineOutput`` (EngineOutputs | StatsResponse | EngineReady | WorkerLost | WorkerBack | LoraUpdated).
 
 What the engine core must do:
 
@@ -25,7 +25,8 @@ What the engine core must do:
    With "error", ``error`` is the message and ``error_code`` an ErrorCode value (ipc/errors.py: e.g.
    ``"worker_fault"``; none means "internal"). Stop strings are the frontend's
    job; EOS, stop_token_ids, max_tokens and max_model_len are the engine core's.
-4. Answer ``StatsRequest{id}`` with ``StatsResponse{id, stats}`` (same id).
+4. Answer ``StatsRequest{id}`` with ``StatsResponse{id, stats}`` (same id), and ``LoraUpdate{id, name, path}`` (load an
+   adapter, or unload it with path "") with ``LoraUpdated{id, error}`` once it is done or refused.
 
 5. When its worker dies, send ``WorkerLost`` (its requests are requeued and wait); when the new worker serves,
    ``WorkerBack``. Under data parallel (``EngineOutputs.load``) report its load with its outputs.
@@ -52,7 +53,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from metrale.ipc.messages import AbortRequest, EngineStats, RequestOutputDelta, StatsRequest, StatsResponse
+from metrale.ipc.messages import (
+    AbortRequest, EngineStats, LoraUpdate, LoraUpdated, RequestOutputDelta, StatsRequest, StatsResponse,
+)
 
 _RECENT_ABORTS = 4096  # engine ids remembered as aborted, so a late output is not answered twice
 _OUTBOX_RETRY_S = 0.005  # while the engine core's input socket has no peer
@@ -219,6 +222,23 @@ class EngineLink:
             pending.timer.cancel()
             pending.answer(msg.stats)
         return False
+
+    def ask_lora(self, name: str, path: str, answer: Callable[[str | None], None], fail: Callable[[str], None],
+                 timeout_s: float) -> str:
+        """Ask the engine core to load (path) or unload ("") an adapter: answer(error or None) when it says, fail(why)
+        after timeout_s. Returns the internal id (for forget_stats)."""
+        internal = f"{self.prefix}-l{next(self._ids)}"
+        timer = self._loop.call_later(timeout_s, self._stats_timed_out, internal)
+        self._pending_stats[internal] = PendingStats(timer, answer, fail)
+        self.send(LoraUpdate(id=internal, name=name, path=path))
+        return internal
+
+    def answer_lora(self, msg: LoraUpdated) -> None:
+        """Hand a LoraUpdated to the request it answers."""
+        pending = self._pending_stats.pop(msg.id, None)
+        if pending is not None:
+            pending.timer.cancel()
+            pending.answer(msg.error)
 
     def _stats_timed_out(self, internal: str) -> None:
         """The engine core did not answer a StatsRequest in time."""

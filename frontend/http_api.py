@@ -31,6 +31,7 @@ from .api_key import UNAUTHORIZED_MESSAGE
 from .http_chat import ChatCompletions
 from .http_completions import Completions
 from .http_embeddings import Embeddings
+from .http_lora import LoraAdmin
 from .http_access_log import access_log
 from .http_errors import ApiError, errors_as_json, json_response
 from .http_models import Models
@@ -62,7 +63,7 @@ class HttpApi:
         self.model = ServedModel(names=tuple(server.model_names), dir=cfg.model_dir,
                                  dir_named=not cfg.served_model_names, sampling_defaults=server.sampling_defaults,
                                  force_usage=cfg.enable_force_include_usage,
-                                 adapters=tuple(name for name, _ in lora_pairs(cfg.lora_modules)))
+                                 adapters=dict(lora_pairs(cfg.lora_modules)))
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)
         self.chat = ChatCompletions(server, self.model, texts)
@@ -91,6 +92,10 @@ class HttpApi:
             web.get("/version", self.version),
             web.get("/load", self.load),
         ])
+        if cfg.allow_runtime_lora_updating:
+            lora = LoraAdmin(server, self.model)
+            self.app.add_routes([web.post("/v1/load_lora_adapter", lora.load),
+                                 web.post("/v1/unload_lora_adapter", lora.unload)])
         self._runner: web.AppRunner | None = None
 
     @web.middleware

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from metrale.config import lora_pairs
-
 from .http_errors import ApiError, json_response
 from .http_params import ServedModel
 
@@ -24,7 +22,6 @@ class Models:
         self.server = server
         self.model = model
         self.created = int(time.time())
-        self.adapter_paths = dict(lora_pairs(server.config.lora_modules))
 
     async def list(self, request: web.Request) -> web.Response:
         """GET /v1/models: a card per served name (503 until an engine core can serve)."""
@@ -43,9 +40,9 @@ class Models:
         return json_response(self._card(name))
 
     def _card(self, name: str) -> dict:
-        adapter = name in self.adapter_paths
+        adapter = name in self.model.adapters
         return {"id": name, "object": "model", "created": self.created, "owned_by": "metrale",
-                "root": self.adapter_paths[name] if adapter else str(self.model.dir),
+                "root": self.model.adapters[name] if adapter else str(self.model.dir),
                 "parent": self.model.id if adapter else None, "max_model_len": self.server.max_model_len}
 
     def _check_ready(self) -> None:

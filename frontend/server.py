@@ -57,6 +57,7 @@ from metrale.ipc.messages import (
     Stats,
     StatsQuery,
     StatsResponse,
+    LoraUpdated,
     WorkerBack,
     WorkerLost,
 )
@@ -113,6 +114,8 @@ class FrontendConfig:
     served_model_names: list[str] = field(default_factory=list)
     # --lora-modules: NAME=PATH of each adapter the engine serves; a request names one as its model.
     lora_modules: list[str] = field(default_factory=list)
+    # --allow-runtime-lora-updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served
+    allow_runtime_lora_updating: bool = DEFAULTS.allow_runtime_lora_updating
     # --chat-template: a file, or inline Jinja; None: the model's own
     chat_template: str | None = DEFAULTS.chat_template
     generation_config: str = DEFAULTS.generation_config  # HTTP requests' sampling defaults (generation_defaults)
@@ -524,6 +527,34 @@ class FrontendServer:
         finally:  # the caller may have been cancelled
             self.replicas.forget_stats(asked)
 
+    async def update_lora(self, name: str, path: str, timeout_s: float = 120.0) -> None:
+        """Load (path) or unload ("") a LoRA adapter on every engine core that is up; RuntimeError with the first
+        refusal (an adapter loaded on some replicas stays there), Rejected("busy") before one is up."""
+        links = [link for link in self.replicas.links if link.up]
+        if not links:
+            raise Rejected("busy", "the engine core is not ready")
+        futures, asked = [], []
+        for link in links:
+            future = self._loop.create_future()
+
+            def answer(error: str | None, future=future) -> None:
+                if not future.done():
+                    future.set_result(error)
+
+            def fail(why: str, future=future) -> None:
+                if not future.done():
+                    future.set_result(why)
+
+            asked.append((link, link.ask_lora(name, path, answer, fail, timeout_s)))
+            futures.append(future)
+        try:
+            errors = [e for e in await asyncio.gather(*futures) if e is not None]
+        finally:
+            for link, internal in asked:
+                link.forget_stats(internal)
+        if errors:
+            raise RuntimeError(errors[0])
+
     def health(self) -> Health:
         """Each process's health, as a HealthQuery is answered."""
         return self._health("")
@@ -556,6 +587,8 @@ class FrontendServer:
             link.abort(aborts)
             if msg.load is not None:
                 self.replicas.note_load(link.index, msg.load)
+        elif isinstance(msg, LoraUpdated):
+            link.answer_lora(msg)
         elif isinstance(msg, StatsResponse):
             if link.answer_stats(msg) and not link.up:
                 log.info("frontend: adopting a running engine core of replica %d (it answered the readiness probe)",

@@ -263,7 +263,23 @@ class StatsRequest(msgspec.Struct, tag="stats_req", kw_only=True):
     id: str
 
 
-EngineInput = AddRequest | AbortRequest | StatsRequest | GrammarVocab
+class LoraUpdate(msgspec.Struct, tag="lora_update", kw_only=True):
+    """Load the PEFT adapter at path under name into a free LoRA slot (EngineCore.load_lora), or, path "", unload
+    name; answered by LoraUpdated with the same id."""
+
+    id: str
+    name: str
+    path: str = ""
+
+
+class LoraUpdated(msgspec.Struct, tag="lora_updated", kw_only=True):
+    """A LoraUpdate done (error None), or refused (why)."""
+
+    id: str
+    error: str | None = None
+
+
+EngineInput = AddRequest | AbortRequest | StatsRequest | GrammarVocab | LoraUpdate
 
 
 class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -322,4 +338,4 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     block_size: int
 
 
-EngineOutput = EngineOutputs | StatsResponse | EngineReady | WorkerLost | WorkerBack
+EngineOutput = EngineOutputs | StatsResponse | EngineReady | WorkerLost | WorkerBack | LoraUpdated

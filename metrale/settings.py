@@ -211,6 +211,9 @@ SETTINGS: tuple[Setting, ...] = (
       "a LoRA adapter as NAME=PATH (a PEFT folder: adapter_config.json + adapter_model.safetensors); repeat for "
       "several. Each takes a slot of --max-loras, loaded at start-up.", "engine", ("engine_core", "runner", "frontend"),
       flag="--lora-modules", vllm="--lora-modules", metavar="NAME=PATH", multiple=True, from_flag=list),
+    S("allow_runtime_lora_updating", bool, False,
+      "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).",
+      "serve", ("frontend",), flag="--allow-runtime-lora-updating"),
     S("max_loras", int, 1, "LoRA adapters held at once (their slots); rows of all of them run in one step.",
       "engine", ("runner",), flag="--max-loras", vllm="--max-loras", min=1),
     S("max_lora_rank", int, 16, "the largest LoRA rank an adapter may have.", "engine", ("runner",),

@@ -236,6 +236,7 @@ class Supervisor:
             "admin_allow_remote": self.config.admin_allow_remote,
             "served_model_names": self.config.served_model_names,
             "lora_modules": list(self.config.engine.lora_modules),
+            "allow_runtime_lora_updating": self.config.allow_runtime_lora_updating,
             "chat_template": str(self.run_dir / "chat_template.jinja") if self.chat_template is not None else None,
             "generation_config": self.config.generation_config,
             "log_requests": not self.config.disable_log_requests,

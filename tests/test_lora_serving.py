@@ -116,7 +116,8 @@ def test_start_up_mistakes_are_one_line_naming_the_module(base, adapters):
 
 @pytest.fixture(scope="module")
 def server(base, adapters):
-    args = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8", "--dtype", "float32"]
+    args = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "8", "--dtype", "float32",
+            "--allow-runtime-lora-updating"]
     for m in modules(adapters):
         args += ["--lora-modules", m]
     with http_server(base, *args) as s:
@@ -136,6 +137,34 @@ def test_http_requests_name_an_adapter_as_their_model(server, base, prompts, exp
             assert done.choices[0].text == server_text(server, expected[key, 1])
     status, body = http("POST", server.http + "/v1/completions", {"model": "other", "prompt": "hi", "max_tokens": 2})
     assert_error(status, body, 404, param="model")
+
+
+def test_an_adapter_loaded_over_http_serves_its_next_request_and_unloads(server, adapters, prompts, expected):
+    """POST /v1/load_lora_adapter (vLLM's routes): the adapter takes the free slot and answers the next request naming
+    it; loading it twice, a folder that is no adapter, a slot too many and unloading a name not loaded are refused
+    naming why; after POST /v1/unload_lora_adapter the name is a 404 again."""
+    url, late = server.http, adapters[NAMES[2]]
+    status, text = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": late})
+    assert status == 200 and "added" in text, text
+    with openai_client(server) as client:
+        done = client.completions.create(model="late", prompt=prompts[1], max_tokens=8, temperature=0)
+    assert done.choices[0].text == server_text(server, expected[NAMES[2], 1])
+    status, models = http("GET", url + "/v1/models")
+    (card,) = [c for c in models["data"] if c["id"] == "late"]
+    assert card["root"] == late and card["parent"] is not None
+    status, body = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": late})
+    assert_error(status, body, 400, param="lora_name")
+    status, body = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": "/no/such/adapter"})
+    assert_error(status, body, 400, param="lora_path")
+    status, body = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "fifth", "lora_path": late})
+    assert_error(status, body, 400, param="lora_name")
+    assert "every LoRA slot is taken" in body["error"]["message"]
+    status, text = http("POST", url + "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert status == 200 and "removed" in text
+    status, body = http("POST", url + "/v1/completions", {"model": "late", "prompt": "hi", "max_tokens": 2})
+    assert_error(status, body, 404, param="model")
+    status, body = http("POST", url + "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert_error(status, body, 404, param="lora_name")
 
 
 def server_text(server, ids: list[int]) -> str:
