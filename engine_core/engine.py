@@ -170,7 +170,7 @@ class EngineCore:
         pooling: an embeddings request: its prompt is run and pooled as the model pools (ModelInfo.pooling), nothing is
         sampled, and its one delta carries the embedding.
 
-        lora: the name of a LoRA adapter (EngineOptions.lora_modules, or add_lora's) its rows run with.
+        lora: the name of a LoRA adapter (EngineOptions.lora_modules', or one load_lora loaded) its rows run with.
 
         stream=False: its tokens are reported once, in the delta that finishes it (vLLM's FINAL_ONLY; the
         offline LLM's requests without stop strings), which spares a delta per request per tick.
