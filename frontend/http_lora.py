@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
-from metrale.gpu_worker.lora_adapters import LoraError, read_adapter
+from metrale.lora_adapters import LoraError, read_adapter
 
 from .frame_checks import Rejected
 from .http_errors import ApiError

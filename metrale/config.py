@@ -38,7 +38,7 @@ class _EngineArgs(msgspec.Struct, kw_only=True):
 
     def _validate_lora(self) -> None:
         """ValueError naming the first --lora-modules entry that cannot be served (read without torch)."""
-        from metrale.gpu_worker.lora_adapters import LoraError, read_adapter
+        from metrale.lora_adapters import LoraError, read_adapter
 
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from metrale.gpu_worker.layers.lora import LoraSlots
 from metrale.gpu_worker.layers.parallel import ParallelGroup
 from metrale.gpu_worker.loader import load_model
-from metrale.gpu_worker.lora_adapters import LoraError, read_adapter
+from metrale.lora_adapters import LoraError, read_adapter
 from metrale.gpu_worker.model_runner import ModelRunner
 from metrale.model_facts import resolve_model
 
@@ -127,7 +127,7 @@ def test_read_adapter_gives_rank_alpha_scaling_and_normalised_targets(adapters, 
 
 
 def test_read_adapter_imports_no_torch(adapters):
-    code = ("import sys; from metrale.gpu_worker.lora_adapters import read_adapter; "
+    code = ("import sys; from metrale.lora_adapters import read_adapter; "
             f"read_adapter({str(adapters['qv-r4'])!r}); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

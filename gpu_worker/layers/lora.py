@@ -33,7 +33,7 @@ from torch import nn
 
 from metrale.gpu_worker.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
-from metrale.gpu_worker.lora_adapters import AdapterSpec, LoraError, module_of, read_adapter
+from metrale.lora_adapters import AdapterSpec, LoraError, module_of, read_adapter
 
 # Rows of a step that use one adapter: None (every row), a slice (one run of rows) or a device index tensor.
 Rows = slice | torch.Tensor | None
