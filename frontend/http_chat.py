@@ -70,7 +70,7 @@ class ChatCompletions:
         chat = await self.submit(request, body)
         run, choices, ids, logprobs = chat.run, chat.choices, chat.prompt_ids, chat.logprobs
         try:
-            reply = Reply("chatcmpl", "chat.completion", self.model.id, body.stream_options, self.model.force_usage)
+            reply = Reply("chatcmpl", "chat.completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage)
             label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
             return_ids = bool(body.return_token_ids)
             if body.stream:

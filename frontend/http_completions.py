@@ -85,7 +85,7 @@ class Completions:
         else:
             run = await self._start(body, prompts)
         try:
-            reply = Reply("cmpl", "text_completion", self.model.id, body.stream_options, self.model.force_usage)
+            reply = Reply("cmpl", "text_completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage)
             label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
             if body.stream:
                 return await stream(request, run, choices, reply, lambda c, msg: self._chunk(c, msg, label, body, echo))

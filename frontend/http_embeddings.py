@@ -79,7 +79,8 @@ class Embeddings:
         data = [{"index": i, "object": "embedding", "embedding": _encoded(v, body.encoding_format)}
                 for i, v in enumerate(vectors)]
         return json_response({
-            "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": self.model.id,
+            "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": self.model.reply_name(body.model),
             "data": data, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         })
 

@@ -99,6 +99,10 @@ class ServedModel:
                            param="model", code="model_not_found")
 
 
+    def reply_name(self, model: str | None) -> str:
+        """The model name a reply carries: the adapter a request named (as vLLM answers), else the first name."""
+        return model if model is not None and model in self.adapters else self.id
+
     def adapter(self, model: str | None, use_beam_search: bool = False) -> str | None:
         """The LoRA adapter model names (None: the base model); 400 for an adapter with beam search, which runs on
         the base model only."""

@@ -357,7 +357,7 @@ class Responses:
             exc.param = _PARAMS.get(exc.param, exc.param)
             raise
         try:
-            envelope = Envelope(new_id("resp"), int(time.time()), self.model.id, echoed_settings(body, chat.params))
+            envelope = Envelope(new_id("resp"), int(time.time()), self.model.reply_name(body.model), echoed_settings(body, chat.params))
             limit = 1 if body.parallel_tool_calls is False else None
             if body.stream:
                 return await self._stream(request, chat, envelope, limit)

@@ -134,7 +134,7 @@ def test_http_requests_name_an_adapter_as_their_model(server, base, prompts, exp
         for name in (NAMES[0], NAMES[2], base.name):
             done = client.completions.create(model=name, prompt=prompts[1], max_tokens=8, temperature=0)
             key = None if name == base.name else name
-            assert done.choices[0].text == server_text(server, expected[key, 1])
+            assert done.choices[0].text == server_text(server, expected[key, 1]) and done.model == name
     status, body = http("POST", server.http + "/v1/completions", {"model": "other", "prompt": "hi", "max_tokens": 2})
     assert_error(status, body, 404, param="model")
 
