@@ -485,7 +485,8 @@ class FrontendServer:
         pooling: PoolingParams | None = None,
         lora: str | None = None,
     ) -> None:
-        """Start a request exactly as a Generate frame would (pooling: an embeddings request; lora: the adapter); its Deltas (or its one Error) go to sink.
+        """Start a request exactly as a Generate frame would (pooling: an embeddings request; lora: its adapter); its
+        Deltas (or its one Error) go to sink.
 
         sink is called on the event loop; the last message is a Delta with a finish_reason or an Error. A decoder
         replaces the tokenizer for detokenizing (e.g. one that keeps reasoning tags in the text).
@@ -537,15 +538,12 @@ class FrontendServer:
         for link in links:
             future = self._loop.create_future()
 
-            def answer(error: str | None, future=future) -> None:
+            def settle(error: str | None, future=future) -> None:
+                """Its engine core's answer (None: done) or why none came: the first one counts."""
                 if not future.done():
                     future.set_result(error)
 
-            def fail(why: str, future=future) -> None:
-                if not future.done():
-                    future.set_result(why)
-
-            asked.append((link, link.ask_lora(name, path, answer, fail, timeout_s)))
+            asked.append((link, link.ask_lora(name, path, settle, settle, timeout_s)))
             futures.append(future)
         try:
             errors = [e for e in await asyncio.gather(*futures) if e is not None]
