@@ -167,6 +167,24 @@ def test_an_adapter_loaded_over_http_serves_its_next_request_and_unloads(server,
     assert_error(status, body, 404, param="lora_name")
 
 
+def test_an_adapter_loaded_at_run_time_outlives_an_engine_core_sigkill(server, adapters, prompts, expected):
+    """The engine core (and with it the worker) is SIGKILLed after a runtime load: the fresh one is told to load
+    the adapter again before any request naming it is resubmitted, so the name still serves."""
+    from test_faults_e2e import wait_recovered
+
+    status, text = http("POST", server.http + "/v1/load_lora_adapter",
+                        {"lora_name": "kept", "lora_path": adapters[NAMES[0]]})
+    assert status == 200, text
+    old = server.children()["engine_core"]
+    os.kill(old, signal.SIGKILL)
+    wait_recovered(server, "engine_core", old)
+    with openai_client(server) as client:
+        done = client.completions.create(model="kept", prompt=prompts[3], max_tokens=8, temperature=0)
+    assert done.choices[0].text == server_text(server, expected[NAMES[0], 3])
+    status, text = http("POST", server.http + "/v1/unload_lora_adapter", {"lora_name": "kept"})
+    assert status == 200, text
+
+
 def server_text(server, ids: list[int]) -> str:
     status, body = http("POST", server.http + "/detokenize", {"tokens": ids})
     assert status == 200
