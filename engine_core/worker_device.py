@@ -230,19 +230,9 @@ class WorkerDevice:
         ticket first). With no worker attached the ticket is still made, and awaiting it raises DeviceError."""
         if self._closed:
             raise DeviceError("the device is closed")
-        seq = self._next_seq
-        slot = seq % self._ring.num_slots
-        if self._inflight[slot]:
-            raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
-        self._ring.write_plan(slot, plan, kind, steps)
-        self._ring.publish_plan(slot, seq)
-        for bell in self._bells:  # every rank reads the plan
-            bell.ring()
-        self._inflight[slot] = seq
-        self._launched_ns[slot] = time.monotonic_ns()
-        self._work[slot] = max(1, len(plan.input_ids)) * steps
-        self._next_seq = seq + 1
-        return Ticket(slot, seq)
+        # every rank reads the plan
+        return self._publish(lambda slot: self._ring.write_plan(slot, plan, kind, steps),
+                             work=max(1, len(plan.input_ids)) * steps, every_rank=True)
 
     def await_result(self, ticket: Ticket) -> StepResult:
         """Wait for a launched step. The result's arrays are copies (they stay valid for good).
@@ -282,41 +272,38 @@ class WorkerDevice:
             raise DeviceError("the device is closed")
         if not self._ring.geometry.max_logits_vocab:
             raise DeviceError("this device's ticket ring carries no logits (its model never needs host sampling)")
+        return self._collect(self._publish(lambda slot: self._ring.write_logits_request(slot, ticket.seq)),
+                             self._ring.read_logits)
+
+    def _publish(self, write, *, work: int = 1, every_rank: bool = False) -> Ticket:
+        """Launch the next ticket: write(slot) fills its slot (a plan, or a logits or LoRA ticket's request; its
+        ValueError leaves nothing launched), which is then published in order after what is in flight and rung
+        to rank 0, or to every rank when each one acts on it."""
         seq = self._next_seq
         slot = seq % self._ring.num_slots
         if self._inflight[slot]:
             raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
-        self._ring.write_logits_request(slot, ticket.seq)
+        write(slot)
         self._ring.publish_plan(slot, seq)
-        if self._bell is not None:
-            self._bell.ring()
+        for bell in self._bells if every_rank else self._bells[:1]:  # rank order: rank 0's first
+            bell.ring()
         self._inflight[slot] = seq
         self._launched_ns[slot] = time.monotonic_ns()
-        self._work[slot] = 1
+        self._work[slot] = work
         self._next_seq = seq + 1
-        return self._collect(Ticket(slot, seq), self._ring.read_logits)
+        return Ticket(slot, seq)
 
     def load_lora(self, slot: int, path: str) -> None:
         """A LoRA ticket, run in order after what is in flight: the worker loads the adapter at path into slot (""
         empties it); DeviceError with the worker's reason when it cannot. Remembered for the workers after it."""
         if self._closed:
             raise DeviceError("the device is closed")
-        seq = self._next_seq
-        ring_slot = seq % self._ring.num_slots
-        if self._inflight[ring_slot]:
-            raise RuntimeError(f"all {self._ring.num_slots} ticket slots are in flight; await one first")
         try:
-            self._ring.write_lora_request(ring_slot, slot, path)
+            ticket = self._publish(lambda ring_slot: self._ring.write_lora_request(ring_slot, slot, path),
+                                   every_rank=True)  # every rank loads its shard
         except ValueError as e:
             raise DeviceError(str(e)) from None
-        self._ring.publish_plan(ring_slot, seq)
-        if self._bell is not None:
-            self._bell.ring()
-        self._inflight[ring_slot] = seq
-        self._launched_ns[ring_slot] = time.monotonic_ns()
-        self._work[ring_slot] = 1
-        self._next_seq = seq + 1
-        self._collect(Ticket(ring_slot, seq), lambda _: None)
+        self._collect(ticket, lambda _: None)
         if path:
             self._loras[slot] = path
         else:
