@@ -233,7 +233,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.swap.apply(plan)
             self._staging.begin()
-            hidden = self._eager(plan, self._staging.put("input_ids", plan.input_ids))
+            hidden = self._eager(plan, self._staging.put("input_ids", plan.input_ids), self._adapted(plan))
             rows = np.flatnonzero(plan.sample)
             counts = plan.num_drafts[rows].astype(np.int64) + 1  # picks of each sampling row
             of_row = np.repeat(rows, counts)
@@ -493,13 +493,19 @@ class ModelRunner:
     def _run_model(self, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of the step: a decode step through the decode graphs when they serve it (and
         no row has an adapter: a graph holds no LoRA product)."""
-        if self.graphs is not None and not (plan.lora_slots >= 0).any() and self.graphs.serves(plan):
+        adapted = self._adapted(plan)
+        if self.graphs is not None and not adapted and self.graphs.serves(plan):
             return self.graphs.run(plan, input_ids)
-        return self._eager(plan, input_ids)
+        return self._eager(plan, input_ids, adapted)
 
-    def _eager(self, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] of the step through the model's layers, each row's adapter (if any) added."""
-        if not (plan.lora_slots >= 0).any():
+    def _adapted(self, plan: StepPlan) -> bool:
+        """Whether some row of the (checked) plan runs with a LoRA adapter (never, on a runner without LoRA)."""
+        return self.lora is not None and bool((plan.lora_slots >= 0).any())
+
+    def _eager(self, plan: StepPlan, input_ids: torch.Tensor, adapted: bool) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step through the model's layers, each row's adapter added (adapted: some
+        row has one)."""
+        if not adapted:
             return self._forward(self._prepare(plan, input_ids))
         self.lora.begin_step(np.repeat(plan.lora_slots, np.diff(plan.query_start)))
         try:
