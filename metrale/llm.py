@@ -280,9 +280,7 @@ class LLM:
                     got[index[delta.request_id]] = delta.logprobs[0]
                     open_ids.discard(delta.request_id)
         except BaseException:
-            for rid in open_ids:
-                self.engine.abort(rid)
-            self.run_until_idle()
+            self.abandon(open_ids)
             raise
         return got
 
@@ -329,9 +327,7 @@ class LLM:
                                             stream=detok.has_stop_strings, grammar=g, lora=adapter)
                     added.append(rid)
         except Exception:
-            for rid in added:
-                self.engine.abort(rid)
-            self.run_until_idle()
+            self.abandon(added)
             raise
         open_ids = set(samples)
         while open_ids:
@@ -413,6 +409,12 @@ class LLM:
         out.text = text
         out.finish_reason = delta.finish_reason
         out.error = delta.error
+
+    def abandon(self, request_ids) -> None:
+        """Abort these requests and step until they are retired (nothing of them is in flight, their blocks freed)."""
+        for rid in request_ids:
+            self.engine.abort(rid)
+        self.run_until_idle()
 
     def run_until_idle(self) -> None:
         """Step until aborted requests are retired and nothing is in flight (their blocks are freed)."""

@@ -56,9 +56,7 @@ def embed(llm: LLM, texts: list[str | None], token_lists: list[list[int]],
             llm.engine.add_request(result.request_id, result.prompt_token_ids, SamplingParams(), stream=False, pooling=p)
             added.append(result.request_id)
     except Exception:
-        for rid in added:
-            llm.engine.abort(rid)
-        llm.run_until_idle()
+        llm.abandon(added)
         raise
     by_id = {r.request_id: r for r in results}
     open_ids = set(by_id)
@@ -68,9 +66,7 @@ def embed(llm: LLM, texts: list[str | None], token_lists: list[list[int]],
                 continue
             open_ids.discard(delta.request_id)
             if delta.finish_reason != "stop" or delta.embedding is None:
-                for rid in open_ids:
-                    llm.engine.abort(rid)
-                llm.run_until_idle()
+                llm.abandon(open_ids)
                 raise RuntimeError(f"embedding request {delta.request_id} failed: {delta.error or delta.finish_reason}")
             by_id[delta.request_id].outputs.embedding = delta.embedding
     llm.run_until_idle()
