@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
-from metrale.config import lora_pairs
-
 from .api_key import UNAUTHORIZED_MESSAGE
 from .http_chat import ChatCompletions
 from .http_completions import Completions
@@ -63,7 +61,7 @@ class HttpApi:
         self.model = ServedModel(names=tuple(server.model_names), dir=cfg.model_dir,
                                  dir_named=not cfg.served_model_names, sampling_defaults=server.sampling_defaults,
                                  force_usage=cfg.enable_force_include_usage,
-                                 adapters=dict(lora_pairs(cfg.lora_modules)))
+                                 adapters=server.adapters)
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)
         self.chat = ChatCompletions(server, self.model, texts)

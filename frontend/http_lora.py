@@ -36,7 +36,7 @@ class UnloadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 class LoraAdmin:
-    """The two handlers over one FrontendServer; the served model's adapters follow what they do."""
+    """The two handlers over one FrontendServer (whose adapters, the served model's, follow what they do)."""
 
     def __init__(self, server: FrontendServer, model: ServedModel) -> None:
         self.server = server
@@ -55,13 +55,11 @@ class LoraAdmin:
                 raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                                code="invalid_value")
             await self._update(name, "")
-            self.model.adapters.pop(name, None)
         try:
             read_adapter(path)
         except LoraError as e:
             raise ApiError(400, str(e), param="lora_path", code="invalid_value") from None
         await self._update(name, path)
-        self.model.adapters[name] = path
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request: web.Request) -> web.Response:
@@ -71,7 +69,6 @@ class LoraAdmin:
         if name not in self.model.adapters:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="not_found")
         await self._update(name, "")
-        self.model.adapters.pop(name, None)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _update(self, name: str, path: str) -> None:

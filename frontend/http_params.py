@@ -81,8 +81,8 @@ class ServedModel:
     dir_named: bool = True  # no --served-model-name: the folder's path names it too
     sampling_defaults: dict = field(default_factory=dict)  # model_facts.generation_defaults
     force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
-    # LoRA adapters by name (their folders): --lora-modules', and those loaded at run time (http_lora.py); a request
-    # naming one runs with it
+    # LoRA adapters by name (their folders): the server's own dict (FrontendServer.adapters, which follows run-time
+    # loads); a request naming one runs with it
     adapters: dict[str, str] = field(default_factory=dict)
 
     @property

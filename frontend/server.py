@@ -63,6 +63,7 @@ from metrale.ipc.messages import (
     WorkerLost,
 )
 from metrale.ipc.errors import ErrorCode
+from metrale.config import lora_pairs
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, StatusSender
@@ -174,9 +175,9 @@ class FrontendServer:
                      "the model's generation_config.json" if config.generation_config == "auto"
                      else config.generation_config, self.sampling_defaults)
         max_model_len = self.facts.max_model_len
-        # LoRA adapters loaded at run time (POST /v1/load_lora_adapter): an engine core that starts later loads them
-        # too, before the requests that name them are submitted to it again.
-        self.runtime_loras: dict[str, str] = {}
+        # The LoRA adapters served, by name (their folders): --lora-modules', then those loaded or unloaded at run
+        # time (update_lora). An engine core that starts later loads the run-time ones too (_engine_came_up).
+        self.adapters: dict[str, str] = dict(lora_pairs(config.lora_modules))
         self.requests = LiveRequests(self.tokenizer, self.replicas, self.metrics, clock, self._send,
                                      self.tokenizer.vocab_size, max_model_len, config.stream_interval,
                                      config.grammar_timeout_s, self.facts.pooling, self.facts.hidden_size)
@@ -534,8 +535,8 @@ class FrontendServer:
 
     async def update_lora(self, name: str, path: str, timeout_s: float = 120.0) -> None:
         """Load (path) or unload ("") a LoRA adapter on every engine core that is up; RuntimeError with the first
-        refusal (an adapter loaded on some replicas stays there), Rejected("busy") before one is up. An adapter
-        loaded so is loaded again into every engine core that starts later (runtime_loras)."""
+        refusal (an adapter loaded on some replicas stays there), Rejected("busy") before one is up. The served
+        adapters (self.adapters) follow; one loaded so is loaded again into every engine core that starts later."""
         links = [link for link in self.replicas.links if link.up]
         if not links:
             raise Rejected("busy", "the engine core is not ready")
@@ -558,9 +559,9 @@ class FrontendServer:
         if errors:
             raise RuntimeError(errors[0])
         if path:
-            self.runtime_loras[name] = path
+            self.adapters[name] = path
         else:
-            self.runtime_loras.pop(name, None)
+            self.adapters.pop(name, None)
 
     def health(self) -> Health:
         """Each process's health, as a HealthQuery is answered."""
@@ -631,8 +632,10 @@ class FrontendServer:
         self._engine_heard_at = self.clock()
         self._rejections_logged.clear()
         self.engine_ready.set()
-        for name, path in self.runtime_loras.items():  # before the requests that may name them
-            link.send(LoraUpdate(id=f"{link.prefix}-reload-{name}", name=name, path=path))
+        at_start = dict(lora_pairs(self.config.lora_modules))  # what every engine core loads by itself
+        for name, path in self.adapters.items():  # before the requests that may name them
+            if at_start.get(name) != path:
+                link.send(LoraUpdate(id=f"{link.prefix}-reload-{name}", name=name, path=path))
         self.requests.resubmit(link.index)
         self._report_serving()
 
