@@ -180,10 +180,9 @@ class EngineCore:
         try:
             params.validate(self.info.vocab_size)
             if pooling is not None:
-                pooling.validate(self.info.hidden_size, self.info.matryoshka)
-                if output_token_ids or params.structured_outputs is not None or params.prompt_logprobs is not None:
-                    raise ValueError("an embeddings request has no output: no output tokens, structured outputs or "
-                                     "prompt logprobs")
+                pooling.validate(self.info.hidden_size, self.info.matryoshka, params)
+                if output_token_ids:
+                    raise ValueError("an embeddings request has no output: no output tokens")
         except ValueError as e:
             raise Refused(ErrorCode.BAD_REQUEST, str(e)) from None
         if not prompt_token_ids:

@@ -161,11 +161,9 @@ class LiveRequests:
         if self.pooling.unsupported:
             raise Rejected("bad_request", f"this model gives no embeddings: metrale does not run {self.pooling.unsupported}")
         try:
-            msg.pooling.validate(self.hidden_size, self.pooling.matryoshka)
+            msg.pooling.validate(self.hidden_size, self.pooling.matryoshka, msg.sampling)
         except ValueError as exc:
             raise Rejected("bad_request", f"pooling.{exc}") from None
-        if msg.sampling.structured_outputs is not None or msg.sampling.prompt_logprobs is not None:
-            raise Rejected("bad_request", "an embeddings request takes no structured outputs or prompt logprobs")
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 
 from .plan import POOL_SUM
+from .sampling import SamplingParams
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -20,8 +21,11 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     normalize: bool | None = None
     dimensions: int | None = None
 
-    def validate(self, hidden_size: int, matryoshka: bool) -> None:
-        """ValueError naming what this model cannot give: no embeddings at all (hidden_size 0), or dimensions."""
+    def validate(self, hidden_size: int, matryoshka: bool, sampling: SamplingParams | None = None) -> None:
+        """ValueError naming what this model cannot give: no embeddings at all (hidden_size 0), or dimensions; or
+        what the request's sampling asks of an output it does not have (structured outputs, prompt logprobs)."""
+        if sampling is not None and (sampling.structured_outputs is not None or sampling.prompt_logprobs is not None):
+            raise ValueError("an embeddings request has no output: no structured outputs or prompt logprobs")
         if hidden_size <= 0:
             raise ValueError("this server's engine carries no embeddings")
         if self.dimensions is not None:
