@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file
 
-from metrale.gpu_worker.gguf_weights import _BLOCK, _TOP
+from metrale.gpu_worker.gguf_names import _BLOCK, _TOP
 
 # What a tensor is stored as: the file types this writer makes (K-quants have no quantizer in the gguf package).
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
@@ -90,7 +90,7 @@ def requantize_gguf(src: str | Path, out: str | Path, outtype: str) -> Path:
 
 
 def gguf_name(hf_name: str) -> str:
-    """llama.cpp's name of a transformers tensor name (the inverse of gguf_weights.hf_name)."""
+    """llama.cpp's name of a transformers tensor name (the inverse of gguf_names.hf_name)."""
     stem, kind = hf_name.rsplit(".", 1)
     for short, long in _TOP.items():
         if stem == long:

@@ -1,11 +1,8 @@
 """A GGUF file's tensors as Hugging Face checkpoint tensors: (name, tensor) pairs for the model's weight loaders.
 
-Names are mapped from llama.cpp's (`blk.N.attn_q.weight`) to transformers' (`model.layers.N.self_attn.q_proj.weight`)
-with one short table. llama.cpp's converter permutes the rows of a Llama q/k projection so that its rotary
-embedding can rotate adjacent pairs; ours (like transformers') rotates the two halves of each head, so those rows
-are permuted back, exactly as transformers' GGUF loader does (Qwen files are written unpermuted). Every tensor
-type the `gguf` package can dequantize loads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32 and
-more), dequantized to float32 in numpy; a value that is not finite is a GgufError naming the tensor.
+Names come from gguf_names.py (llama.cpp's to transformers', and the Llama q/k row permutation undone). Every
+tensor type the `gguf` package can dequantize loads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32
+and more), dequantized to float32 in numpy; a value that is not finite is a GgufError naming the tensor.
 
 A layer whose every part is stored in 4 bits as groups of 32 (Q4_0, Q4_1, Q4_K: each group is s * q + z with q in
 0..15) can keep its codes: `gguf_layer_kinds` says which layers can, and for a layer the model built with
@@ -16,7 +13,6 @@ z, with every code 1 gives s + z.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -24,34 +20,7 @@ import numpy as np
 import torch
 
 from metrale.gguf_metadata import GgufError, open_gguf
-
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """transformers' name of a llama.cpp tensor name, or None for a tensor this model family does not have."""
-    m = _NAME.fullmatch(gguf_name)
-    if m is None:
-        return None
-    block, base, kind = m.groups()
-    if block is None:
-        return f"{_TOP[base]}.{kind}" if base in _TOP else None
-    return f"model.layers.{block}.{_BLOCK[base]}.{kind}" if base in _BLOCK else None
-
+from metrale.gpu_worker.gguf_names import hf_name, unpermute_rows
 
 # The byte range of the 4-bit codes inside one block of each 4-bit type (after its scales).
 _CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q4_K": (16, 144)}
@@ -143,9 +112,3 @@ def int4_codes(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     zero, scale = with_codes[0], with_codes[1] - with_codes[0]
     codes = np.rint((values - zero) / np.where(scale == 0, 1, scale)).clip(0, 15).astype(np.uint8)
     return codes, np.ascontiguousarray(scale[:, ::32]), np.ascontiguousarray(zero[:, ::32])
-
-
-def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation: within each head, rows (2i, 2i+1) go back to (i, i + head_dim/2)."""
-    per_head = rows.shape[0] // heads
-    return np.ascontiguousarray(rows.reshape(heads, per_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2)).reshape(rows.shape)
