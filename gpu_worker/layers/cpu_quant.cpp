@@ -134,6 +134,18 @@ inline const float* block_floats(const c10::BFloat16* x, int64_t k, int64_t at, 
   return buf;
 }
 
+inline const float* block_floats(const c10::Half* x, int64_t k, int64_t at, float* buf) {
+#if defined(METRALE_AVX2)
+  if (at + kBlock <= k) {
+    for (int i = 0; i < 4; ++i)  // F16C: eight halves to eight floats, exactly
+      _mm256_storeu_ps(buf + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + at + 8 * i))));
+    return buf;
+  }
+#endif
+  for (int64_t i = 0; i < kBlock; ++i) buf[i] = at + i < k ? static_cast<float>(x[at + i]) : 0.f;
+  return buf;
+}
+
 // Quantize x [M, k] into q (row stride kp, zeros past k); rows spread over the threads in chunks big enough to
 // be worth a thread.
 template <typename T>
@@ -153,6 +165,8 @@ void quantize_input(const at::Tensor& x, int64_t kp, QuantRows& q) {
   q.resize(m, kp);
   if (x.scalar_type() == at::kBFloat16)
     quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, kp, q);
+  else if (x.scalar_type() == at::kHalf)
+    quantize_rows(x.data_ptr<c10::Half>(), m, k, kp, q);
   else
     quantize_rows(x.data_ptr<float>(), m, k, kp, q);
 }
@@ -421,6 +435,15 @@ void store_tile(const float* tile, int mr, int np, T* y, int64_t n, int64_t m0, 
     for (int64_t c = 0; c < cols; ++c) y[(m0 + m) * n + o0 + c] = T(tile[m * np * kPanel + c]);
 }
 
+// A tile into y in y's dtype (x's: float32, bfloat16 or float16).
+inline void store_rows(const float* tile, int mr, int np, at::Tensor& y, int64_t n, int64_t m0, int64_t o0) {
+  switch (y.scalar_type()) {
+    case at::kBFloat16: store_tile(tile, mr, np, y.data_ptr<c10::BFloat16>(), n, m0, o0); break;
+    case at::kHalf: store_tile(tile, mr, np, y.data_ptr<c10::Half>(), n, m0, o0); break;
+    default: store_tile(tile, mr, np, y.data_ptr<float>(), n, m0, o0); break;
+  }
+}
+
 // Dispatch MR in 1..kRowsPerStep at compile time.
 template <template <int, int> class F, int NP, typename... A>
 void with_rows(int mr, A&&... a) {
@@ -645,7 +668,8 @@ void check_wide(const at::Tensor& x) {
 
 void check_input(const at::Tensor& x, int64_t kp) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16");
   TORCH_CHECK(x.size(1) <= kp && kp - x.size(1) < kBlock, "x's inputs do not match the packed weight");
 }
 
@@ -671,7 +695,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   }
   QuantRows& q = scratch();
   quantize_input(x, kp, q);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   over_tiles(m, n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
     const int8_t* wp = w + p0 * panel_bytes;
     const uint16_t* sp = ws + p0 * blocks * kPanel;
@@ -679,10 +702,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
       with_rows<Int8Tile, kPanelsPerStep>(mr, wp, sp, blocks, q, m0, kp, buf);
     else
       with_rows<Int8Tile, 1>(mr, wp, sp, blocks, q, m0, kp, buf);
-    if (bf16)
-      store_tile(buf, mr, np, y.data_ptr<c10::BFloat16>(), n, m0, p0 * kPanel);
-    else
-      store_tile(buf, mr, np, y.data_ptr<float>(), n, m0, p0 * kPanel);
+    store_rows(buf, mr, np, y, n, m0, p0 * kPanel);
   });
   return y;
 }
@@ -701,7 +721,6 @@ void int4_product(const at::Tensor& x, const uint8_t* w, const S* ws, const S* w
   }
   QuantRows& q = scratch();
   quantize_input(x, kp, q);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   over_tiles(m, n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
     const uint8_t* wp = w + p0 * panel_bytes;
     const int64_t at = p0 * blocks * kPanel;
@@ -709,10 +728,7 @@ void int4_product(const at::Tensor& x, const uint8_t* w, const S* ws, const S* w
       with_rows<Int4Tile, kPanelsPerStep>(mr, wp, ws + at, wz + at, blocks, q, m0, kp, buf);
     else
       with_rows<Int4Tile, 1>(mr, wp, ws + at, wz + at, blocks, q, m0, kp, buf);
-    if (bf16)
-      store_tile(buf, mr, np, y.data_ptr<c10::BFloat16>(), n, m0, p0 * kPanel);
-    else
-      store_tile(buf, mr, np, y.data_ptr<float>(), n, m0, p0 * kPanel);
+    store_rows(buf, mr, np, y, n, m0, p0 * kPanel);
   });
 }
 

@@ -174,8 +174,8 @@ def _wide(x: torch.Tensor) -> bool:
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels take it: contiguous float32 or bfloat16."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
+    """x as the kernels take it: contiguous float32, bfloat16 or float16."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
     return x.contiguous()
 
