@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from metrale.gguf_metadata import GgufError, open_gguf
-from metrale.gpu_worker.gguf_names import hf_name, unpermute_rows
+from metrale.gpu_worker.gguf_names import ROPE_TENSORS, checkpoint_tensors, hf_name, unpermute_rows
 
 # The byte range of the 4-bit codes inside one block of each 4-bit type (after its scales).
 _CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q4_K": (16, 144)}
@@ -36,10 +36,13 @@ def gguf_tensors(
     config is the file's config dict (metrale.gguf_metadata.hf_config); GgufError names the tensor at fault.
     """
     reader = open_gguf(path)
-    permuted = config.get("gguf", {}).get("architecture") == "llama"
+    arch = config.get("gguf", {}).get("architecture", "llama")
+    permuted = arch == "llama"
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        if tensor.name in ROPE_TENSORS:
+            continue  # rope settings, in the config already (gguf_metadata)
+        name = hf_name(tensor.name, arch)
         if name is None:
             raise GgufError(f"tensor {tensor.name}: not a tensor of a {config['architectures'][0]} (unknown name)")
         rows_heads = heads if ".self_attn.q_proj." in name else kv_heads if ".self_attn.k_proj." in name else 0
@@ -52,7 +55,8 @@ def gguf_tensors(
         for suffix, values in parts:
             if permuted and rows_heads:
                 values = unpermute_rows(values, rows_heads)
-            yield base + suffix, torch.from_numpy(values)
+            for hf, part in checkpoint_tensors(base + suffix, values, arch):
+                yield hf, torch.from_numpy(part)
 
 
 def gguf_layer_kinds(path: str | Path, layer_of: Callable[[str], str]) -> dict[str, str | None]:
