@@ -14,14 +14,23 @@ from pathlib import Path
 
 import numpy as np
 
+from metrale.gguf_rope import rope_scaling_from_factors
+
 SUFFIX = ".gguf"
 
-# GGUF `general.architecture` -> (config.json model_type, architectures[0]).
-_ARCHITECTURES = {
+# What metrale serves from a GGUF: the family (`general.architecture`, or the Llama variant the file is) ->
+# (config.json model_type, architectures[0]). llama.cpp writes Mistral and Mixtral as `llama`.
+_SERVED = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
 }
 
 # `{arch}.<key>` -> config.json key (transformers' GGUF_CONFIG_MAPPING for these families).
@@ -136,24 +145,22 @@ def field(reader, key: str, default=None):
 
 
 def hf_config(reader, *, path: str) -> dict:
-    """The config.json dict this GGUF describes (transformers' key mapping); GgufError for an unknown family."""
-    arch = field(reader, "general.architecture")
-    name = str(field(reader, "general.name", "") or "")
-    family = arch
-    if arch == "llama" and "mistral" in name.lower():
-        family = "mistral"  # llama.cpp writes Mistral as llama; transformers tells them apart by name
-    if family not in _ARCHITECTURES:
-        raise GgufError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})")
-    model_type, architecture = _ARCHITECTURES[family]
+    """The config.json dict this GGUF describes (transformers' key mapping, and each family's fields as its Hugging
+    Face folder states them); GgufError for a family metrale does not serve."""
+    arch = str(field(reader, "general.architecture"))
+    family = _family(reader, arch)
+    if family not in _SERVED:
+        served = ", ".join(dict.fromkeys(k for k in _SERVED if k not in ("mistral", "mixtral")))
+        raise GgufError(f"{path}: GGUF architecture {arch!r} is not served (served from GGUF: {served}; "
+                        "Mistral and Mixtral as llama)")
+    model_type, architecture = _SERVED[family]
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise GgufError(f"{path}: tensor rope_freqs.weight (llama3 rope frequency factors) is not supported")
     config: dict = {"architectures": [architecture], "model_type": model_type, "hidden_act": "silu"}
     for key, hf_key in _CONFIG_KEYS.items():
         value = field(reader, f"{arch}.{key}")
         if value is not None:
             config[hf_key] = value
-    if "head_dim" not in config and family in ("llama", "mistral"):
+    if "head_dim" not in config and family in ("llama", "mistral", "mixtral"):
         dim = field(reader, f"{arch}.rope.dimension_count")  # llama.cpp's rotary width = head_dim for these
         if dim is not None:
             config["head_dim"] = dim
@@ -171,6 +178,7 @@ def hf_config(reader, *, path: str) -> dict:
         config["rope_scaling"] = rope_scaling
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names and family != "qwen2"
+    _FAMILY_FIELDS.get(family, _no_fields)(reader, arch, config, tensor_names)
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
         value = field(reader, f"tokenizer.ggml.{key}")
         if value is not None:
@@ -179,6 +187,117 @@ def hf_config(reader, *, path: str) -> dict:
     config["torch_dtype"] = "float32" if file_type == _ALL_F32 or _all_f32(reader) else "bfloat16"
     config["gguf"] = {"file_type": _file_type_name(file_type), "architecture": arch}
     return config
+
+
+def _family(reader, arch: str) -> str:
+    """The family a file of GGUF architecture arch holds: llama.cpp writes Mistral and Mixtral as `llama`
+    (transformers tells Mistral apart by name; a Llama with experts is a Mixtral)."""
+    if arch != "llama":
+        return arch
+    if int(field(reader, "llama.expert_count", 0) or 0) > 0:
+        return "mixtral"
+    name = str(field(reader, "general.name", "") or "")
+    return "mistral" if "mistral" in name.lower() else "llama"
+
+
+def _no_fields(reader, arch: str, config: dict, tensor_names: set[str]) -> None:
+    """Families whose config the shared keys state whole."""
+
+
+def _llama_fields(reader, arch: str, config: dict, tensor_names: set[str]) -> None:
+    """Llama 3.1's rope: llama.cpp's converter writes it as the rope_freqs tensor (see gguf_rope.py)."""
+    if "rope_freqs.weight" in tensor_names and "rope_scaling" not in config:
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        dim = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
+        original = field(reader, f"{arch}.rope.scaling.original_context_length")
+        scaling = rope_scaling_from_factors(
+            _tensor(reader, "rope_freqs.weight"), float(config.get("rope_theta", 10_000.0)), dim, original
+        )
+        if scaling:
+            config["rope_scaling"] = scaling
+
+
+def _mixtral_fields(reader, arch: str, config: dict, tensor_names: set[str]) -> None:
+    """Mixtral's experts."""
+    config["num_local_experts"] = int(field(reader, f"{arch}.expert_count"))
+    config["num_experts_per_tok"] = int(field(reader, f"{arch}.expert_used_count", 2))
+    _llama_fields(reader, arch, config, tensor_names)
+
+
+def _qwen3moe_fields(reader, arch: str, config: dict, tensor_names: set[str]) -> None:
+    """Qwen3-MoE's experts; llama.cpp always renormalises the top-k weights (transformers' GGUF default
+    norm_topk_prob=True) and a layer without a router is dense (mlp_only_layers)."""
+    config["num_experts"] = int(field(reader, f"{arch}.expert_count"))
+    config["num_experts_per_tok"] = int(field(reader, f"{arch}.expert_used_count"))
+    config["moe_intermediate_size"] = int(field(reader, f"{arch}.expert_feed_forward_length"))
+    config["norm_topk_prob"] = True
+    config["decoder_sparse_step"] = 1
+    layers = int(config["num_hidden_layers"])
+    config["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+
+
+def _gemma_fields(reader, arch: str, config: dict, tensor_names: set[str]) -> None:
+    """Gemma 2 and 3: GELU-tanh, the query scale llama.cpp uses (head_dim, or hidden / heads for the 27B models),
+    soft-capping, and which layers slide (llama.cpp: every other layer for Gemma 2, five in six for Gemma 3, unless
+    the file lists them)."""
+    config.pop("hidden_act")
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    layers, hidden, heads = int(config["num_hidden_layers"]), int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.setdefault("head_dim", hidden // heads))
+    big = (arch, layers) in (("gemma2", 46), ("gemma3", 62))
+    config["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = field(reader, f"{arch}.{key}")
+        config[key] = float(value) if value else None
+    if not config.get("sliding_window"):
+        config["sliding_window"] = None
+        return
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern")  # a list of bools, or a period
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        every = int(pattern) if isinstance(pattern, int) and pattern > 0 else 2 if arch == "gemma2" else 6
+        pattern = [i % every < every - 1 for i in range(layers)]
+    config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    if arch == "gemma3":
+        config["rope_local_base_freq"] = float(field(reader, f"{arch}.rope.freq_base_swa", 10_000.0))
+
+
+def _phi3_fields(reader, arch: str, config: dict, tensor_names: set[str]) -> None:
+    """Phi-3: a partial rotary (rope.dimension_count), the original context, no window when 0, and longrope's
+    factors stored as the rope_factors_long / rope_factors_short tensors."""
+    head_dim = int(config.pop("head_dim", 0) or config["hidden_size"] // config["num_attention_heads"])
+    rotary = field(reader, f"{arch}.rope.dimension_count")
+    if rotary and int(rotary) != head_dim:
+        config["partial_rotary_factor"] = int(rotary) / head_dim
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original:
+        config["original_max_position_embeddings"] = int(original)
+    if not config.get("sliding_window"):
+        config["sliding_window"] = None
+    if "rope_factors_long.weight" in tensor_names:
+        config["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": [float(x) for x in _tensor(reader, "rope_factors_long.weight")],
+            "short_factor": [float(x) for x in _tensor(reader, "rope_factors_short.weight")],
+        }
+
+
+_FAMILY_FIELDS = {
+    "llama": _llama_fields,
+    "mistral": _llama_fields,
+    "mixtral": _mixtral_fields,
+    "qwen3moe": _qwen3moe_fields,
+    "gemma2": _gemma_fields,
+    "gemma3": _gemma_fields,
+    "phi3": _phi3_fields,
+}
+
+
+def _tensor(reader, name: str) -> np.ndarray:
+    """A small float32 tensor of the file (rope factors); GgufError if absent or not float32."""
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None or tensor.tensor_type.name != "F32":
+        raise GgufError(f"tensor {name}: {'absent' if tensor is None else 'not F32'} (rope factors)")
+    return np.asarray(tensor.data, dtype=np.float32).reshape(-1)
 
 
 def eos_token_ids(reader) -> list[int]:

@@ -37,6 +37,9 @@ class RopeConfig:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # Per-dimension-pair divisors of the inverse frequencies (a GGUF's rope_freqs tensor that no llama3 settings
+    # reproduce: metrale/gguf_rope.py), as llama.cpp applies them.
+    freq_factors: tuple[float, ...] = ()
 
     @classmethod
     def from_hf(cls, config: dict, head_dim: int, layer_type: str | None = None) -> RopeConfig:
@@ -68,6 +71,7 @@ class RopeConfig:
             truncate=bool(params.get("truncate", True)),
             short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
             long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+            freq_factors=tuple(float(f) for f in params.get("freq_factors") or ()),
         )
 
     @property
@@ -131,6 +135,8 @@ def inv_freq(cfg: RopeConfig, device: torch.device, *, long: bool = False) -> to
         max_pos, factor = cfg.max_position_embeddings, cfg.factor
         base = cfg.theta * ((factor * max_pos / max_pos) - (factor - 1)) ** (dim / (dim - 2))
         inv = 1.0 / (base ** _exponents(dim, device))
+    if cfg.freq_factors:
+        inv = inv / torch.tensor(cfg.freq_factors, dtype=torch.float32, device=device)
     return inv
 
 
