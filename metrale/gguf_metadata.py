@@ -276,8 +276,8 @@ def _phi3_fields(reader, arch: str, config: dict, tensor_names: set[str]) -> Non
     if "rope_factors_long.weight" in tensor_names:
         config["rope_scaling"] = {
             "rope_type": "longrope",
-            "long_factor": [float(x) for x in _tensor(reader, "rope_factors_long.weight")],
-            "short_factor": [float(x) for x in _tensor(reader, "rope_factors_short.weight")],
+            "long_factor": _decimals(_tensor(reader, "rope_factors_long.weight")),
+            "short_factor": _decimals(_tensor(reader, "rope_factors_short.weight")),
         }
 
 
@@ -290,6 +290,12 @@ _FAMILY_FIELDS = {
     "gemma3": _gemma_fields,
     "phi3": _phi3_fields,
 }
+
+
+def _decimals(values: np.ndarray) -> list[float]:
+    """float32 values as the shortest decimals that round to them, as config.json writes them (a setting's value
+    is then the same Python float from either; both round it to the same float32)."""
+    return [float(str(v)) for v in values.astype(np.float32)]
 
 
 def _tensor(reader, name: str) -> np.ndarray:

@@ -33,7 +33,7 @@ def rope_scaling_from_factors(factors: np.ndarray, theta: float, dim: int, origi
         for candidate in _llama3_candidates(f, theta, dim, original):
             if np.allclose(llama3_factors(candidate, theta, dim), f, rtol=_RTOL, atol=0):
                 return candidate
-    return {"rope_type": "default", "freq_factors": [float(x) for x in f]}
+    return {"rope_type": "default", "freq_factors": [float(str(v)) for v in np.asarray(factors, dtype=np.float32).reshape(-1)]}
 
 
 def llama3_factors(params: dict, theta: float, dim: int) -> np.ndarray:
