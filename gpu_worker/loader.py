@@ -12,6 +12,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from metrale import gguf_metadata
+from metrale.settings import DTYPE_ALIASES
 from metrale.gpu_worker.gguf_weights import gguf_layer_kinds, gguf_tensors
 from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
@@ -25,11 +26,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: dict) -> torch.dtype:
-    """The torch dtype for "auto" (the config's dtype) or a dtype name."""
+    """The torch dtype for "auto" (the config's dtype) or a dtype name (vLLM's "half" and "float" too)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(DTYPES)})")
     return DTYPES[dtype]

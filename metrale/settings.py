@@ -29,7 +29,9 @@ VIEWS = ("supervisor", "frontend", "engine_core", "scheduler", "runner")
 # dense); "none" makes every linear layer dense; int8 / int4 quantize every one at load; "-dequantized": the same
 # quantized weights multiplied dense (the reference the quantized kernels are checked against).
 QUANTIZATIONS = ("none", "int8", "int4", "int8-dequantized", "int4-dequantized")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+# vLLM's (and torch's) other names for two of them: `--dtype half` is what vLLM's own tests pass.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 ALL_REDUCE_CHOICES = ("auto", "shm", "gloo")  # how tensor-parallel ranks on one CPU host sum
 
 

@@ -31,8 +31,9 @@ def smollm2_path() -> pathlib.Path:
     return path
 
 
-def random_k_quant_encoder(kind: str, seed: int = 0):
-    """An encode hook for write_gguf: matrices whose rows are whole 256-blocks become random `kind` blocks."""
+def random_k_quant_encoder(kind: str, seed: int = 0, scale: float = 2e-3):
+    """An encode hook for write_gguf: matrices whose rows are whole 256-blocks become random `kind` blocks, each
+    block's d (and dmin) `scale`."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind.upper()]
@@ -44,12 +45,12 @@ def random_k_quant_encoder(kind: str, seed: int = 0):
             return None
         rows, blocks = values.shape[0], values.shape[1] // block
         raw = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
-        scale = np.full((rows, blocks), 2e-3, dtype=np.float16).view(np.uint8).reshape(rows, blocks, 2)
+        d = np.full((rows, blocks), scale, dtype=np.float16).view(np.uint8).reshape(rows, blocks, 2)
         if qtype == gguf.GGMLQuantizationType.Q6_K:
-            raw[:, :, -2:] = scale  # d closes a Q6_K block
+            raw[:, :, -2:] = d  # d closes a Q6_K block
         else:
-            raw[:, :, 0:2] = scale  # d, then dmin, open Q4_K / Q5_K blocks
-            raw[:, :, 2:4] = scale
+            raw[:, :, 0:2] = d  # d, then dmin, open Q4_K / Q5_K blocks
+            raw[:, :, 2:4] = d
         return raw.reshape(rows, blocks * size), qtype
 
     return encode
