@@ -24,7 +24,7 @@ from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, RequestOutputDelta
 from metrale.ipc.plan import FEED_HOST, POOL_KINDS, POOL_NONE, Device, DeviceError, StepKind
 from metrale.ipc.pooling import PoolingParams, with_model_default
-from metrale.ipc.sampling import SamplingParams
+from metrale.ipc.sampling import SamplingParams, logprobs_cap
 
 from .decode_lane import abandon, discard_row, drain, forget, launch, settle
 from .grammar import GrammarBook
@@ -69,6 +69,7 @@ class EngineOptions:
     speculative_disable_by_batch_size: int | None = DEFAULTS.speculative_disable_by_batch_size
     # --lora-modules (NAME=PATH): the device holds adapter i in LoRA slot i; a request names one.
     lora_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULTS.lora_modules))
+    max_logprobs: int = DEFAULTS.max_logprobs  # the most alternatives a request's logprobs may list (-1: the vocabulary)
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, recover_from_device_loss: bool = False) -> "EngineOptions":
@@ -178,7 +179,7 @@ class EngineCore:
         if request_id in self.requests and not self.requests[request_id].finished:
             raise Refused(ErrorCode.BAD_REQUEST, f"request id {request_id!r} is already live")
         try:
-            params.validate(self.info.vocab_size)
+            params.validate(self.info.vocab_size, logprobs_cap(self.options.max_logprobs, self.info.vocab_size))
             if pooling is not None:
                 pooling.validate(self.info.hidden_size, self.info.matryoshka, params)
                 if output_token_ids:

@@ -88,6 +88,7 @@ class ChatTemplate:
 
 
 # OpenAI's message roles ("developer": its newer "system"; "function": the legacy tool role) and Llama 3's "ipython".
+# Any other role string is passed to the template as it is (vLLM's custom roles): the template decides.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
@@ -121,8 +122,8 @@ def normalize_messages(messages: object) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ChatTemplateError(f"messages[{i}] must be an object with a string role")
         role = message["role"]
-        if role not in CHAT_ROLES:
-            raise ChatTemplateError(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not role:
+            raise ChatTemplateError(f"messages[{i}].role must not be empty")
         if "content" not in message and not (role == "assistant" and message.get("tool_calls")):
             raise ChatTemplateError(f"messages[{i}] ({role}) has no content")
         if message.get("content") is None and role != "assistant":

@@ -13,6 +13,8 @@ import zmq
 
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import ClientMessage, Generate
+from metrale.ipc.sampling import logprobs_cap
+from metrale.settings import DEFAULTS
 
 MAX_CACHE_SALT_CHARS = 256
 
@@ -46,8 +48,9 @@ def read_client_frame(decoder: msgspec.msgpack.Decoder, data: memoryview | bytes
     return msg
 
 
-def check_generate(msg: Generate, vocab_size: int) -> None:
-    """Exactly one of prompt and token_ids, token ids in the vocabulary, valid sampling; else Rejected."""
+def check_generate(msg: Generate, vocab_size: int, max_logprobs: int = DEFAULTS.max_logprobs) -> None:
+    """Exactly one of prompt and token_ids, token ids in the vocabulary, valid sampling (logprobs up to the server's
+    --max-logprobs, -1 the vocabulary); else Rejected."""
     if (msg.prompt is None) == (msg.token_ids is None):
         raise Rejected("bad_request", "exactly one of prompt and token_ids must be given")
     if msg.prompt is not None and not msg.prompt or msg.token_ids is not None and not msg.token_ids:
@@ -57,9 +60,10 @@ def check_generate(msg: Generate, vocab_size: int) -> None:
     if msg.token_ids is not None:
         bad = [t for t in msg.token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise Rejected("bad_request", f"token_ids must be in [0, {vocab_size}) (got {bad[:5]})")
+            raise Rejected("bad_request", f"token id {bad[0]} is out of vocabulary: token_ids must be in "
+                           f"[0, {vocab_size}) (got {bad[:5]})")
     try:
-        msg.sampling.validate(vocab_size)
+        msg.sampling.validate(vocab_size, logprobs_cap(max_logprobs, vocab_size))
     except ValueError as exc:
         raise Rejected("bad_request", f"sampling.{exc}") from None
     if msg.sampling.n != 1:

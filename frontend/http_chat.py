@@ -43,7 +43,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     documents: list[dict] | None = None
-    echo: bool = False  # vLLM's (the last message in front of the answer): refused
+    echo: bool = False  # vLLM's: the last message's content in front of the answer, when its role is the answer's
 
 
 class ChatCompletions:
@@ -69,20 +69,23 @@ class ChatCompletions:
         _refuse_unsupported(body)
         chat = await self.submit(request, body)
         run, choices, ids, logprobs = chat.run, chat.choices, chat.prompt_ids, chat.logprobs
+        voice = Voice.of(body)
         try:
             reply = Reply("chatcmpl", "chat.completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage)
             label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
             return_ids = bool(body.return_token_ids)
             if body.stream:
                 reply.prompt_token_ids = ids if return_ids else None
-                return await stream(request, run, choices, reply, lambda c, msg: self._chunk(c, msg, label, return_ids))
+                return await stream(request, run, choices, reply,
+                                    lambda c, msg: self._chunk(c, msg, label, return_ids, voice))
             await run.collect(choices)
-            answer = reply.completion(choices, [self._choice(c, label, return_ids, logprobs is not None) for c in choices])
-            if return_ids:
-                answer["prompt_token_ids"] = ids
-            if body.prompt_logprobs is not None:  # vLLM's: the prompt's, once for every choice (each ran it)
-                answer["prompt_logprobs"] = prompt_logprob_dicts(choices[0].prompt_logprobs or [], body.prompt_logprobs,
-                                                                 self.texts)
+            answer = reply.completion(choices, [self._choice(c, label, return_ids, logprobs is not None, voice)
+                                                for c in choices])
+            # vLLM's fields, null when not asked for (clients read them as attributes); prompt_logprobs: the
+            # prompt's, once for every choice (each ran it)
+            answer["prompt_token_ids"] = ids if return_ids else None
+            answer["prompt_logprobs"] = None if body.prompt_logprobs is None else \
+                prompt_logprob_dicts(choices[0].prompt_logprobs or [], body.prompt_logprobs, self.texts)
             return json_response(answer)
         finally:
             run.close()
@@ -97,7 +100,8 @@ class ChatCompletions:
             raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools",
                            code="invalid_value") from None
         prompt = self.render(body)
-        ids = await prompt_ids(self.server, body, prompt, None, False) if needs_prompt_ids(body) else None
+        ids = await prompt_ids(self.server, body, prompt, None, False) \
+            if needs_prompt_ids(body, self.model.force_usage) else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         explicit_max = max_tokens is not None  # then it must fit beside the prompt (400 otherwise)
         if max_tokens is None:
@@ -111,7 +115,8 @@ class ChatCompletions:
             return await self._beam_search(request, body, prompt, max_tokens if explicit_max else None, logprobs)
         forced = StructuredOutputs(json=tools.schema) if tools.schema is not None else None  # the call must parse
         params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced,
-                                 defaults=self.model.sampling_defaults, prompt_logprobs=body.prompt_logprobs)
+                                 defaults=self.model.sampling_defaults, prompt_logprobs=body.prompt_logprobs,
+                                 max_logprobs=self.server.max_logprobs)
         check_count(body.n)
         decoder = self.decoder if params.skip_special_tokens else None
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)
@@ -161,22 +166,24 @@ class ChatCompletions:
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
 
-    def _chunk(self, c: Choice, msg: Delta, label, return_token_ids: bool) -> list[dict]:
-        """A chat stream's choice entry for one Delta (the first one carries the role; none when it says nothing)."""
+    def _chunk(self, c: Choice, msg: Delta, label, return_token_ids: bool, voice: Voice) -> list[dict]:
+        """A chat stream's choice entry for one Delta (the first one carries the role, and the echo; none when it
+        says nothing). A delta without reasoning or tool calls always has its content, "" when there is no text, so
+        clients that concatenate contents never meet a null."""
         logprobs = [item for item, _ in c.kept_logprobs(msg, self.texts)]
         reasoning, content, calls = delta_parts(c, msg)
-        delta: dict = {}
-        if not c.started:
-            c.started = True
-            delta = {"role": "assistant", "content": ""}
+        first = not c.started
+        if not (first or reasoning or content or calls or msg.finish_reason is not None or logprobs
+                or (return_token_ids and msg.token_ids)):
+            return []
+        c.started = True
+        delta: dict = {"role": voice.role, "content": voice.echo + content} if first else {}
         if reasoning:  # vLLM's current name, and the one it had before
             delta["reasoning"] = delta["reasoning_content"] = reasoning
-        if content:
+        if not first and (content or not (reasoning or calls)):
             delta["content"] = content
         if calls:
             delta["tool_calls"] = merge_by_index(calls)  # one entry per call per chunk, as OpenAI streams
-        if not delta and msg.finish_reason is None and not logprobs and not (return_token_ids and msg.token_ids):
-            return []
         entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(c, msg.finish_reason)}
         if logprobs:
             entry["logprobs"] = {"content": token_logprobs(logprobs, label)}
@@ -184,20 +191,42 @@ class ChatCompletions:
             entry["token_ids"] = msg.token_ids
         return [entry]
 
-    def _choice(self, c: Choice, label, return_token_ids: bool, logprobs: bool) -> dict:
-        """One choice of a whole chat completion."""
+    def _choice(self, c: Choice, label, return_token_ids: bool, logprobs: bool, voice: Voice) -> dict:
+        """One choice of a whole chat completion (its message with every field OpenAI's client declares)."""
         reasoning, content, calls = whole_parts(c)
-        message: dict = {"role": "assistant"}
+        message: dict = {"role": voice.role}
         if c.splitter is not None:
             message["reasoning"] = message["reasoning_content"] = reasoning
-        message["content"] = content
+        message["content"] = voice.echo + (content or "") if voice.echo else content
         message["tool_calls"] = calls
+        message.update(refusal=None, annotations=None, audio=None, function_call=None)
         entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": _finish_reason(c, c.finish_reason)}
         if logprobs:  # asked for: an object even when no token is listed
             entry["logprobs"] = {"content": token_logprobs(c.logprobs, label)}
-        if return_token_ids:
-            entry["token_ids"] = c.token_ids
+        entry["token_ids"] = c.token_ids if return_token_ids else None
         return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Voice:
+    """Who a chat answer speaks as, and what it echoes (vLLM's): the assistant, or with add_generation_prompt false
+    the last message's role (the answer continues that message); with echo, the last message's content when its role
+    is the answer's, put in front of the answer's content."""
+
+    role: str = "assistant"
+    echo: str = ""
+
+    @classmethod
+    def of(cls, body: ChatRequest) -> Voice:
+        """The voice of a request whose messages rendered (so they are a list of objects with string roles)."""
+        last = body.messages[-1]
+        role = "assistant" if body.add_generation_prompt else last["role"]
+        if not body.echo or last["role"] != role:
+            return cls(role)
+        content = last.get("content")
+        if isinstance(content, list):  # text parts, joined as the template saw them
+            content = "\n".join(p if isinstance(p, str) else p.get("text", "") for p in content)
+        return cls(role, content or "")
 
 
 @dataclass(slots=True)
@@ -272,4 +301,4 @@ def _finish_reason(c: Choice, reason: str | None) -> str | None:
 def _refuse_unsupported(body: ChatRequest) -> None:
     """400 for chat options this server does not implement, or a stream_options without stream."""
     check_stream_options(body)
-    refuse_unserved(body, body.echo)
+    refuse_unserved(body)

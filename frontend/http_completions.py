@@ -35,7 +35,8 @@ Prompt = tuple[str | None, list[int] | None]  # (text, None) or (None, token ids
 class CompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/completions."""
 
-    prompt: str | list
+    prompt: str | list | None = None  # None (or empty): refused with vLLM's sentence
+    prompt_embeds: object = None  # vLLM's: refused unless empty (this server takes no embeddings as input)
     max_tokens: int | None = 16  # 0 only with echo: the prompt alone (OpenAI's way of scoring one)
     logprobs: int | None = None
     echo: bool = False
@@ -65,10 +66,11 @@ class Completions:
         body = await decode_body(request, CompletionRequest)
         self.model.check(body.model)
         _refuse_unsupported(body)
-        given = prompts = _prompts(body.prompt)
+        given = prompts = _prompts(body.prompt, self.server.vocab_size)
         scored = body.echo and body.logprobs is not None  # the echoed prompt's tokens are listed with their logprobs
-        if needs_prompt_ids(body) or body.use_beam_search or scored:  # tokenized here, as the engine path would, to
-            # be truncated, returned, extended by beams or listed
+        # Tokenized here, as the engine path would, to be truncated, returned, counted per chunk, extended by beams
+        # or listed.
+        if needs_prompt_ids(body, self.model.force_usage) or body.use_beam_search or scored:
             prompts = [(None, await prompt_ids(self.server, body, text, ids, True)) for text, ids in given]
         echo = None
         if body.echo:
@@ -100,7 +102,8 @@ class Completions:
         max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
         prompt_only = body.echo and max_tokens == 0  # each choice runs the one token the engine must, then drops it
         params = sampling_params(body, 1 if prompt_only else max_tokens, body.logprobs, self.server.vocab_size,
-                                 defaults=self.model.sampling_defaults, prompt_logprobs=_prompt_logprobs(body))
+                                 defaults=self.model.sampling_defaults, prompt_logprobs=_prompt_logprobs(body),
+                                 max_logprobs=self.server.max_logprobs)
         adapter = self.model.adapter(body.model)
         run = Run(self.server, self.texts)
         try:
@@ -157,10 +160,10 @@ class Completions:
         if body.logprobs is not None:  # asked for: an object even when no token is listed
             entry["logprobs"] = _logprobs(c, shown, c.logprobs, [len(prefix) + o for o in c.offsets], label,
                                           body.logprobs)
-        if body.prompt_logprobs is not None:
-            entry["prompt_logprobs"] = prompt_logprob_dicts(c.prompt_logprobs or [], body.prompt_logprobs, self.texts)
-        if body.return_token_ids:
-            entry["prompt_token_ids"], entry["token_ids"] = c.prompt_ids, c.token_ids
+        # vLLM's fields, null when not asked for (clients read them as attributes)
+        entry["prompt_logprobs"] = None if body.prompt_logprobs is None else \
+            prompt_logprob_dicts(c.prompt_logprobs or [], body.prompt_logprobs, self.texts)
+        entry["prompt_token_ids"], entry["token_ids"] = (c.prompt_ids, c.token_ids) if body.return_token_ids else (None, None)
         return entry
 
 
@@ -241,23 +244,33 @@ def _text_choice(index: int, text: str, finish_reason: str | None = None) -> dic
     return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
-def _prompts(prompt: str | list) -> list[Prompt]:
-    """The prompts of a completions request: a string, a list of strings, token ids, or a list of those."""
+_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
+
+
+def _prompts(prompt: str | list | None, vocab_size: int) -> list[Prompt]:
+    """The prompts of a completions request: a string, a list of strings, token ids, or a list of those; 400 for none,
+    or for a token id outside the vocabulary (in vLLM's words, which clients match)."""
+    if prompt is None or (isinstance(prompt, list) and not prompt):
+        raise ApiError(400, _NO_PROMPT, param="prompt", code="invalid_value")
     if isinstance(prompt, str):
         return [(prompt, None)]
-    if not prompt:
-        raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     if all(_is_token(t) for t in prompt):
-        return [(None, list(prompt))]
-    out: list[Prompt] = []
-    for item in prompt:
-        if isinstance(item, str):
-            out.append((item, None))
-        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
-            out.append((None, item))
-        else:
-            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
-                           "lists of token ids", param="prompt", code="invalid_value")
+        out: list[Prompt] = [(None, list(prompt))]
+    else:
+        out = []
+        for item in prompt:
+            if isinstance(item, str):
+                out.append((item, None))
+            elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+                out.append((None, item))
+            else:
+                raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                               "lists of token ids", param="prompt", code="invalid_value")
+    for _, ids in out:
+        bad = [t for t in ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(400, f"Token id {bad[0]} is out of vocabulary (this model's ids are 0 to {vocab_size - 1})",
+                           param="prompt", code="invalid_value")
     return out
 
 
@@ -268,6 +281,9 @@ def _is_token(value: object) -> bool:
 
 def _refuse_unsupported(body: CompletionRequest) -> None:
     """400 for completions options this server does not implement."""
+    if body.prompt_embeds not in (None, [], ""):
+        raise ApiError(400, "prompt_embeds is not supported: send prompt (text or token ids)", param="prompt_embeds",
+                       code="unsupported_value")
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_value")
     if body.best_of is not None and body.best_of != body.n:

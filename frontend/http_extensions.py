@@ -1,7 +1,7 @@
 """vLLM's request extensions on both endpoints: honoured (return_token_ids, return_tokens_as_token_ids,
-truncate_prompt_tokens, prompt_logprobs in whole answers, use_beam_search with its length_penalty, early_stopping and
-include_stop_str_in_output: the search is http_beam.py's), or refused with a 400 that names them (chat echo,
-prompt_logprobs with stream, the beam search fields without use_beam_search) — never silently ignored, since a
+truncate_prompt_tokens with truncation_side, prompt_logprobs in whole answers, use_beam_search with its length_penalty,
+early_stopping and include_stop_str_in_output: the search is http_beam.py's), or refused with a 400 that names them
+(prompt_logprobs with stream, the beam search fields without use_beam_search) — never silently ignored, since a
 client that sends one relies on it.
 """
 
@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 _SYNC_ENCODE_CHARS = 8192  # longer prompts are tokenized off the event loop (as live_requests.py does)
 
 
-def refuse_unserved(body: SamplingFields, echo: bool = False) -> None:
+def refuse_unserved(body: SamplingFields) -> None:
     """400 naming the first vLLM extension this server does not implement, or a beam search field without
-    use_beam_search. echo: chat's (echo the last message)."""
+    use_beam_search."""
     if not body.use_beam_search:
         for name, unused in (("length_penalty", (None, 1.0)), ("early_stopping", (None, False)),
                              ("include_stop_str_in_output", (None, False))):
@@ -35,20 +35,20 @@ def refuse_unserved(body: SamplingFields, echo: bool = False) -> None:
         if body.prompt_logprobs < -1:
             raise ApiError(400, "`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs",
                            code="invalid_value")
-    if echo:
-        raise ApiError(400, "echo is not supported on chat completions", param="echo", code="unsupported_value")
 
 
-def needs_prompt_ids(body: SamplingFields) -> bool:
-    """Whether the handler tokenizes the prompt itself: to return its ids, truncate it, or count it per chunk."""
-    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+def needs_prompt_ids(body: SamplingFields, force_usage: bool = False) -> bool:
+    """Whether the handler tokenizes the prompt itself: to return its ids, truncate it, or count it per chunk (asked
+    for, or forced by --enable-force-include-usage)."""
+    continuous = body.stream and (force_usage or (body.stream_options is not None
+                                                  and body.stream_options.continuous_usage_stats))
     return bool(body.return_token_ids) or body.truncate_prompt_tokens is not None or continuous
 
 
 async def prompt_ids(server: FrontendServer, body: SamplingFields, text: str | None, ids: list[int] | None,
                      add_special_tokens: bool) -> list[int]:
     """The prompt's token ids, tokenized as the engine path would, then truncate_prompt_tokens applied (vLLM's: keep
-    the last k; -1 is max_model_len); 400 when k is out of range."""
+    the last k, or with truncation_side "right" the first k; -1 is max_model_len); 400 when k is out of range."""
     if ids is None:
         tok = server.tokenizer
         ids = tok.encode(text, add_special_tokens) if len(text) <= _SYNC_ENCODE_CHARS \
@@ -62,7 +62,7 @@ async def prompt_ids(server: FrontendServer, body: SamplingFields, text: str | N
     if k < 1 or (limit is not None and k > limit):
         raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len ({limit})] (got "
                        f"{body.truncate_prompt_tokens})", param="truncate_prompt_tokens", code="invalid_value")
-    return list(ids[-k:])
+    return list(ids[:k]) if body.truncation_side == "right" else list(ids[-k:])
 
 
 def token_label(texts, as_ids: bool):

@@ -4,7 +4,9 @@ and the SamplingParams each choice runs with. Every refusal is a 400 (404 for a 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 from aiohttp import web
@@ -14,6 +16,7 @@ from metrale.ipc.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from .http_errors import ApiError
 
 MAX_CHOICES = 128  # prompts × n of one request
+_MAX_SEED = 2**63 - 1  # the engine's seeds are non-negative int64s
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -54,6 +57,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # "left" (None too): keep the last tokens; "right": the first
     use_beam_search: bool | None = None  # http_beam.py, with n beams and the three fields below
     length_penalty: float | None = None  # beam search: a hypothesis scores its log-probability / length ** this
     early_stopping: bool | str | None = None  # beam search: False, True or "never" (transformers')
@@ -131,18 +135,57 @@ async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
     except msgspec.ValidationError as exc:
         message = str(exc)
         param = message.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in message else None
-        raise ApiError(400, message, param=param, code="invalid_value") from None
+        missing = _MISSING.fullmatch(message)
+        if param is None and missing is not None:
+            param = missing["field"]
+        raise ApiError(400, readable(message), param=param, code="invalid_value") from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
 
 
+# msgspec's type names as a sentence says them.
+_KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false", "array": "an array",
+          "object": "an object", "null": "null", "dict": "an object", "list": "an array"}
+_EXPECTED = re.compile(r"Expected `(?P<want>[^`]+)`, got `(?P<got>[^`]+)`(?: - at `\$(?P<path>[^`]*)`)?")
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`(?: - at `\$(?P<path>[^`]*)`)?")
+
+
+def readable(message: str) -> str:
+    """msgspec's validation message as a sentence a person reads ("Expected `int`, got `str` - at `$.n`" becomes
+    "n must be an integer, not a string"); a message of another form as it is."""
+    m = _EXPECTED.fullmatch(message)
+    if m:
+        want = " or ".join(_KINDS.get(k.strip(), k.strip()) for k in m["want"].split("|"))
+        got = _KINDS.get(m["got"], m["got"])
+        where = _field(m["path"])
+        return f"{where} must be {want}, not {got}" if where else f"the body must be {want}, not {got}"
+    m = _MISSING.fullmatch(message)
+    if m:
+        where = _field((m["path"] or "") + "." + m["field"])
+        return f"{where} is required"
+    return message
+
+
+def _field(path: str | None) -> str:
+    """A msgspec path ("$.a.b[0]", without the "$") as the field it names: "a.b[0]"; "[...]" is any key's value."""
+    path = (path or "").lstrip(".")
+    if path.endswith("[...]"):
+        return f"each value of {path[:-5]}"
+    return path
+
+
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int,
                     structured: StructuredOutputs | None = None, defaults: dict | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
     """The request's SamplingParams (defaults, the model's generation config, for what it leaves out); 400
     naming the field when one is out of range. structured: a constraint the route adds (a forced tool call's
     schema) where the body asks for none. prompt_logprobs: the top-N each prompt token lists (-1: the whole
-    vocabulary, over the limit), None for none."""
+    vocabulary), None for none. max_logprobs: the server's cap (--max-logprobs as a count; prompt logprobs stop at
+    MAX_LOGPROBS, the worker's)."""
+    if body.seed is not None and not 0 <= body.seed <= _MAX_SEED:  # pydantic's words too, which vLLM's clients match
+        side = "greater_than_equal 0" if body.seed < 0 else f"less_than_equal {_MAX_SEED}"
+        raise ApiError(400, f"seed {body.seed} is out of range: a seed must be an integer from 0 to {_MAX_SEED} "
+                       f"({side})", param="seed", code="invalid_value")
     kw = {**(defaults or {}), **{name: getattr(body, name) for name in _PASSTHROUGH if getattr(body, name) is not None}}
     asked = structured_outputs(body)
     if asked is not None and structured is not None:
@@ -150,11 +193,13 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                        "structured_outputs", param="tool_choice", code="invalid_value")
     kw["structured_outputs"] = asked or structured
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    params = SamplingParams(max_tokens=max_tokens, logprobs=_num_logprobs(logprobs, vocab_size), stop=stop,
-                            prompt_logprobs=_num_logprobs(prompt_logprobs, vocab_size, "prompt_logprobs"),
+    prompt_cap = min(max_logprobs, MAX_LOGPROBS)
+    params = SamplingParams(max_tokens=max_tokens, logprobs=_num_logprobs(logprobs, vocab_size, max_logprobs),
+                            stop=stop, prompt_logprobs=_num_logprobs(prompt_logprobs, vocab_size, prompt_cap,
+                                                                     "prompt_logprobs"),
                             stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias(body, vocab_size), **kw)
     try:
-        params.validate(vocab_size)
+        params.validate(vocab_size, max_logprobs)
     except ValueError as exc:
         message = str(exc)
         raise ApiError(400, message, param=message.split(" ", 1)[0], code="invalid_value") from None
@@ -208,28 +253,31 @@ def check_stream_options(body: SamplingFields) -> None:
                        code="invalid_value")
 
 
-def _num_logprobs(asked: int | None, vocab_size: int, name: str = "logprobs") -> int | None:
-    """A logprobs count (name: logprobs or prompt_logprobs): -1 is the whole vocabulary (vLLM's), so more than
-    MAX_LOGPROBS is a 400 saying so in vLLM's words."""
+def _num_logprobs(asked: int | None, vocab_size: int, cap: int, name: str = "logprobs") -> int | None:
+    """A logprobs count (name: logprobs or prompt_logprobs): -1 is the whole vocabulary (vLLM's), and more than cap
+    is a 400 saying so in vLLM's words."""
     if asked == -1:
         asked = vocab_size
-    if asked is not None and asked > MAX_LOGPROBS:
+    if asked is not None and asked > cap:
         kind = "sample" if name == "logprobs" else "prompt"
-        raise ApiError(400, f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}",
+        raise ApiError(400, f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {cap}",
                        param=name, code="invalid_value")
     return asked
 
 
 def logit_bias(body: SamplingFields, vocab_size: int) -> dict[int, float] | None:
-    """logit_bias with its keys (JSON's strings) as token ids; None when absent or empty; 400 naming the first key
-    that is not a token of the vocabulary (SamplingParams.validate checks the count and the values)."""
+    """logit_bias with its keys (JSON's strings) as token ids; None when absent or empty; 400 naming every key that
+    is not a token of the vocabulary (SamplingParams.validate checks the count and the values)."""
     if not body.logit_bias:
         return None
-    out = {}
+    out, bad = {}, []
     for key, value in body.logit_bias.items():
         token = int(key) if key.strip().lstrip("-").isdigit() else -1
         if not 0 <= token < vocab_size:
-            raise ApiError(400, f"logit_bias: token id {key!r} is not in the vocabulary [0, {vocab_size})",
-                           param="logit_bias", code="invalid_value")
+            bad.append(key)
         out[token] = value
+    if bad:
+        keys = ", ".join(repr(k) for k in bad)
+        raise ApiError(400, f"logit_bias: {'keys' if len(bad) > 1 else 'key'} {keys} {'are' if len(bad) > 1 else 'is'} "
+                       f"not a token id in the vocabulary [0, {vocab_size})", param="logit_bias", code="invalid_value")
     return out

@@ -30,8 +30,8 @@ ChunkOf = Callable[[Choice, Delta], list[dict]]  # a stream's choice entries for
 class Reply:
     """The envelope every object of one response shares: id, object, created, model, usage.
 
-    A stream reports usage as vLLM's does: at its end with stream_options.include_usage or the server's
-    --enable-force-include-usage, and on every chunk too with stream_options.continuous_usage_stats."""
+    A stream reports usage as vLLM's does: at its end with stream_options.include_usage, and on every chunk too with
+    stream_options.continuous_usage_stats; the server's --enable-force-include-usage asks for both on every stream."""
 
     prefix: str
     object: str
@@ -53,8 +53,8 @@ class Reply:
 
     @property
     def continuous_usage(self) -> bool:
-        """Whether every chunk carries its choice's usage so far."""
-        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Whether every chunk carries its choice's usage so far: asked for, or forced (vLLM forces both)."""
+        return self.force_usage or (self.include_usage and self.stream_options.continuous_usage_stats)
 
     def chunk(self, choices: list[dict], of: Choice | None = None) -> dict:
         """One streamed object (with continuous usage: that of the choice `of`)."""
@@ -71,9 +71,14 @@ class Reply:
         return {**self.chunk([]), "usage": usage(choices)}
 
     def completion(self, choices: list[Choice], entries: list[dict]) -> dict:
-        """A whole (non-streamed) response."""
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": entries, "usage": usage(choices)}
+        """A whole (non-streamed) response, with the fields OpenAI's client declares (null when this server has no
+        value): a client's parse of it then has the keys of the raw JSON, which SageMaker's /invocations is compared
+        on."""
+        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": entries,
+               "usage": usage(choices), "system_fingerprint": None}
+        if self.object == "chat.completion":
+            out.update(service_tier=None, metadata=None, moderation=None)
+        return out
 
     @staticmethod
     def event(obj: dict) -> bytes:

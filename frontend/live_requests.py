@@ -28,6 +28,7 @@ from metrale.ipc.messages import AddRequest, Delta, Error, Generate, GrammarBlob
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams
 from metrale.pooling_config import PoolingConfig
+from metrale.settings import DEFAULTS
 
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .engine_link import EngineLink
@@ -102,8 +103,9 @@ class LiveRequests:
     def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, metrics: Metrics, clock: Callable[[], float],
                  send: RouterSend, vocab_size: int, max_model_len: int | None, stream_interval: int = 1,
                  grammar_timeout_s: float = DEFAULT_TIMEOUT_S, pooling: PoolingConfig = PoolingConfig(),
-                 hidden_size: int = 0) -> None:
-        """pooling, hidden_size: the model's (model_facts), which embeddings requests are checked against."""
+                 hidden_size: int = 0, max_logprobs: int = DEFAULTS.max_logprobs) -> None:
+        """pooling, hidden_size: the model's (model_facts), which embeddings requests are checked against;
+        max_logprobs: --max-logprobs (-1: the vocabulary)."""
         self.tokenizer = tokenizer
         self.replicas = replicas
         self.metrics = metrics
@@ -111,6 +113,7 @@ class LiveRequests:
         self._send = send
         self.vocab_size = vocab_size  # what requests are checked against (the engine core's once it says)
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
         self.pooling, self.hidden_size = pooling, hidden_size
         self.stream_interval = max(1, stream_interval)
         self.clients: dict[bytes, ClientState] = {}  # a client is here while it has live requests
@@ -141,7 +144,7 @@ class LiveRequests:
         state = self.clients.get(client)
         if state is not None and msg.id in state.requests:
             raise Rejected("bad_request", f"duplicate id {msg.id!r}: a request with it is running")
-        check_generate(msg, self.vocab_size)
+        check_generate(msg, self.vocab_size, self.max_logprobs)
         if msg.pooling is not None:
             self._check_pooling(msg)
         if self.refusing is not None:

@@ -65,7 +65,7 @@ from metrale.ipc.messages import (
 from metrale.ipc.errors import ErrorCode
 from metrale.config import lora_pairs
 from metrale.ipc.pooling import PoolingParams
-from metrale.ipc.sampling import SamplingParams
+from metrale.ipc.sampling import SamplingParams, logprobs_cap
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, StatusSender
 from metrale.model_facts import generation_defaults, resolve_model
 from metrale.settings import DEFAULTS
@@ -123,6 +123,7 @@ class FrontendConfig:
     generation_config: str = DEFAULTS.generation_config  # HTTP requests' sampling defaults (generation_defaults)
     log_requests: bool = not DEFAULTS.disable_log_requests  # an access-log line per HTTP request
     enable_force_include_usage: bool = DEFAULTS.enable_force_include_usage  # every HTTP stream ends with its usage
+    max_logprobs: int = DEFAULTS.max_logprobs  # the most alternatives a token's logprobs list (-1: the vocabulary)
     stream_interval: int = DEFAULTS.stream_interval  # a request's tokens go out every this many (first, last at once)
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
     shutdown_timeout_s: float = DEFAULTS.shutdown_timeout_s  # on SIGTERM, live requests get this long to finish
@@ -180,7 +181,8 @@ class FrontendServer:
         self.adapters: dict[str, str] = dict(lora_pairs(config.lora_modules))
         self.requests = LiveRequests(self.tokenizer, self.replicas, self.metrics, clock, self._send,
                                      self.tokenizer.vocab_size, max_model_len, config.stream_interval,
-                                     config.grammar_timeout_s, self.facts.pooling, self.facts.hidden_size)
+                                     config.grammar_timeout_s, self.facts.pooling, self.facts.hidden_size,
+                                     config.max_logprobs)
         self._started = clock()
         self._local_keys = itertools.count()
         self._client_decoder = msgspec.msgpack.Decoder(ClientMessage)
@@ -464,6 +466,11 @@ class FrontendServer:
     def vocab_size(self) -> int:
         """The engine core's vocabulary size (the tokenizer's until an engine core says)."""
         return self.requests.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most alternatives a token's logprobs may list: --max-logprobs (-1: the vocabulary)."""
+        return logprobs_cap(self.config.max_logprobs, self.vocab_size)
 
     @property
     def max_model_len(self) -> int | None:

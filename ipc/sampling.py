@@ -6,6 +6,8 @@ import json as _json
 
 import msgspec
 
+# --max-logprobs' default (vLLM's), and the most prompt logprobs per token a worker reports (its plan check holds
+# them to this whatever the flag: a larger --max-logprobs widens sample logprobs only).
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -112,8 +114,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first field whose value the engine cannot serve."""
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Raise ValueError naming the first field whose value the engine cannot serve. max_logprobs: the server's
+        --max-logprobs as a count (logprobs_cap)."""
+        prompt_cap = min(max_logprobs, MAX_LOGPROBS)
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1", self.max_tokens)
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer", self.top_k)
@@ -127,10 +131,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(0 < len(s) <= MAX_STOP_STRING_LEN for s in self.stop), "stop", f"each stop string must have 1..{MAX_STOP_STRING_LEN} characters", self.stop)
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids))
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]", self.min_tokens)
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= max_logprobs), "logprobs", f"must be in [0, {max_logprobs}]", self.logprobs)
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
-                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-               "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= prompt_cap),
+               "prompt_logprobs", f"must be in [0, {prompt_cap}]", self.prompt_logprobs)
         _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1", self.n)
         lo, hi = PRIORITY_RANGE
         _check(isinstance(self.priority, int) and lo <= self.priority <= hi, "priority", f"must be an integer in [{lo}, {hi}]", self.priority)
@@ -170,6 +174,11 @@ def seeded_for_choice(params: SamplingParams, j: int) -> SamplingParams:
 
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")
+
+
+def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
+    """--max-logprobs as the most alternatives a token may list: -1 is the whole vocabulary."""
+    return vocab_size if max_logprobs == -1 else max_logprobs
 
 
 def _check(ok: bool, field: str, rule: str, value: object) -> None:

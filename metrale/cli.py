@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -101,6 +102,7 @@ def serve(**o) -> None:
         sup = Supervisor(config)
     except StartupError as e:
         _fail(str(e))
+    _check_max_logprobs(engine, sup.facts.vocab_size, sup.max_model_len)
     stop = lambda *_: sup.request_stop()  # noqa: E731 - no lock in a signal handler; the watch loop notices and returns
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -131,6 +133,37 @@ def _fail(message: str) -> None:
     """A mistake at start-up: one line naming it, exit code 2 (nothing is left running)."""
     click.echo(f"metrale serve: error: {message}", err=True)
     sys.exit(2)
+
+
+_RING_LIMIT_BYTES = 4 << 30  # a ticket ring larger than this is a mistake in the flags, not a server
+
+
+def _check_max_logprobs(engine: EngineArgs, vocab_size: int, max_model_len: int) -> None:
+    """--max-logprobs whose ticket ring (it holds that many alternatives per token of a step, in each slot) would
+    not fit in /dev/shm's free space (or 4 GiB) is a start-up mistake, named with the largest count that fits."""
+    from metrale.engine_core.core import MAX_STREAM_BURST, geometry_for
+    from metrale.ipc.sampling import MAX_LOGPROBS, logprobs_cap
+    from metrale.ipc.ticket_layout import region_offsets
+
+    def ring_bytes(n: int) -> int:
+        g = geometry_for(msgspec.structs.replace(engine, max_logprobs=n), max_model_len, MAX_STREAM_BURST, vocab_size)
+        return g.num_slots * region_offsets(g)["_end"]
+
+    asked = logprobs_cap(engine.max_logprobs, vocab_size)
+    try:
+        limit = min(_RING_LIMIT_BYTES, shutil.disk_usage("/dev/shm").free)
+    except OSError:  # no /dev/shm to measure: the 4 GiB bound alone
+        limit = _RING_LIMIT_BYTES
+    if asked <= MAX_LOGPROBS or ring_bytes(asked) <= limit:
+        return
+    lo, hi = MAX_LOGPROBS, asked  # ring_bytes(lo) fits (the default's ring), ring_bytes(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ring_bytes(mid) <= limit else (lo, mid)
+    _fail(f"--max-logprobs {engine.max_logprobs}: {asked} alternatives per token need a "
+          f"{ring_bytes(asked) / 2**30:.1f} GiB ticket ring, over the {limit / 2**30:.1f} GiB it may take; at most "
+          f"{lo} fit with --max-num-batched-tokens {engine.max_num_batched_tokens} and --max-num-seqs "
+          f"{engine.max_num_seqs}")
 
 
 def _check_device(device: str | None) -> None:

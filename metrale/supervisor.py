@@ -241,6 +241,7 @@ class Supervisor:
             "generation_config": self.config.generation_config,
             "log_requests": not self.config.disable_log_requests,
             "enable_force_include_usage": self.config.enable_force_include_usage,
+            "max_logprobs": self.config.engine.max_logprobs,
         }
         return [sys.executable, "-m", "metrale.frontend_process", json.dumps(fe), str(self.health_path)]
 

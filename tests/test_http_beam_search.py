@@ -299,7 +299,6 @@ def test_a_stream_sends_the_final_beams_as_the_whole_answer(llama_server, route)
     ("completions", {"best_of": 4}, "best_of"),
     ("completions", {"early_stopping": "always"}, "early_stopping"),
     ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("chat/completions", {"echo": True}, "echo"),
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"max_tokens": 600}, "prompt"),
     ("chat/completions", {"max_tokens": 600}, "messages"),

@@ -269,7 +269,6 @@ def test_return_tokens_as_token_ids_names_logprobs_by_id(api):
 
 @pytest.mark.parametrize("route,field,fields", [
     ("completions", "prompt_logprobs", {"prompt_logprobs": 1, "stream": True}),  # served in whole answers only
-    ("chat/completions", "echo", {"echo": True}),
     ("completions", "truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
 ])
 def test_unserved_extensions_are_400_naming_them(server, route, field, fields):

@@ -114,7 +114,8 @@ def test_llm_runs_with_the_tables_defaults(tiny_model_dir):
 def test_engine_options_take_every_shared_setting_from_the_args():
     changed = {"max_num_seqs": 5, "max_num_batched_tokens": 99, "max_waiting": 7, "enable_prefix_caching": False,
                "pipeline": False, "seed": 3, "preemption_mode": "swap", "decode_burst": 2, "speculative": "ngram",
-               "num_speculative_tokens": 4, "speculative_disable_by_batch_size": 9, "lora_modules": ["a=/x"]}
+               "num_speculative_tokens": 4, "speculative_disable_by_batch_size": 9, "lora_modules": ["a=/x"],
+               "max_logprobs": 7}
     assert set(changed) == {s.name for s in settings.of_scope("engine") if "engine_core" in s.reaches}
     options = EngineOptions.from_args(EngineArgs(**changed))
     assert {k: getattr(options, k) for k in changed} == changed
