@@ -128,3 +128,32 @@ def test_every_family_answers_in_float16_with_each_quantization(hf_model_dir, ki
     assert max(reference, key=reference.get) in top, (reference, top)
     for tok in set(reference) & set(top):
         assert abs(top[tok] - reference[tok]) <= TOLERANCE["float16"], (tok, reference, top)
+
+
+SERVED_CELLS = [
+    pytest.param("smollm2", ("--dtype", "half"), id="smollm2-q4_1-half"),
+    pytest.param("gguf-q8_0", ("--dtype", "float16", "--quantization", "int4"), id="q8_0-float16-int4"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source,flags", SERVED_CELLS)
+def test_metrale_serve_answers_in_float16(sources, source, flags):
+    """The crash a user met: `metrale serve --model FILE.gguf --dtype half` answered every request with a 500."""
+    import openai
+    from gguf_models import smollm2_path
+    from serve_fixture import free_port, running_server
+
+    path = smollm2_path() if source == "smollm2" else sources[source][0]
+    port = free_port()
+    with running_server(path, "--http-port", str(port), *flags):
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120) as api:
+            if source == "smollm2":
+                reply = api.chat.completions.create(
+                    model=path.name, temperature=0, max_tokens=16,
+                    messages=[{"role": "system", "content": "Answer in one short sentence."},
+                              {"role": "user", "content": "What is the capital of France?"}])
+                assert "Paris" in reply.choices[0].message.content
+            else:
+                reply = api.completions.create(model=path.name, prompt=PROMPT, temperature=0, max_tokens=4)
+                assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4
