@@ -1,40 +1,59 @@
 """The tokenizer a GGUF file describes, rebuilt as a `tokenizers` pipeline (no tokenizer.json in a GGUF).
 
-A byte-level BPE vocabulary (`tokenizer.ggml.model` = "gpt2", what llama.cpp writes for GPT-2, Llama 3, Qwen2,
-SmolLM and most recent models) is its tokens, its merges and a token type per id; the pre-tokenizer is named by
-`tokenizer.ggml.pre`, whose split rules live in llama.cpp's code rather than the file. The vocabulary is
-re-spelled, and control / user-defined tokens added, as transformers' GGUF tokenizer does; the split rules are
-llama.cpp's for each pre-tokenizer name (for SmolLM's "smollm", digits one by one before GPT-2's split, which is
-what its original tokenizer.json says too).
+The ids are llama.cpp's for the same file (tests/test_gguf_tokenizer.py holds llama.cpp's own ids as golden data).
+`tokenizer.ggml.model` names the kind, each built on a `tokenizers` model, never a merge loop of ours:
+
+- "llama": SentencePiece BPE. The merges are every split of a piece into two pieces, ranked by the piece's score
+  (llama.cpp merges the best-scoring pair first); unknown characters fall back to `<0xXX>` byte pieces; spaces are
+  "▁", with one "▁" before each run of text when `tokenizer.ggml.add_space_prefix` (default true) — before the
+  text and after every special token, as llama.cpp does; decoding turns "▁" back into spaces, bytes into text and
+  strips that one leading space.
+- "gpt2": byte-level BPE, split first by llama.cpp's rules for `tokenizer.ggml.pre` (frontend/gguf_pretokenizers.py;
+  an unknown or refused name is a GgufError naming it, a missing one llama.cpp's "default" rules with a warning).
+- "bert": WordPiece over llama.cpp's phantom-space vocabulary ("▁word" starts a word, a bare piece continues one),
+  with BERT's normalizer (lowercase and accent stripping per `tokenizer.ggml.normalizer.*`, default on); a
+  sequence is `[CLS] ... [SEP]`.
+- "t5": SentencePiece Unigram with the file's precompiled NFKC charsmap.
+
+Control, unknown and user-defined tokens match whole, before anything else, wherever they appear (llama.cpp's
+`parse_special`); control and unknown ones are special (skipped when decoding with skip_special_tokens), as are
+tokens llama.cpp promotes to control by their text (<|eot_id|>, <|im_end|>, <end_of_turn>, ...). BOS and EOS are
+added as llama.cpp adds them: `tokenizer.ggml.add_bos_token` / `add_eos_token` when the file has them, else
+llama.cpp's default for the kind (SentencePiece: BOS; Unigram: EOS; byte-level BPE: BOS for llama3 and tekken).
+Ids come from the file's `tokenizer.ggml.*_token_id` keys, else llama.cpp's defaults for SentencePiece, WordPiece
+and Unigram. Other kinds (rwkv, plamo2, gemma4, ...) are a GgufError naming the kind.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HfTokenizer
-from tokenizers.models import BPE
+from tokenizers.models import BPE, Unigram, WordPiece
 
+from metrale.frontend.gguf_pretokenizers import UnknownPre, byte_level_pre_tokenizer, rules
 from metrale.gguf_metadata import GgufError, eos_token_ids, field
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+log = logging.getLogger(__name__)
 
-# llama.cpp's split rules by `tokenizer.ggml.pre` (llama-vocab.cpp), beyond GPT-2's own (ByteLevel's regex).
-_LLAMA3 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2),
-}
-# Pre-tokenizers that split every digit off before GPT-2's regex.
-_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
+_SPACE = "\u2581"  # SentencePiece's "▁"
+SUPPORTED_MODELS = ("llama", "gpt2", "bert", "t5")
+
+# Texts llama.cpp treats as control tokens whatever their type says (end of turn / generation, fill-in-the-middle).
+_CONTROL_LOOKING = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
+    "[EOT]", "[EOS]", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|eom_id|>", "<|return|>", "<|call|>",
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
+    "<REPO>", "<reponame>", "<|file_sep|>",
+))
+# gpt-oss's channel markers: llama.cpp renders them as text (user-defined) whatever the file says.
+_ALWAYS_RENDERED = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,67 +68,261 @@ class GgufTokenizer:
     chat_template: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """What llama.cpp assumes for one tokenizer kind when the file does not say."""
+
+    ids: dict[str, int]  # default special ids by key suffix ("bos", "eos", "unk", "sep", "pad")
+    add_bos: bool
+    add_eos: bool
+
+
+_KINDS = {
+    "llama": _Kind({"bos": 1, "eos": 2, "unk": 0}, add_bos=True, add_eos=False),
+    "gpt2": _Kind({}, add_bos=False, add_eos=False),
+    "bert": _Kind({"bos": 101, "unk": 100, "sep": 102, "pad": 0}, add_bos=True, add_eos=False),
+    "t5": _Kind({"eos": 1, "unk": 2, "pad": 0}, add_bos=False, add_eos=True),
+}
+_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
+            "sep": "seperator_token_id", "pad": "padding_token_id"}  # (sic: gguf's spelling)
+
+
 def tokenizer_from_gguf(reader, path: str) -> GgufTokenizer:
     """The tokenizer of an open GGUF file (metrale.gguf_metadata.open_gguf); GgufError when it has none we build."""
     kind = field(reader, "tokenizer.ggml.model")
     if kind is None:
         raise GgufError(f"{path}: no tokenizer in the file (tokenizer.ggml.model is missing)")
-    if kind != "gpt2":
-        raise GgufError(f"{path}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    tokens: list[str] = field(reader, "tokenizer.ggml.tokens") or []
-    types: list[int] = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]
-    spelling = _byte_spelling()
-    alphabet = set(spelling.values())
-    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
-    vocab = {t: i for i, t in enumerate(spelled)}
-    backend = HfTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _pre_tokenizer(str(field(reader, "tokenizer.ggml.pre", "default")))
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens match whole as special tokens; one spelled outside the byte alphabet is llama.cpp's
-    # mislabel of a plain token (transformers skips it too, or the vocabulary would grow past the model's).
-    backend.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
-    )
-    backend.add_tokens(
-        [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
-    )
-
-    def token_id(key: str) -> int | None:
-        value = field(reader, f"tokenizer.ggml.{key}")
-        return int(value) if isinstance(value, int) and 0 <= value < len(tokens) else None
-
-    bos = token_id("bos_token_id")
-    eos = [i for i in eos_token_ids(reader) if 0 <= i < len(tokens)]
-    post = _post_processor(
-        backend,
-        bos if field(reader, "tokenizer.ggml.add_bos_token", False) else None,
-        eos[0] if eos and field(reader, "tokenizer.ggml.add_eos_token", False) else None,
-    )
+    if kind not in _KINDS:
+        raise GgufError(
+            f"{path}: GGUF tokenizer model {kind!r} is not supported (supported: {', '.join(SUPPORTED_MODELS)})"
+        )
+    tokens: list[str] = list(field(reader, "tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise GgufError(f"{path}: the tokenizer has no tokens (tokenizer.ggml.tokens is missing or empty)")
+    types = _token_types(reader, tokens)
+    ids = _special_ids(reader, _KINDS[kind], len(tokens))
+    add_bos = field(reader, "tokenizer.ggml.add_bos_token")
+    add_eos = field(reader, "tokenizer.ggml.add_eos_token")
+    add_bos = _KINDS[kind].add_bos if add_bos is None else bool(add_bos)
+    add_eos = _KINDS[kind].add_eos if add_eos is None else bool(add_eos)
+    if kind == "llama":
+        backend = _sentencepiece_bpe(reader, tokens, types, ids.get("unk"))
+    elif kind == "gpt2":
+        found = _pre_rules(reader, path)
+        backend = _byte_level_bpe(reader, tokens, types, found)
+        if field(reader, "tokenizer.ggml.add_bos_token") is None:
+            add_bos = found.add_bos
+        if found.no_bos:
+            ids.pop("bos", None)
+    elif kind == "bert":
+        backend = _wordpiece(reader, tokens, types, ids.get("unk"))
+    else:
+        backend = _unigram(reader, tokens, types, ids.get("unk"))
+    _add_special_tokens(backend, reader, tokens, types)
+    if kind == "bert":  # llama.cpp: [CLS] text [SEP], whatever the add_* flags say
+        post = _post_processor(backend, ids.get("bos"), ids.get("sep"))
+    else:
+        post = _post_processor(backend, ids.get("bos") if add_bos else None, ids.get("eos") if add_eos else None)
     if post is not None:
         backend.post_processor = post
+    eos = [i for i in eos_token_ids(reader) if 0 <= i < len(tokens)]
+    if not eos and "eos" in ids:
+        eos = [ids["eos"]]
     template = field(reader, "tokenizer.chat_template")
     return GgufTokenizer(
         backend=backend,
-        bos_token_id=bos,
+        bos_token_id=ids.get("bos"),
         eos_token_ids=tuple(eos),
-        pad_token_id=token_id("padding_token_id"),
-        unk_token_id=token_id("unknown_token_id"),
+        pad_token_id=ids.get("pad"),
+        unk_token_id=ids.get("unk"),
         chat_template=template if isinstance(template, str) else None,
     )
 
 
-def _pre_tokenizer(pre: str):
-    """The split rules llama.cpp applies for this `tokenizer.ggml.pre` name, then the byte-level mapping."""
-    split = _SPLITS.get(pre)
-    if split is not None:
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+def _token_types(reader, tokens: list[str]) -> list[int]:
+    """Each token's llama.cpp type: the file's, with llama.cpp's promotions by text (control-looking, gpt-oss)."""
+    types = [int(t) for t in field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)]
+    types += [NORMAL] * (len(tokens) - len(types))
+    for i, text in enumerate(tokens):
+        if text in _ALWAYS_RENDERED:
+            types[i] = USER_DEFINED
+        elif text in _CONTROL_LOOKING and types[i] != CONTROL:
+            types[i] = CONTROL
+    return types
+
+
+def _special_ids(reader, kind: _Kind, n_tokens: int) -> dict[str, int]:
+    """bos / eos / unk / sep / pad: the file's id when in range, else llama.cpp's default for the kind."""
+    out: dict[str, int] = {}
+    for name, key in _ID_KEYS.items():
+        value = field(reader, f"tokenizer.ggml.{key}")
+        if isinstance(value, int) and 0 <= value < n_tokens:
+            out[name] = value
+        elif name in kind.ids and kind.ids[name] < n_tokens:
+            out[name] = kind.ids[name]
+    return out
+
+
+def _sentencepiece_bpe(reader, tokens: list[str], types: list[int], unk: int | None) -> HfTokenizer:
+    """SentencePiece BPE (`llama`): merges ranked by score, byte fallback, "▁" spaces (see the module doc)."""
+    scores = _scores(reader, len(tokens))
+    vocab = _first_ids(tokens)
+    backend = HfTokenizer(BPE(
+        vocab=vocab, merges=_merges_by_score(tokens, types, scores, vocab), unk_token=_text(tokens, unk),
+        fuse_unk=True, byte_fallback=True,
+    ))
+    prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True))
+    # Added tokens are cut out before normalizing, so each run of text between them gets its own "▁" prefix.
+    backend.normalizer = normalizers.Sequence(
+        [*([normalizers.Prepend(_SPACE)] if prefix else []), normalizers.Replace(" ", _SPACE)]
+    )
+    backend.decoder = _spm_decoder(prefix)
+    return backend
+
+
+def _merges_by_score(tokens: list[str], types: list[int], scores: list[float], vocab: dict[str, int]):
+    """Every (left, right) pair of pieces that spells a normal piece, best-scoring piece first.
+
+    llama.cpp merges the adjacent pair whose concatenation is the best-scoring piece (leftmost on a tie); a BPE
+    rank per pair is the same order. Only normal pieces: the others are matched whole before merging, or are bytes.
+    """
+    pairs: list[tuple[float, int, str, str]] = []
+    for i, piece in enumerate(tokens):
+        if types[i] != NORMAL or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                pairs.append((-scores[i], i, left, right))
+    pairs.sort(key=lambda p: (p[0], p[1]))
+    return [(left, right) for _, _, left, right in pairs]
+
+
+def _spm_decoder(prefix: bool):
+    """"▁" -> space, <0xXX> pieces -> bytes -> text, and the prefix space stripped when the encoder adds one."""
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    return decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+
+
+def _pre_rules(reader, path: str):
+    """llama.cpp's split rules for the file's `tokenizer.ggml.pre` (its "default" ones, with a warning, when absent)."""
+    pre = field(reader, "tokenizer.ggml.pre")
+    if not pre:
+        log.warning("%s: GGUF has no tokenizer.ggml.pre; splitting with llama.cpp's 'default' rules", path)
+        pre = "default"
+    try:
+        return rules(str(pre))
+    except UnknownPre as e:
+        raise GgufError(f"{path}: {e}") from None
+
+
+def _byte_level_bpe(reader, tokens: list[str], types: list[int], found) -> HfTokenizer:
+    """Byte-level BPE (`gpt2`): the vocabulary spelled in GPT-2's byte alphabet, llama.cpp's splits before it."""
+    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    # A normal token outside the byte alphabet is re-spelled byte by byte; a matched-whole one (control,
+    # user-defined) keeps its text, which is how it appears in the input and how it decodes.
+    spelled = [
+        t if set(t) <= alphabet or k in (CONTROL, USER_DEFINED, UNKNOWN)
+        else "".join(spelling[b] for b in t.encode("utf-8"))
+        for t, k in zip(tokens, types)
+    ]
+    backend = HfTokenizer(BPE(
+        vocab=_first_ids(spelled), merges=merges, fuse_unk=False, byte_fallback=False,
+        ignore_merges=found.ignore_merges,
+    ))
+    backend.pre_tokenizer = byte_level_pre_tokenizer(found)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _wordpiece(reader, tokens: list[str], types: list[int], unk: int | None) -> HfTokenizer:
+    """WordPiece (`bert`): llama.cpp's "▁word" / "piece" vocabulary re-spelled as BERT's "word" / "##piece"."""
+    def bert_spelling(text: str, kind: int) -> str:
+        if kind != NORMAL or text == _SPACE:
+            return text
+        return text[1:] if text.startswith(_SPACE) else "##" + text
+
+    vocab = _first_ids([bert_spelling(t, k) for t, k in zip(tokens, types)])
+    backend = HfTokenizer(WordPiece(vocab=vocab, unk_token=_text(tokens, unk) or "[UNK]"))
+    lowercase = bool(field(reader, "tokenizer.ggml.normalizer.lowercase", True))
+    strip_accents = bool(field(reader, "tokenizer.ggml.normalizer.strip_accents", lowercase))
+    bert = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=strip_accents, lowercase=lowercase
+    )
+    # llama.cpp strips accents by keeping the first code point of each character's decomposition and dropping
+    # every mark: BERT's NFD drops only non-spacing marks, and keeps a Hangul syllable's vowel and final jamo.
+    drop = normalizers.Replace(Regex("[\\p{Mc}\\p{Me}\u1160-\u11ff]"), "")
+    backend.normalizer = normalizers.Sequence([bert, drop]) if strip_accents else bert
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    return backend
+
+
+def _unigram(reader, tokens: list[str], types: list[int], unk: int | None) -> HfTokenizer:
+    """SentencePiece Unigram (`t5`): the charsmap, then llama.cpp's whitespace rules, then Viterbi over pieces."""
+    scores = _scores(reader, len(tokens))
+    backend = HfTokenizer(Unigram([(t, s) for t, s in zip(tokens, scores)], unk_id=unk, byte_fallback=False))
+    steps = []
+    charsmap = field(reader, "tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        precompiled = normalizers.Precompiled(bytes(b & 0xFF for b in charsmap))
+        # `tokenizers` maps the grapheme "\r\n" as one; SentencePiece and llama.cpp map "\r" and "\n" each.
+        crlf = precompiled.normalize_str("\r") + precompiled.normalize_str("\n")
+        steps += [normalizers.Replace("\r\n", crlf), precompiled]
+    prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", False))
+    if field(reader, "tokenizer.ggml.remove_extra_whitespaces", False):
+        # llama.cpp drops leading and trailing spaces and puts one "▁" before every run of text.
+        steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" +"), " ")]
+        prefix_always = True
+    else:
+        prefix_always = prefix
+    if prefix_always:
+        steps.append(normalizers.Prepend(_SPACE))
+    steps.append(normalizers.Replace(" ", _SPACE))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = _spm_decoder(prefix)
+    return backend
+
+
+def _add_special_tokens(backend: HfTokenizer, reader, tokens: list[str], types: list[int]) -> None:
+    """Control, unknown and user-defined tokens, matched whole before anything else (llama.cpp's special cache).
+
+    Control and unknown ones are special (skipped by skip_special_tokens); user-defined ones decode as text.
+    llama.cpp strips spaces beside some by model name: Phi-3's right of its special tokens, <mask>'s left.
+    """
+    rstrip = _rstripped(reader, tokens, types)
+    lstrip = _lstripped(reader)
+    special, plain = [], []
+    for text, kind in zip(tokens, types):
+        if kind not in (CONTROL, UNKNOWN, USER_DEFINED):
+            continue
+        token = AddedToken(
+            text, normalized=False, special=kind != USER_DEFINED, rstrip=text in rstrip, lstrip=text in lstrip
         )
-    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    return gpt2
+        (plain if kind == USER_DEFINED else special).append(token)
+    backend.add_special_tokens(special)
+    backend.add_tokens(plain)
+
+
+def _rstripped(reader, tokens: list[str], types: list[int]) -> set[str]:
+    """Tokens llama.cpp strips the spaces after: Phi-3's special tokens but <unk>, <s>, <|endoftext|>."""
+    name = str(field(reader, "general.name", "") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    found = {t for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN, USER_DEFINED)} | {"</s>"}
+    return found - {"<unk>", "<s>", "<|endoftext|>"}
+
+
+def _lstripped(reader) -> set[str]:
+    """Tokens llama.cpp strips the spaces before: the mask token of jina v2, nomic-bert-moe, jina-bert-v3, ModernBERT."""
+    pre = str(field(reader, "tokenizer.ggml.pre", "") or "")
+    arch = str(field(reader, "general.architecture", "") or "")
+    name = str(field(reader, "general.name", "") or "").lower()
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or arch in ("nomic-bert-moe", "jina-bert-v3"):
+        return {"<mask>"}
+    return {"[MASK]"} if "modern-bert" in name else set()
 
 
 def _post_processor(backend: HfTokenizer, bos: int | None, eos: int | None):
@@ -126,6 +339,25 @@ def _post_processor(backend: HfTokenizer, bos: int | None, eos: int | None):
     return processors.TemplateProcessing(
         single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}", special_tokens=ends
     )
+
+
+def _scores(reader, n_tokens: int) -> list[float]:
+    """Each token's score (SentencePiece's log probability), 0 when the file has none."""
+    scores = [float(s) for s in field(reader, "tokenizer.ggml.scores") or []]
+    return scores + [0.0] * (n_tokens - len(scores))
+
+
+def _first_ids(texts: list[str]) -> dict[str, int]:
+    """text -> id, the first id when a text repeats (llama.cpp refuses such files; we keep the first)."""
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(texts):
+        vocab.setdefault(text, i)
+    return vocab
+
+
+def _text(tokens: list[str], i: int | None) -> str | None:
+    """The text of token i, or None."""
+    return tokens[i] if i is not None else None
 
 
 def _byte_spelling() -> dict[int, str]:

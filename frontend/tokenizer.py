@@ -72,7 +72,11 @@ class Tokenizer:
         """The tokenizer, special tokens and chat template stored in a GGUF file; GgufError when it has none."""
         from metrale.frontend.gguf_tokenizer import tokenizer_from_gguf
 
-        built = tokenizer_from_gguf(gguf_metadata.open_gguf(path), str(path))
+        return cls.from_gguf_tokenizer(tokenizer_from_gguf(gguf_metadata.open_gguf(path), str(path)))
+
+    @classmethod
+    def from_gguf_tokenizer(cls, built) -> Tokenizer:
+        """A Tokenizer over what frontend.gguf_tokenizer rebuilt (a GgufTokenizer)."""
         backend = built.backend
         return cls(
             backend=backend,
