@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def trivial_device_class():
     """FakeDevice with a trivial model and a CPU clock around its launch and await (imported late: --help stays quick)."""
-    from metrale.engine_core.fake_device import FakeDevice
+    from metrale.testing.fake_device import FakeDevice
     from metrale.ipc.plan import StepKind, StepResult
 
     class TrivialFakeDevice(FakeDevice):

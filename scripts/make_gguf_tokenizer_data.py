@@ -10,7 +10,7 @@ with NFKC, a byte-level BPE and a WordPiece with `tokenizers`) and written as a 
 writer. llama.cpp (`Llama(vocab_only=True)`) then tokenizes CORPUS for every case: a case is a file plus metadata
 overrides (another `tokenizer.ggml.pre`, add_space_prefix, add_bos_token, ...), written to a scratch copy for
 llama.cpp; tests/test_gguf_tokenizer.py applies the same overrides to the committed file. With --smollm2, the
-SmolLM2 file's vocabulary is tokenized too, with its own pre-tokenizer and with every other one of the table.
+SmolLM2 file's vocabulary is tokenized too, with its own pre-tokenizer and with each other set of rules in the table.
 """
 
 from __future__ import annotations
@@ -261,6 +261,15 @@ def supported_pre() -> tuple[str, ...]:
     return module.SUPPORTED_PRE
 
 
+def distinct_pre() -> list[str]:
+    """One pre-tokenizer name per distinct set of rules (regexes and flags), in table order."""
+    module = sys.modules["gguf_pretokenizers"]
+    seen: dict = {}
+    for name in supported_pre():
+        seen.setdefault(module.rules(name), name)
+    return list(seen.values())
+
+
 def read_kv(path: Path) -> dict:
     """The tokenizer.* and general.name keys of a GGUF file, as write_gguf takes them."""
     import gguf
@@ -319,11 +328,11 @@ def main() -> None:
 
 
 def smollm2_cases(path: Path, scratch: Path) -> list[dict]:
-    """llama.cpp's ids for the real SmolLM2 file, then for its vocabulary under every other pre-tokenizer."""
+    """llama.cpp's ids for the real SmolLM2 file, then for its vocabulary under each other set of split rules."""
     out = [{"overrides": {}, **llama_ids(path)}]
     kv = read_kv(path)
     kv.pop("general.name", None)
-    for pre in supported_pre():
+    for pre in distinct_pre():
         if pre == kv.get("tokenizer.ggml.pre"):
             continue
         copy = scratch / "smollm2_vocab.gguf"

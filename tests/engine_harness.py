@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from metrale.engine_core.engine import EngineCore, EngineOptions
-from metrale.engine_core.fake_device import FakeDevice, FakeFaults
+from metrale.testing.fake_device import FakeDevice, FakeFaults
 from metrale.engine_core.pipeline import SpecialTokens
 from metrale.engine_core.step_io import StepIo
 from metrale.ipc.plan import FedAheadPolicy

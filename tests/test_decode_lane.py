@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metrale.engine_core.decode_lane import POISONED
-from metrale.engine_core.fake_device import FakeFaults
+from metrale.testing.fake_device import FakeFaults
 import numpy as np
 
 from metrale.engine_core import decode_lane

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from metrale.engine_core.engine import EngineCore, EngineOptions
-from metrale.engine_core.fake_device import FakeDevice, fake_hidden
+from metrale.testing.fake_device import FakeDevice, fake_hidden
 from metrale.ipc.errors import Refused
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams

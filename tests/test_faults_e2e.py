@@ -22,7 +22,7 @@ from metrale import SamplingParams
 from metrale.config import EngineArgs, ServeConfig
 from metrale.frontend.client import AsyncClient, RequestError
 from metrale.supervisor import Child, RestartPolicy, Supervisor
-from metrale.engine_core.fake_device import FakeClock
+from metrale.testing.fake_device import FakeClock
 
 from serve_fixture import offline_tokens, running_server, shm_entries
 

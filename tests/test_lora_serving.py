@@ -250,7 +250,7 @@ def test_engine_load_and_unload_name_what_they_refuse():
     """EngineCore.load_lora / unload_lora on FakeDevice: free slots are reused, a name in use cannot be unloaded,
     and a slot refilled with another adapter starts a fresh prefix-cache chain."""
     from metrale.engine_core.engine import EngineCore, EngineOptions
-    from metrale.engine_core.fake_device import FakeDevice
+    from metrale.testing.fake_device import FakeDevice
     from metrale.ipc.errors import Refused
 
     device = FakeDevice(vocab_size=512, num_kv_blocks=64, block_size=4, max_loras=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from metrale.engine_core.fake_device import FakeFaults
+from metrale.testing.fake_device import FakeFaults
 from metrale.ipc.sampling import SamplingParams
 
 from engine_harness import Req, run_workload

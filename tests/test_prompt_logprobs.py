@@ -94,7 +94,7 @@ def test_fake_device_prompt_logprobs_through_the_engine_pipelined_and_synchronou
     """Chunked prefill (8 tokens a step) of prompts asking for prompt logprobs, beside plain requests, through the
     lane and the synchronous loop: every prompt token's entry is the toy model's log-probability of it, once."""
     from metrale.engine_core.engine import EngineCore, EngineOptions
-    from metrale.engine_core.fake_device import FakeDevice
+    from metrale.testing.fake_device import FakeDevice
     from metrale.engine_core.host_sampler import logprob_of
     from metrale.ipc.sampling import SamplingParams
 
@@ -149,7 +149,7 @@ def test_prompt_logprobs_survive_preemption_once_each():
     """A KV pool too small for every prompt at once preempts (recompute) requests mid-prefill and after: each
     prompt token's entry is still reported once, equal to the toy model's."""
     from metrale.engine_core.engine import EngineCore, EngineOptions
-    from metrale.engine_core.fake_device import FakeDevice
+    from metrale.testing.fake_device import FakeDevice
     from metrale.engine_core.host_sampler import logprob_of
     from metrale.ipc.sampling import SamplingParams
 

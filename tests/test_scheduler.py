@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from metrale.engine_core.engine import EngineCore, EngineOptions
-from metrale.engine_core.fake_device import FakeDevice
+from metrale.testing.fake_device import FakeDevice
 from metrale.engine_core.scheduler import SchedulerBusy
 from metrale.ipc.sampling import SamplingParams
 

@@ -118,7 +118,7 @@ def test_no_drafts_at_the_batch_size_that_disables_them(monkeypatch):
 def test_a_wrong_verification_is_caught(monkeypatch):
     """A device that kept one pick past the first rejected draft is caught: the streams change, or the host's
     bookkeeping no longer matches the KV the device wrote."""
-    from metrale.engine_core import fake_device
+    from metrale.testing import fake_device
 
     reqs = _repeating(2)
     plain = run_workload(reqs, pipeline=True)  # the length-keyed model: most drafts are rejected
@@ -188,7 +188,7 @@ def test_a_recurrent_model_never_speculates():
 def test_a_verify_step_the_device_fails_fails_its_rows_and_nothing_else(monkeypatch):
     """The device fails the first verify step: its rows finish with the device's error, the tick does not raise,
     and the requests that arrive after it stream as plain decoding does."""
-    from metrale.engine_core.fake_device import FakeDevice, FakeFaults
+    from metrale.testing.fake_device import FakeDevice, FakeFaults
     from metrale.ipc.plan import StepKind
 
     launch = FakeDevice.launch

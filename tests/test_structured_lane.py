@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from metrale.engine_core import engine as engine_module
 from metrale.engine_core.engine import EngineCore
-from metrale.engine_core.fake_device import FakeDevice
+from metrale.testing.fake_device import FakeDevice
 from metrale.engine_core.step_io import Rollback, StepIo
 from metrale.ipc.errors import Refused
 from metrale.ipc.plan import FedAheadPolicy

@@ -13,7 +13,7 @@ from metrale.ipc.messages import Health, ProcessHealth
 from metrale.health_file import REFRESH_S as HEALTH_REFRESH_S
 from metrale.health_file import read_health
 from metrale.supervisor import Child, Supervisor
-from metrale.engine_core.fake_device import FakeClock
+from metrale.testing.fake_device import FakeClock
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from metrale.ipc.plan import (
     moved_on,
 )
 
-from .host_sampler import SamplingRow, logprob_of, sample_row
+from metrale.engine_core.host_sampler import SamplingRow, logprob_of, sample_row
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
