@@ -44,8 +44,12 @@ _CONTROL, _USER_DEFINED, _NORMAL, _UNUSED = 3, 4, 1, 5
 Encoder = Callable[[str, np.ndarray], "tuple[np.ndarray, object] | None"]
 
 
-def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f32", *, encode: Encoder | None = None) -> Path:
-    """Write model_dir (config.json, *.safetensors, tokenizer.json) as the GGUF file out; returns its path."""
+def write_gguf(
+    model_dir: str | Path, out: str | Path, outtype: str = "f32", *, encode: Encoder | None = None, one_tensor_per_expert: bool = False
+) -> Path:
+    """Write model_dir (config.json, *.safetensors, tokenizer.json) as the GGUF file out; returns its path.
+
+    one_tensor_per_expert: experts as Mixtral files written before llama.cpp stacked them (blk.N.ffn_gate.E.weight)."""
     import gguf
 
     if outtype not in OUT_TYPES:
@@ -64,7 +68,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, outtype: str = "f32", *, 
     for f in sorted(root.glob("*.safetensors")):
         tensors.update(load_file(str(f)))  # torch's loader: numpy has no bfloat16
     arrays = {hf: values.float().numpy() for hf, values in tensors.items()}
-    for gguf_tensor, values in _gguf_tensors(arrays, config, arch):
+    for gguf_tensor, values in _gguf_tensors(arrays, config, arch, stack_experts=not one_tensor_per_expert):
         custom = encode(gguf_tensor, values) if encode is not None else None
         data, qtype = custom if custom is not None else _encode(values, outtype)
         writer.add_tensor(gguf_tensor, data, raw_dtype=qtype)
@@ -124,7 +128,9 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
     raise ValueError(f"{hf_name}: no GGUF name for it")
 
 
-def _gguf_tensors(tensors: dict[str, np.ndarray], config: dict, arch: str) -> Iterator[tuple[str, np.ndarray]]:
+def _gguf_tensors(
+    tensors: dict[str, np.ndarray], config: dict, arch: str, *, stack_experts: bool = True
+) -> Iterator[tuple[str, np.ndarray]]:
     """(llama.cpp name, float32 array) for every tensor of the folder, transformed as llama.cpp's converter does,
     then the rope factor tensors."""
     heads = config["num_attention_heads"]
@@ -139,6 +145,10 @@ def _gguf_tensors(tensors: dict[str, np.ndarray], config: dict, arch: str) -> It
             if hf.endswith("norm.weight"):
                 values = values + np.float32(1.0)  # Gemma's norm scales by 1 + w: stored as 1 + w
         m = _EXPERT.fullmatch(hf)
+        if m and not stack_experts:
+            layer, expert, proj = m.groups()
+            yield f"blk.{layer}.ffn_{proj.removesuffix('_proj')}.{expert}.weight", values
+            continue
         if m:
             layer, expert, proj = m.groups()
             experts.setdefault((layer, proj), {})[int(expert)] = values
@@ -174,15 +184,16 @@ def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _encode(values: np.ndarray, outtype: str):
-    """(data, ggml type) for a tensor: vectors stay float32 (as llama.cpp keeps norms), matrices take outtype."""
+    """(data, ggml type) for a tensor: vectors stay float32 (as llama.cpp keeps norms), matrices take outtype, or
+    float16 where their rows are no whole number of its blocks (as llama.cpp's converter falls back)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     if values.ndim < 2 or outtype == "f32":
         return values, T.F32
-    if outtype == "f16":
-        return values.astype(np.float16), T.F16
     qtype = T[outtype.upper()]
+    if outtype == "f16" or values.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return values.astype(np.float16), T.F16
     return gguf.quants.quantize(values, qtype), qtype
 
 

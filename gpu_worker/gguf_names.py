@@ -66,6 +66,8 @@ _FAMILY = {
 # Families whose norms llama.cpp stores as 1 + w.
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 _NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+# Mixtral files written before llama.cpp stacked experts (still read by llama.cpp): blk.N.ffn_gate.E.weight.
+_ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 _STACKED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
@@ -86,7 +88,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     checkpoint_tensors)."""
     m = _NAME.fullmatch(gguf_name)
     if m is None:
-        return None
+        one = _ONE_EXPERT.fullmatch(gguf_name)
+        return f"model.layers.{one[1]}.mlp.experts.{one[3]}.{one[2]}_proj.weight" if one else None
     block, base, kind = m.groups()
     if block is None:
         return f"{_TOP[base]}.{kind}" if base in _TOP else None

@@ -138,6 +138,20 @@ def test_gemma_norms_are_stored_plus_one_and_experts_stacked(folder_and_gguf):
     assert stored["blk.1.ffn_gate_inp.weight"].shape == (4, 64)
 
 
+def test_a_mixtral_file_with_one_tensor_per_expert_loads_as_the_stacked_one(folder_and_gguf, tmp_path):
+    """Mixtral files written before llama.cpp stacked experts (blk.N.ffn_gate.E.weight), which llama.cpp still reads."""
+    from metrale.gpu_worker.gguf_weights import gguf_tensors
+
+    folder, stacked = folder_and_gguf("mixtral")
+    legacy = write_gguf(folder, tmp_path / "legacy.gguf", one_tensor_per_expert=True)
+    assert "blk.0.ffn_up.3.weight" in {t.name for t in open_gguf(legacy).tensors}
+    config = resolve_model(stacked).config
+    ours, theirs = dict(gguf_tensors(legacy, resolve_model(legacy).config)), dict(gguf_tensors(stacked, config))
+    assert ours.keys() == theirs.keys() and "model.layers.1.mlp.experts.3.down_proj.weight" in ours
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=0, msg=name)
+
+
 def test_gemma3_without_a_pattern_key_slides_five_layers_in_six(hf_model_dir, tmp_path):
     """llama.cpp's fixed Gemma 3 pattern when the file states none (its converter writes none)."""
     layer_types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2
