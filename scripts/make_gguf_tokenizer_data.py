@@ -54,6 +54,7 @@ CORPUS = [
     "Mixed CASE camelCase snake_case kebab-case HTTPServer ÉCOLE école",
     "The quick brown fox jumps over the lazy dog.",
     "Hello<|im_start|>  spaced <|im_end|>\n",
+    "an unreachable qqzx word",
 ]
 
 # Training text: English, code and CJK, so each vocabulary has merges for words, indentation and characters.
@@ -178,7 +179,8 @@ def byte_bpe_kv() -> dict:
     )
     tok.train_from_iterator(TRAINING * 20, trainer)
     model = json.loads(tok.to_str())["model"]
-    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    # Words no merge reaches: one token only where llama.cpp ignores merges for a piece in the vocabulary.
+    tokens = sorted(model["vocab"], key=model["vocab"].get) + ["qqzx", "\u0120qqzx"]
     merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
     return {
         "tokenizer.ggml.model": "gpt2",

@@ -124,9 +124,9 @@ def test_special_tokens_and_template_come_from_the_file():
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
     ids = {tok.token_id(t) for t in ("<s>", "</s>", "<unk>", "<ctrl>")}
     assert ids <= tok.special_token_ids  # control and unknown tokens: skipped when decoding
-    user_defined = tok.token_id("<|im_start|>")
-    assert user_defined not in tok.special_token_ids
-    assert tok.decode(tok.encode("<|im_start|>hi<ctrl>")) == "<|im_start|> hi"
+    assert tok.token_id("<|im_start|>") not in tok.special_token_ids  # user-defined: decodes as text
+    assert tok.token_id("<|im_end|>") in tok.special_token_ids  # user-defined, but llama.cpp's end of turn
+    assert tok.decode(tok.encode("<|im_start|>hi<ctrl><|im_end|>")) == "<|im_start|> hi"
 
 
 def test_an_unknown_pre_tokenizer_is_one_error_naming_it():
