@@ -3,8 +3,11 @@
 A GGUF (llama.cpp's format) carries everything a model folder does in one file: hyperparameters under
 `{arch}.*` keys, the tokenizer under `tokenizer.ggml.*`, the chat template, and the tensors. The file is read
 with the `gguf` package (llama.cpp's own reader); the keys are mapped to config.json's names as transformers'
-GGUF integration maps them, so `metrale.model_facts` derives the same facts from either. No torch here (the
-reader needs only numpy): the frontend and the engine core import this through model_facts.
+GGUF integration maps them, and each family's own fields are stated as its folder's config.json states them
+(what llama.cpp assumes for a family rather than stores: Gemma's sliding pattern and query scale, Qwen3-MoE's
+renormalised routing; what it stores as tensors: Llama 3's rope (gguf_rope.py), Phi-3's longrope factors), so
+`metrale.model_facts` derives the same facts from either. No torch here (the reader needs only numpy): the
+frontend and the engine core import this through model_facts.
 """
 
 from __future__ import annotations
@@ -151,8 +154,8 @@ def hf_config(reader, *, path: str) -> dict:
     family = _family(reader, arch)
     if family not in _SERVED:
         served = ", ".join(dict.fromkeys(k for k in _SERVED if k not in ("mistral", "mixtral")))
-        raise GgufError(f"{path}: GGUF architecture {arch!r} is not served (served from GGUF: {served}; "
-                        "Mistral and Mixtral as llama)")
+        # (no path: model_facts names the --model path in front)
+        raise GgufError(f"GGUF architecture {arch!r} is not served (served from GGUF: {served}; Mistral and Mixtral as llama)")
     model_type, architecture = _SERVED[family]
     tensor_names = {t.name for t in reader.tensors}
     config: dict = {"architectures": [architecture], "model_type": model_type, "hidden_act": "silu"}

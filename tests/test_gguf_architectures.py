@@ -109,7 +109,7 @@ def test_gguf_greedy_tokens_and_logits_equal_its_folders(folder_and_gguf, case, 
         assert worst < 1e-5, f"{case}: prompt {i} logits differ by {worst}"
 
 
-@pytest.mark.parametrize("case", ["gemma3", "phi3", "mixtral", "olmo2"])
+@pytest.mark.parametrize("case", ["llama3-rope", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2"])
 def test_gguf_tokenizer_chat_template_and_special_tokens_are_the_folders(folder_and_gguf, case):
     folder, gguf = folder_and_gguf(case)
     ours, theirs = Tokenizer.from_dir(gguf), Tokenizer.from_dir(folder)
