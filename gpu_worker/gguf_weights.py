@@ -4,11 +4,12 @@ Names come from gguf_names.py (llama.cpp's to transformers', and the Llama q/k r
 tensor type the `gguf` package can dequantize loads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32
 and more), dequantized to float32 in numpy; a value that is not finite is a GgufError naming the tensor.
 
-A layer whose every part is stored in 4 bits as groups of 32 (Q4_0, Q4_1, Q4_K: each group is s * q + z with q in
-0..15) can keep its codes: `gguf_layer_kinds` says which layers can, and for a layer the model built with
-`Int4LinearMethod(codes=True)` its tensors come as `.qweight` (codes), `.scales` and `.zeros` instead of
-`.weight`. The codes are read off the blocks by gguf's own dequantizer: a block with every code set to 0 gives
-z, with every code 1 gives s + z.
+A linear layer whose every part has a row in layers/gguf_quant_types.py's table (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K,
+Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) stays quantized: `gguf_layer_kinds` names the kernel each layer
+runs on, and for a layer the model built with layers/gguf_linear.py's `GgufLinearMethod` (`wants_blocks`) its
+tensors come as the file stores them, uint8 rows of blocks tagged with their type. For
+`Int4LinearMethod(codes=True)` (`wants_codes`: --quantization int4 of a 4-bit file) a Q4_0 / Q4_1 / Q4_K
+tensor comes as `.qweight` (codes), `.scales` and `.zeros` instead of `.weight`, read off its blocks.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ import torch
 
 from metrale.gguf_metadata import GgufError, open_gguf
 from metrale.gpu_worker.gguf_names import ROPE_TENSORS, checkpoint_tensors, hf_name, unpermute_rows
-
-# The byte range of the 4-bit codes inside one block of each 4-bit type (after its scales).
-_CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q4_K": (16, 144)}
-_INT8_TYPES = ("Q8_0",)
+from metrale.gpu_worker.layers import gguf_quant_types
+from metrale.gpu_worker.layers.gguf_linear import tagged
 
 
 def gguf_tensors(
-    path: str | Path, config: dict, wants_codes: Callable[[str], bool] = lambda name: False
+    path: str | Path, config: dict, wants_codes: Callable[[str], bool] = lambda name: False,
+    wants_blocks: Callable[[str], bool] = lambda name: False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the GGUF file at path under its transformers name: dequantized to float32, or, where
-    wants_codes(name) and the tensor is 4-bit, as its codes, scales and offsets (see the module docstring).
+    """Every tensor of the GGUF file at path under its transformers name: dequantized to float32; where
+    wants_blocks(name) and its type has a table row, its raw blocks tagged with the type; where wants_codes(name)
+    and the tensor is 4-bit, its codes, scales and offsets (see the module docstring).
 
     config is the file's config dict (metrale.gguf_metadata.hf_config); GgufError names the tensor at fault.
     """
@@ -46,7 +47,11 @@ def gguf_tensors(
         if name is None:
             raise GgufError(f"tensor {tensor.name}: not a tensor of a {config['architectures'][0]} (unknown name)")
         rows_heads = heads if ".self_attn.q_proj." in name else kv_heads if ".self_attn.k_proj." in name else 0
-        if wants_codes(name) and tensor.tensor_type.name in _CODE_BYTES:
+        qtype = gguf_quant_types.TYPES.get(tensor.tensor_type.name)
+        if wants_blocks(name) and qtype is not None:
+            parts = [("", np.asarray(tensor.data))]
+            base = name
+        elif wants_codes(name) and qtype is not None and qtype.kernel == "int4":
             parts = zip((".qweight", ".scales", ".zeros"), int4_codes(tensor))
             base = name.rsplit(".", 1)[0]
         else:
@@ -56,13 +61,13 @@ def gguf_tensors(
             if permuted and rows_heads:
                 values = unpermute_rows(values, rows_heads)
             for hf, part in checkpoint_tensors(base + suffix, values, arch):
-                yield hf, torch.from_numpy(part)
+                yield hf, tagged(part, qtype.name) if part.dtype == np.uint8 and not suffix else torch.from_numpy(part)
 
 
 def gguf_layer_kinds(path: str | Path, layer_of: Callable[[str], str]) -> dict[str, str | None]:
-    """What each linear layer's tensors are stored as: "int8" when all are Q8_0, "int4" when all are 4-bit
-    groups of 32 (Q4_0, Q4_1, Q4_K), else None. layer_of maps a transformers tensor name to its layer's prefix
-    (q/k/v_proj to the stacked qkv_proj ...)."""
+    """The kernel each linear layer's stored blocks run on (gguf_quant_types.kernel_of: "int8", "int4" or "kq8")
+    when every part's type has a row in the table, else None (dense). layer_of maps a transformers tensor name
+    to its layer's prefix (q/k/v_proj to the stacked qkv_proj ...)."""
     types: dict[str, set[str]] = {}
     for tensor in open_gguf(path).tensors:
         name = hf_name(tensor.name)
@@ -72,12 +77,19 @@ def gguf_layer_kinds(path: str | Path, layer_of: Callable[[str], str]) -> dict[s
 
 
 def _kind(types: Iterable[str]) -> str | None:
-    """int8, int4 or None (dense) for the set of tensor types one layer's parts are stored as."""
-    found = set(types)
-    if found <= set(_INT8_TYPES):
-        return "int8"
-    if found <= set(_CODE_BYTES):
-        return "int4"
+    """The kernel for the set of tensor types one layer's parts are stored as; None (dense) when one lacks a row."""
+    found = sorted(types)
+    if not all(t in gguf_quant_types.TYPES for t in found):
+        return None
+    return gguf_quant_types.kernel_of(found)
+
+
+def gguf_blocks(path: str | Path, name: str) -> torch.Tensor | None:
+    """The raw blocks of the tensor stored under transformers name `name` (tagged with its type), or None when
+    it is absent or its type has no table row (a tied LM head's copy of the embedding)."""
+    for tensor in open_gguf(path).tensors:
+        if hf_name(tensor.name) == name and tensor.tensor_type.name in gguf_quant_types.TYPES:
+            return tagged(np.array(tensor.data), tensor.tensor_type.name)
     return None
 
 
@@ -98,21 +110,8 @@ def _dequantized(tensor) -> np.ndarray:
 
 def int4_codes(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_0 / Q4_1 / Q4_K tensor as (codes uint8 [rows, cols], scales, offsets float32 [rows, cols / 32]),
-    each group of 32 being scale * code + offset."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    _, size = GGML_QUANT_SIZES[qtype]
-    lo, hi = _CODE_BYTES[qtype.name]
-    raw = np.asarray(tensor.data)
-    blocks = raw.reshape(raw.shape[0], -1, size)
-    with_codes = []
-    for code in (0x00, 0x11):  # every nibble 0, then every nibble 1
-        b = blocks.copy()
-        b[..., lo:hi] = code
-        with_codes.append(dequantize(b.reshape(raw.shape), qtype))
-    values = _dequantized(tensor)
-    zero, scale = with_codes[0], with_codes[1] - with_codes[0]
-    codes = np.rint((values - zero) / np.where(scale == 0, 1, scale)).clip(0, 15).astype(np.uint8)
-    return codes, np.ascontiguousarray(scale[:, ::32]), np.ascontiguousarray(zero[:, ::32])
+    each group of 32 being scale * code + offset, read off its blocks (gguf_quant_types)."""
+    name = tensor.tensor_type.name
+    blocks = gguf_quant_types.decode(name, np.asarray(tensor.data))
+    q, s, z = gguf_quant_types.as_int4(blocks, gguf_quant_types.TYPES[name].code_bias)
+    return q.numpy(), s.numpy(), z.numpy()

@@ -13,8 +13,9 @@ from tqdm import tqdm
 
 from metrale import gguf_metadata
 from metrale.settings import DTYPE_ALIASES
-from metrale.gpu_worker.gguf_weights import gguf_layer_kinds, gguf_tensors
+from metrale.gpu_worker.gguf_weights import gguf_blocks, gguf_layer_kinds, gguf_tensors
 from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
+from metrale.gpu_worker.layers.gguf_linear import GgufLinearMethod, load_tied_head
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
 from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.layers.quantization import Int4LinearMethod, linear_methods, quantize_tied_head
@@ -82,15 +83,20 @@ def load_model(
     model = cls(ctx)
     if gguf is not None:
         codes = {n for n, m in model.named_modules() if getattr(getattr(m, "quant_method", None), "codes", False)}
-        model.load_weights(gguf_tensors(gguf, facts.config, lambda name: layer_of(name) in codes))
+        blocks = {n for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None), GgufLinearMethod)}
+        model.load_weights(
+            gguf_tensors(gguf, facts.config, lambda name: layer_of(name) in codes, lambda name: layer_of(name) in blocks)
+        )
     else:
         model.load_weights(_tensors(weight_files(facts.path), show_progress))
     if model.lm_head.shares_weight:
-        # A tied head is dense by construction; quantize its own copy of the table as the checkpoint's
-        # embedding is stored (a GGUF's Q8_0 token_embd) or as --quantization asks.
+        # A tied head is dense by construction; give it its own copy of the table as the checkpoint's
+        # embedding is stored (a GGUF's Q6_K or Q8_0 token_embd, its blocks) or as --quantization asks.
         embed_kinds = {"lm_head": (kinds or {}).get("model.embed_tokens")}
         head = linear_methods(quantization, embed_kinds.get)("lm_head")
-        if not isinstance(head, DenseLinearMethod):
+        if isinstance(head, GgufLinearMethod):
+            load_tied_head(model.lm_head, gguf_blocks(gguf, "model.embed_tokens.weight"), head)
+        elif not isinstance(head, DenseLinearMethod):
             if isinstance(head, Int4LinearMethod):
                 head.codes = False  # the table was loaded as floats
             quantize_tied_head(model.lm_head, model.model.embed_tokens.weight, head)

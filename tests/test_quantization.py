@@ -1,5 +1,5 @@
 """Weight-only quantization: int8 in blocks of 32 (Q8_0) and 4-bit grouped linear methods, --quantization, and
-GGUF layers that stay quantized (Q8_0 as int8, Q4_0 / Q4_1 / Q4_K as 4-bit codes).
+GGUF layers that stay quantized (their blocks as stored, tests/test_gguf_quant_types.py checks each type).
 
 The kernels quantize each activation row to int8 per block of 32 as llama.cpp does. Parity is against the
 dequantized reference (`int8-dequantized` / `int4-dequantized`): the same weight codes and the same activation
@@ -137,9 +137,11 @@ def test_gguf_layers_keep_their_stored_kind(tiny_gguf):
         layers = [model.model.layers[0].self_attn.qkv_proj, model.model.layers[0].mlp.down_proj, model.lm_head]
         return [type(m.quant_method).__name__ + (":codes" if getattr(m.quant_method, "codes", False) else "") for m in layers]
 
-    assert methods(tiny_gguf("llama", "q8_0")) == ["Int8LinearMethod"] * 3
-    assert methods(tiny_gguf("llama", "q4_1")) == ["Int4LinearMethod:codes"] * 3
-    assert methods(tiny_gguf("llama", "q5_0")) == ["DenseLinearMethod"] * 3  # no 5-bit kernel: dequantized
+    assert methods(tiny_gguf("llama", "q8_0")) == ["GgufLinearMethod"] * 3  # the file's blocks, each type's kernel
+    assert methods(tiny_gguf("llama", "q4_1")) == ["GgufLinearMethod"] * 3
+    assert methods(tiny_gguf("llama", "q5_0")) == ["GgufLinearMethod"] * 3
+    assert methods(tiny_gguf("llama", "f16")) == ["DenseLinearMethod"] * 3
+    assert methods(tiny_gguf("llama", "q4_1"), "int4") == ["Int4LinearMethod:codes"] * 3  # read off the blocks
     assert methods(tiny_gguf("llama", "q4_1"), "none") == ["DenseLinearMethod"] * 3
     assert methods(tiny_gguf("llama", "q4_1"), "int8") == ["Int8LinearMethod"] * 3
     assert methods(tiny_gguf("llama", "f16"), "int4") == ["Int4LinearMethod"] * 3  # quantized from the floats
@@ -160,8 +162,9 @@ def test_gguf_4bit_codes_are_the_files_weights_exactly(tiny_gguf, outtype):
             torch.testing.assert_close(got, values, rtol=0, atol=1e-6 * float(values.abs().max()))
             checked += 1
     assert checked > 0
-    codes = LLM(str(path), dtype="float32", show_progress=False)
-    assert isinstance(codes.runner.model.model.layers[0].mlp.gate_up_proj.quant_method, Int4LinearMethod)
+    codes = LLM(str(path), dtype="float32", quantization="int4", show_progress=False)
+    method = codes.runner.model.model.layers[0].mlp.gate_up_proj.quant_method
+    assert isinstance(method, Int4LinearMethod) and method.codes
     ref = LLM(str(path), dtype="float32", quantization="int4-dequantized", show_progress=False)
     assert [o.token_ids for o in codes.generate(PROMPTS, GREEDY)] == [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
 

@@ -45,16 +45,19 @@ inline void prefetch(const void* p) {
 #endif
 }
 
-// One input row quantized: codes [kp], per block its scale and the sum of its codes.
+// One input row quantized: codes [kp], per block its scale and the sum of its codes, and the sums of each half
+// block (the K-quant products' sub-blocks of 16).
 struct QuantRows {
   std::vector<int8_t> codes;
   std::vector<float> scale;
   std::vector<int32_t> sum;
+  std::vector<int32_t> sum16;
   void resize(int64_t m, int64_t kp) {
     if ((int64_t)codes.size() < m * kp) codes.resize(m * kp);
     if ((int64_t)scale.size() < m * kp / kBlock) {
       scale.resize(m * kp / kBlock);
       sum.resize(m * kp / kBlock);
+      sum16.resize(2 * m * kp / kBlock);
     }
   }
 };
@@ -70,9 +73,19 @@ inline float to_float(T v) {
   return static_cast<float>(v);
 }
 
-// One block of 32 floats quantized: its codes into out, its scale d = absmax / 127 and the sum of its codes.
-// code = round_half_even(v * (1 / d)), 0 for a block of zeros: exactly quantization.py's quantize_activations.
-inline void quantize_block(const float* v, int8_t* out, float& scale, int32_t& sum) {
+#if defined(METRALE_AVX2)
+inline int32_t hsum8(__m256i v) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+}
+#endif
+
+// One block of 32 floats quantized: its codes into out, its scale d = absmax / 127, the sum of its codes and of
+// each half's. code = round_half_even(v * (1 / d)), 0 for a block of zeros: exactly quantization.py's
+// quantize_activations.
+inline void quantize_block(const float* v, int8_t* out, float& scale, int32_t& sum, int32_t* half) {
 #if defined(METRALE_AVX2)
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 f[4], amax = _mm256_setzero_ps();
@@ -91,27 +104,26 @@ inline void quantize_block(const float* v, int8_t* out, float& scale, int32_t& s
   const __m256i w16 = _mm256_packs_epi32(q[0], q[1]), z16 = _mm256_packs_epi32(q[2], q[3]);
   const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, z16), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256((__m256i*)out, b8);
-  const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
   scale = d;
-  sum = _mm_cvtsi128_si32(s4);
+  half[0] = hsum8(_mm256_add_epi32(q[0], q[1]));
+  half[1] = hsum8(_mm256_add_epi32(q[2], q[3]));
+  sum = half[0] + half[1];
 #else
   float amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
   const float d = amax / 127.0f;
   const float id = d > 0.f ? 1.0f / d : 0.f;
-  int32_t s = 0;
+  half[0] = half[1] = 0;
   for (int i = 0; i < kBlock; ++i) {
     const float c = std::nearbyint(v[i] * id);  // the default rounding mode: half to even, as torch.round
     out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
-    s += out[i];
+    half[i / 16] += out[i];
   }
   scale = d;
-  sum = s;
+  sum = half[0] + half[1];
 #endif
 }
+
 
 // Block b of row r as float32: in place where it is whole float32, else widened (zeros past k) into buf.
 inline const float* block_floats(const float* x, int64_t k, int64_t at, float* buf) {
@@ -156,7 +168,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t kp, QuantRows& q) {
     for (int64_t r = m0; r < m1; ++r)
       for (int64_t b = 0; b < blocks; ++b)
         quantize_block(block_floats(x + r * k, k, b * kBlock, buf), q.codes.data() + r * kp + b * kBlock, q.scale[r * blocks + b],
-                       q.sum[r * blocks + b]);
+                       q.sum[r * blocks + b], q.sum16.data() + 2 * (r * blocks + b));
   });
 }
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import QUANTIZATIONS
-from metrale.gpu_worker.layers import cpu_kernels
+from metrale.gpu_worker.layers import cpu_kernels, kernel_choice
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod, LinearMethod, set_weight_attrs
 
 DENSE = "none"  # --quantization none: every layer dense, a GGUF's quantized tensors dequantized
@@ -156,10 +156,11 @@ class Int4LinearMethod(LinearMethod):
 
 
 def _kernel(name: str, device: torch.device):
-    """The native op `name` of this process's kernel class; None off the CPU or where its unit did not load."""
+    """The native op `name` of the kernel class that runs it fastest here (kernel_choice.py; the process's own
+    class unless measured otherwise); None off the CPU or where its unit did not load."""
     if device.type != "cpu" or not cpu_kernels.available() or not cpu_kernels.has(name):
         return None
-    return getattr(cpu_kernels.ops(), name).default
+    return getattr(cpu_kernels.ops(kernel_choice.class_for(name)), name).default
 
 
 def _goes_wide(device: torch.device) -> bool:

@@ -1,0 +1,187 @@
+"""A GGUF layer multiplied as its file stores it: each part's blocks kept in their own type.
+
+`GgufLinearMethod` takes the file's blocks (gguf_weights.py yields them raw, as uint8 rows tagged with their
+type's name) part by part, fused or split, through the layer's own weight loader, so a stacked layer whose
+parts differ in type (a Q4_K_M file's Q4_K q/k beside its Q6_K v) keeps each in its own. After loading, each
+run of rows whose types share a kernel (gguf_quant_types.TYPES) is decoded once into that kernel's layout and
+multiplied by it: one product per run, the runs' outputs side by side. No type is dequantized to floats.
+
+`reference=True` (or no kernels: a GPU, no compiler) multiplies the dequantized weight dense instead, with x
+quantized per block as the kernels do (quantization.py's _dense_product): the kernels' arithmetic up to the
+order of float32 sums, which is what the tests check them against.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+
+from metrale.gpu_worker.layers import gguf_quant_types as qt
+from metrale.gpu_worker.layers.linear_method import LinearMethod, set_weight_attrs
+from metrale.gpu_worker.layers.quantization import _dense_product, _goes_wide, _kernel, _kernel_input, _wide, pack_int8
+
+GGUF_TYPE = "gguf_type"  # the attribute naming a raw tensor's GGUF type (gguf_weights.py sets it)
+
+
+@dataclass(slots=True)
+class _Run:
+    """Consecutive output rows of one kernel: the op and its packed weight."""
+
+    rows: int
+    product: Callable[[torch.Tensor, bool], torch.Tensor]
+
+
+class GgufLinearMethod(LinearMethod):
+    """A layer holding a GGUF file's blocks per part (see the module docstring)."""
+
+    def __init__(self, *, reference: bool = False):
+        """reference: multiply the dequantized weight dense in float32 (the kernels' check)."""
+        self.reference = reference
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, *, dtype, device, weight_loader):
+        """A placeholder `weight` whose loader stages each part's raw blocks by type."""
+        layer.act_dtype = dtype
+        layer.in_features = input_size_per_partition
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), 0, dtype=torch.uint8, device=device), requires_grad=False)
+        set_weight_attrs(weight, output_dim=0, input_dim=None, weight_loader=partial(_stage, layer, weight_loader))
+        layer.register_parameter("weight", weight)
+        layer.gguf_staged = {}
+
+    def process_weights_after_loading(self, layer):
+        """Decode each run of rows of one kernel into its layout (or the dequantized weight), then drop the blocks."""
+        segments = _segments(layer)
+        layer.gguf_types = [t for t, _ in segments]
+        layer.out_features = layer.weight.shape[0]
+        device = layer.weight.device
+        runs = _by_kernel(segments)
+        ops = {kernel: None if self.reference else _kernel(f"{kernel}_linear", device) for kernel, _ in runs}
+        layer.wide = _goes_wide(device) and all(k != "kq8" for k, _ in runs)
+        if any(op is None for op in ops.values()):
+            weight = torch.cat([qt.dequantize(b) for _, b in segments]).to(device)
+            layer.dequantized = weight if self.reference else weight.to(layer.act_dtype)
+            layer.gguf_runs = None
+        else:
+            layer.gguf_runs = [_run(kernel, parts, ops[kernel]) for kernel, parts in runs]
+        layer.gguf_staged = {}
+        layer.weight = nn.Parameter(layer.weight.new_empty((0, 0)), requires_grad=False)
+
+    def apply(self, layer, x, bias=None):
+        """x @ W.T (+ bias) in x's dtype, one product per run of rows."""
+        flat = x.reshape(-1, x.shape[-1])
+        if layer.gguf_runs is None:
+            y = _dense_product(flat, layer.dequantized, layer.wide)
+        else:
+            xin = _kernel_input(flat)
+            wide = layer.wide and _wide(xin)
+            ys = [run.product(xin, wide) for run in layer.gguf_runs]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        if bias is not None:
+            y = y.add_(bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _stage(layer: nn.Module, weight_loader, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a raw tensor's rows (this rank's, at its part's place) into the staging rows of its type, through
+    the layer's own loader, and mark them (a second pass of ones over the same rows)."""
+    name = getattr(loaded, GGUF_TYPE, None)
+    if name not in qt.TYPES:
+        raise ValueError(f"a GGUF-typed layer takes its file's blocks of a known type (got {name or loaded.dtype})")
+    t = qt.TYPES[name]
+    if layer.in_features % t.block:
+        raise ValueError(f"{layer.in_features} inputs are not whole {name} blocks of {t.block}")
+    if name not in layer.gguf_staged:
+        rows = param.shape[0]
+        layer.gguf_staged[name] = (
+            torch.zeros(rows, layer.in_features // t.block * t.nbytes, dtype=torch.uint8),
+            torch.zeros(rows, 1, dtype=torch.uint8),
+        )
+    raw, filled = layer.gguf_staged[name]
+    for target, source, input_dim in ((raw, loaded, 1), (filled, torch.ones(loaded.shape[0], 1, dtype=torch.uint8), None)):
+        staged = nn.Parameter(target, requires_grad=False)
+        set_weight_attrs(staged, output_dim=0, input_dim=input_dim)
+        weight_loader(staged, source, shard_id)
+
+
+def _segments(layer: nn.Module) -> list[tuple[str, qt.Blocks]]:
+    """The layer's rows as consecutive runs of one type each, decoded: rows no part filled (a padded
+    vocabulary's) join the run before them as zero blocks (a zero scale: zero weights)."""
+    staged = layer.gguf_staged
+    if not staged:
+        raise ValueError("a GGUF-typed layer got no blocks")
+    rows = layer.weight.shape[0]
+    owner: list[str | None] = [None] * rows
+    for name, (_, filled) in staged.items():
+        for r in torch.nonzero(filled[:, 0]).flatten().tolist():
+            if owner[r] is not None:
+                raise ValueError(f"rows loaded twice, as {owner[r]} and {name}")
+            owner[r] = name
+    previous = next(o for o in owner if o is not None)
+    for r in range(rows):
+        owner[r] = previous = owner[r] or previous
+    segments, start = [], 0
+    for r in range(1, rows + 1):
+        if r == rows or owner[r] != owner[r - 1]:
+            name = owner[r - 1]
+            segments.append((name, qt.decode(name, staged[name][0][start:r].numpy())))
+            start = r
+    return segments
+
+
+def _by_kernel(segments: list[tuple[str, qt.Blocks]]) -> list[tuple[str, list[tuple[str, qt.Blocks]]]]:
+    """Consecutive segments grouped by their type's kernel."""
+    runs: list[tuple[str, list]] = []
+    for name, blocks in segments:
+        kernel = qt.TYPES[name].kernel
+        if runs and runs[-1][0] == kernel:
+            runs[-1][1].append((name, blocks))
+        else:
+            runs.append((kernel, [(name, blocks)]))
+    return runs
+
+
+def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], op) -> _Run:
+    """One product over parts stacked by rows, packed for its kernel."""
+    rows = sum(b.codes.shape[0] for _, b in parts)
+    if kernel == "int8":
+        codes, scales = pack_int8(*(torch.cat(t) for t in zip(*(qt.as_int8(b) for _, b in parts))))
+        return _Run(rows, lambda x, wide: op(x, codes, scales, rows, wide))
+    if kernel == "int4":
+        codes, scales, zeros = qt.int4_pack(parts)
+        return _Run(rows, lambda x, wide: op(x, codes, scales, zeros, rows, wide))
+    packed = qt.pack_kq8(qt.merged([b for _, b in parts]))
+    return _Run(rows, lambda x, wide: op(x, *packed, rows))
+
+
+def load_tied_head(head: nn.Module, raw: torch.Tensor, method: GgufLinearMethod) -> None:
+    """Give a tied LM head (loaded as dense, sharing the embedding table) its own copy of the table's blocks
+    as the file stores them (raw, tagged with its type); the lookup keeps the float table."""
+    head.quant_method = method
+    head.shares_weight = False
+    head.packed = None
+    method.create_weights(
+        head, raw_columns(raw), [head.rows_per_rank], dtype=head.weight.dtype, device=head.weight.device,
+        weight_loader=head.weight_loader,
+    )
+    head.weight.weight_loader(head.weight, raw)
+    method.process_weights_after_loading(head)
+
+
+def raw_columns(raw: torch.Tensor) -> int:
+    """The input features of a raw tensor of GGUF blocks."""
+    t = qt.TYPES[getattr(raw, GGUF_TYPE)]
+    return raw.shape[1] // t.nbytes * t.block
+
+
+def tagged(values: np.ndarray, name: str) -> torch.Tensor:
+    """A raw tensor of GGUF blocks tagged with its type's name (what GgufLinearMethod's loader takes)."""
+    with warnings.catch_warnings():  # the file's read-only pages: the loader only reads them, into its staging rows
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(np.ascontiguousarray(values))
+    setattr(tensor, GGUF_TYPE, name)
+    return tensor

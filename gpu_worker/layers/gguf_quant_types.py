@@ -1,0 +1,275 @@
+"""The GGUF tensor types that stay quantized: one row per type (llama.cpp's type traits, in small).
+
+Every type's block decodes (`QuantType.decode`, numpy bit-unpacking of the stored bytes) to one common form,
+`Blocks`: w = d * sc * c + dm * mn, with c an int8 code per input, sc and mn int8 multipliers per sub-block of
+`sub` inputs (16 or 32), d and dm fp16 per block of the type (32 or 256 inputs). That is how llama.cpp's types
+are built (Q6_K: c = q - 32, sc its int8 scales per 16, d its fp16 scale; Q5_K: c = q, sc and mn its 6-bit
+scales and mins per 32, d and dm = -dmin), so the form is exact for each, and `dequantize` reproduces gguf's
+own dequantization bit for bit (the tests check).
+
+A row names the kernel (cpu_quant.cpp) that multiplies its blocks, and the layout it is repacked to once:
+
+- "int8": int8 codes and one fp16 scale per 32 (Q8_0 as stored; Q5_0 with c = q - 16; IQ4_NL with c its
+  table's value), `pack_int8`.
+- "int4": 4-bit codes, a scale and an offset per 32 (Q4_0, Q4_1, Q4_K), `pack_int4`: half the bytes.
+- "kq8": int8 codes with the integer sub-scales and mins and the fp16 block scales kept apart (Q5_1, Q5_K,
+  Q6_K, Q3_K, Q2_K, IQ4_XS), `pack_kq8`: each block of 32 inputs is summed exactly in int32 per sub-block,
+  scaled by its integer sub-scales, then by d and the activations' scale in float32 (llama.cpp's order).
+
+A new type is a row here and, unless one of these kernels takes it, a kernel. Types without a row (F32, F16,
+BF16, the IQ2/IQ3/IQ1 grids, TQ) load dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from metrale.gpu_worker.layers.quantization import PANEL, _per_panel, pack_int4, pack_int8
+
+IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8)
+
+
+@dataclass(slots=True)
+class Blocks:
+    """Rows of one type in the common form: w[r, i] = d * sc * c + dm * mn (see the module docstring)."""
+
+    codes: np.ndarray  # int8 [rows, cols]
+    sc: np.ndarray  # int8 [rows, cols / sub]
+    mn: np.ndarray | None  # int8 [rows, cols / sub], or None: no offset
+    d: np.ndarray  # float16 [rows, cols / sup]
+    dm: np.ndarray | None  # float16 [rows, cols / sup]
+    sub: int
+    sup: int
+
+
+@dataclass(frozen=True, slots=True)
+class QuantType:
+    """One GGUF type: its block (inputs, bytes), the kernel its rows run on, and its decoder (stored blocks
+    uint8 [n, nbytes] -> codes [n, block], sc [n, block / sub], mn or None, d [n], dm [n] or None)."""
+
+    name: str
+    block: int
+    nbytes: int
+    kernel: str  # "int8" | "int4" | "kq8"
+    sub: int
+    decode: Callable[[np.ndarray], tuple]
+    code_bias: int = 0  # int4: the stored code is c + code_bias (Q4_0's signed codes)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16)[:, 0]
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """Bytes [n, k * width] as codes [n, 2 * k * width]: each run of `width` bytes gives its low nibbles, then
+    its high ones (ggml's order)."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(n, -1)
+
+
+def _ones(n: int, k: int) -> np.ndarray:
+    return np.ones((n, k), dtype=np.int8)
+
+
+def _q8_0(b):
+    return b[:, 2:].view(np.int8), _ones(len(b), 1), None, _f16(b[:, :2]), None
+
+
+def _q4_0(b):
+    return _nibbles(b[:, 2:], 16).astype(np.int8) - 8, _ones(len(b), 1), None, _f16(b[:, :2]), None
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:], 16).astype(np.int8), _ones(len(b), 1), _ones(len(b), 1), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5(b, head: int):
+    q = _nibbles(b[:, head + 4 :], 16) | (np.unpackbits(b[:, head : head + 4], axis=-1, bitorder="little") << 4)
+    return q.astype(np.int8)
+
+
+def _q5_0(b):
+    return _q5(b, 2) - 16, _ones(len(b), 1), None, _f16(b[:, :2]), None
+
+
+def _q5_1(b):
+    return _q5(b, 4), _ones(len(b), 1), _ones(len(b), 1), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _k_scales(b):
+    """Q4_K / Q5_K: the 6-bit scales and mins of the 8 sub-blocks, d and -dmin."""
+    from gguf.quants import Q4_K
+
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    return sc.astype(np.int8), mn.astype(np.int8), _f16(b[:, :2]), -_f16(b[:, 2:4])
+
+
+def _q4_k(b):
+    sc, mn, d, dm = _k_scales(b)
+    return _nibbles(b[:, 16:], 32).astype(np.int8), sc, mn, d, dm
+
+
+def _q5_k(b):
+    sc, mn, d, dm = _k_scales(b)
+    n = len(b)
+    qh = b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # bit j: sub-block j
+    q = _nibbles(b[:, 48:], 32) | ((qh & 1).reshape(n, -1) << 4)
+    return q.astype(np.int8), sc, mn, d, dm
+
+
+def _q6_k(b):
+    n = len(b)
+    ql = _nibbles(b[:, :128], 64)
+    qh = (b[:, 128:192].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (ql | (qh.reshape(n, -1) << 4)).astype(np.int8) - 32
+    return q, b[:, 192:208].view(np.int8), None, _f16(b[:, 208:210]), None
+
+
+def _q3_k(b):
+    n = len(b)
+    hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
+    lo = (scales[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    hi = (scales[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    sc = ((lo & 0x0F) | ((hi & 3) << 4)).astype(np.int8) - 32
+    ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(n, -1) & 3
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).reshape(n, -1) & 1
+    q = ql.astype(np.int8) - ((qh ^ 1) << 2).astype(np.int8)
+    return q, sc, None, _f16(b[:, 108:110]), None
+
+
+def _q2_k(b):
+    n = len(b)
+    scales, qs = b[:, :16], b[:, 16:80]
+    q = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(n, -1) & 3
+    sc, mn = (scales & 0x0F).astype(np.int8), (scales >> 4).astype(np.int8)
+    return q.astype(np.int8), sc, mn, _f16(b[:, 80:82]), -_f16(b[:, 82:84])
+
+
+def _iq4_nl(b):
+    return IQ4_VALUES[_nibbles(b[:, 2:], 16)], _ones(len(b), 1), None, _f16(b[:, :2]), None
+
+
+def _iq4_xs(b):
+    n = len(b)
+    high = np.ascontiguousarray(b[:, 2:4]).view(np.uint16)[:, 0:1] >> (2 * np.arange(8, dtype=np.uint16)).reshape(1, 8)
+    low = (b[:, 4:8].reshape(n, -1, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(n, 8) & 0x0F
+    sc = (low | ((high.astype(np.uint8) & 3) << 4)).astype(np.int8) - 32
+    return IQ4_VALUES[_nibbles(b[:, 8:], 16)], sc, None, _f16(b[:, :2]), None
+
+
+TYPES: dict[str, QuantType] = {
+    t.name: t
+    for t in (
+        QuantType("Q8_0", 32, 34, "int8", 32, _q8_0),
+        QuantType("Q5_0", 32, 22, "int8", 32, _q5_0),
+        QuantType("IQ4_NL", 32, 18, "int8", 32, _iq4_nl),
+        QuantType("Q4_0", 32, 18, "int4", 32, _q4_0, code_bias=8),
+        QuantType("Q4_1", 32, 20, "int4", 32, _q4_1),
+        QuantType("Q4_K", 256, 144, "int4", 32, _q4_k),
+        QuantType("Q5_1", 32, 24, "kq8", 32, _q5_1),
+        QuantType("Q5_K", 256, 176, "kq8", 32, _q5_k),
+        QuantType("Q6_K", 256, 210, "kq8", 16, _q6_k),
+        QuantType("Q3_K", 256, 110, "kq8", 16, _q3_k),
+        QuantType("Q2_K", 256, 84, "kq8", 16, _q2_k),
+        QuantType("IQ4_XS", 256, 136, "kq8", 32, _iq4_xs),
+    )
+}
+
+
+def decode(name: str, raw: np.ndarray) -> Blocks:
+    """Rows of stored blocks (uint8 [rows, cols / block * nbytes]) of type `name` in the common form."""
+    t = TYPES[name]
+    rows = raw.shape[0]
+    per_row = raw.shape[1] // t.nbytes
+    if raw.shape[1] % t.nbytes:
+        raise ValueError(f"{name}: rows of {raw.shape[1]} bytes are not whole blocks of {t.nbytes}")
+    codes, sc, mn, d, dm = t.decode(np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * per_row, t.nbytes))
+
+    def rowwise(a, dtype):
+        return None if a is None else np.ascontiguousarray(np.asarray(a, dtype=dtype).reshape(rows, -1))
+
+    return Blocks(
+        codes=rowwise(codes, np.int8), sc=rowwise(sc, np.int8), mn=rowwise(mn, np.int8), d=rowwise(d, np.float16),
+        dm=rowwise(dm, np.float16), sub=t.sub, sup=t.block,
+    )
+
+
+def dequantize(b: Blocks) -> torch.Tensor:
+    """float32 [rows, cols]: (d * sc) * c + (dm * mn), gguf's dequantization in its own order of roundings."""
+    rows, cols = b.codes.shape
+    d = np.repeat(b.d.astype(np.float32), b.sup // b.sub, axis=1)
+    w = (d * b.sc.astype(np.float32)).repeat(b.sub, axis=1) * b.codes.astype(np.float32)
+    if b.mn is not None:
+        dm = np.repeat(b.dm.astype(np.float32), b.sup // b.sub, axis=1)
+        w = w + (dm * b.mn.astype(np.float32)).repeat(b.sub, axis=1)
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(rows, cols))
+
+
+def merged(parts: list[Blocks]) -> Blocks:
+    """Parts stacked by rows in one form: the finer sub-block and block, offsets where any part has them
+    (zero for the others)."""
+    if len(parts) == 1:
+        return parts[0]
+    sub, sup = min(p.sub for p in parts), min(p.sup for p in parts)
+    offset = any(p.mn is not None for p in parts)
+
+    def fit(p: Blocks) -> Blocks:
+        zeros = lambda a, dtype: np.zeros(a.shape, dtype=dtype)  # noqa: E731
+        return Blocks(
+            codes=p.codes, sc=np.repeat(p.sc, p.sub // sub, axis=1),
+            mn=np.repeat(p.mn if p.mn is not None else zeros(p.sc, np.int8), p.sub // sub, axis=1) if offset else None,
+            d=np.repeat(p.d, p.sup // sup, axis=1),
+            dm=np.repeat(p.dm if p.dm is not None else zeros(p.d, np.float16), p.sup // sup, axis=1) if offset else None,
+            sub=sub, sup=sup,
+        )
+
+    fitted = [fit(p) for p in parts]
+    cat = lambda name: None if getattr(fitted[0], name) is None else np.concatenate([getattr(f, name) for f in fitted])  # noqa: E731
+    return Blocks(codes=cat("codes"), sc=cat("sc"), mn=cat("mn"), d=cat("d"), dm=cat("dm"), sub=sub, sup=sup)
+
+
+def as_int8(b: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8, scales fp16 per 32) of an "int8" type (sc all 1, no offset, a block of 32): pack_int8's input."""
+    return torch.from_numpy(b.codes), torch.from_numpy(b.d)
+
+
+def as_int4(b: Blocks, code_bias: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes 0..15 uint8, scales, offsets float32 per 32) of an "int4" type: s = d * sc, z = dm * mn - bias * s."""
+    d = np.repeat(b.d.astype(np.float32), b.sup // 32, axis=1)
+    s = d * b.sc.astype(np.float32)
+    z = -np.float32(code_bias) * s
+    if b.mn is not None:
+        z = np.repeat(b.dm.astype(np.float32), b.sup // 32, axis=1) * b.mn.astype(np.float32) + z
+    codes = (b.codes.astype(np.int16) + code_bias).astype(np.uint8)
+    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(s)), torch.from_numpy(np.ascontiguousarray(z))
+
+
+def pack_kq8(b: Blocks) -> tuple[torch.Tensor, ...]:
+    """cpu_quant_k.cpp's layout: codes int8 [panels, cols / 4, 16, 4] (pack_int8's), sc and mn int8 [panels,
+    cols / sub, 16], d and dm as fp16 bits (int16) [panels, cols / sup, 16]; mn and dm empty without offsets."""
+    rows = b.codes.shape[0]
+    panels = -(-rows // PANEL)
+    codes, _ = pack_int8(torch.from_numpy(b.codes), torch.from_numpy(b.d).repeat_interleave(b.sup // 32, dim=1))
+    empty8, empty16 = torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=torch.int16)
+    sc = _per_panel(torch.from_numpy(b.sc), panels)
+    d = _per_panel(torch.from_numpy(b.d), panels).view(torch.int16)
+    mn = _per_panel(torch.from_numpy(b.mn), panels) if b.mn is not None else empty8
+    dm = _per_panel(torch.from_numpy(b.dm), panels).view(torch.int16) if b.dm is not None else empty16
+    return codes, sc, mn, d, dm
+
+
+def kernel_of(types: list[str]) -> str:
+    """The one kernel that runs every part of these types (kq8 takes any mix), for rows stacked as one product."""
+    kernels = {TYPES[t].kernel for t in types}
+    return kernels.pop() if len(kernels) == 1 else "kq8"
+
+
+def int4_pack(parts: list[tuple[str, Blocks]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_int4 of int4-typed parts stacked by rows."""
+    q, s, z = zip(*(as_int4(b, TYPES[t].code_bias) for t, b in parts))
+    return pack_int4(torch.cat(q), torch.cat(s), torch.cat(z))
