@@ -62,7 +62,9 @@ class GgufLinearMethod(LinearMethod):
         runs = _by_kernel(segments)
         ops = {kernel: None if self.reference else _kernel(f"{kernel}_linear", device) for kernel, _ in runs}
         layer.wide = _goes_wide(device) and all(k != "kq8" for k, _ in runs)
-        if any(op is None for op in ops.values()):
+        if not self.reference and device.type == "cuda" and (triton_runs := _triton_runs(segments, device)):
+            layer.gguf_runs = triton_runs
+        elif any(op is None for op in ops.values()):
             weight = torch.cat([qt.dequantize(b) for _, b in segments]).to(device)
             layer.dequantized = weight if self.reference else weight.to(layer.act_dtype)
             layer.gguf_runs = None
@@ -143,6 +145,16 @@ def _by_kernel(segments: list[tuple[str, qt.Blocks]]) -> list[tuple[str, list[tu
         else:
             runs.append((kernel, [(name, blocks)]))
     return runs
+
+
+def _triton_runs(segments: list[tuple[str, qt.Blocks]], device: torch.device) -> list[_Run] | None:
+    """One Triton product per segment, its blocks dequantized in registers (triton_gguf.py); None where triton
+    does not import (the dense fallback then)."""
+    try:
+        from metrale.gpu_worker.layers import triton_gguf
+    except ImportError:
+        return None
+    return [_Run(b.codes.shape[0], partial(triton_gguf.product, triton_gguf.pack_for_triton(b, device))) for _, b in segments]
 
 
 def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], op) -> _Run:
