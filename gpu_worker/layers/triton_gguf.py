@@ -1,0 +1,191 @@
+"""GGUF blocks multiplied on CUDA by a Triton kernel that dequantizes each weight tile in registers.
+
+The weight stays in gguf_quant_types' common form on the device, w[n, k] = d * sc * c + dm * mn (`pack_for_triton`):
+
+- codes: int8 [N, K], or two per byte [N, K / 2] (k even in the low nibble) where the codes span at most 16
+  values (Q4_0, Q4_1, Q4_K: c = nibble + lo), or are 4-bit indices into IQ4's table (IQ4_NL, IQ4_XS);
+- sc, mn: int8 per sub-block of `sub` inputs [N, K / sub]; d, dm: fp16 per block of `sup` inputs [N, K / sup].
+
+`matmul(x, w)` is y[M, N] = x[M, K] @ W.T: each program loads a [BLOCK_N, BLOCK_K] tile of codes as
+[BLOCK_N, BLOCK_K / sub, sub], scales it by its sub-blocks' d * sc and offsets it by dm * mn in float32 (the
+same products `gguf_quant_types.dequantize` rounds, so the weight is the dense path's, rounded to x's dtype as
+it rounds it), and accumulates x tile @ w tile.T in float32 with tl.dot. x and y are float32, bfloat16 or
+float16; float32 dots run in IEEE precision (not TF32). Configs by M: decode rows (M <= 16) take narrow
+BLOCK_N tiles, so every weight is read once and the grid still covers the GPU; prefill rows take 128-wide tiles
+whose dequantization is spread over BLOCK_M rows. Weights are read as they lie: no dense copy is kept.
+
+This is vLLM's GGUF path in Triton (its CUDA kernels dequantize per type; here one kernel takes every type
+through the common form).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from metrale.gpu_worker.layers.gguf_quant_types import IQ4_VALUES, Blocks
+
+DECODE_ROWS = 16  # up to this many rows of x: the decode config (tl.dot's smallest M is 16)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One launch shape: tiles, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(slots=True)
+class TritonWeight:
+    """A weight in the common form on the device (see the module docstring); `lut` is IQ4's table of codes
+    (int8 [16]) when the nibbles index it, else None; `lo` the code of nibble 0 otherwise."""
+
+    codes: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor | None
+    d: torch.Tensor
+    dm: torch.Tensor | None
+    sub: int
+    sup: int
+    n: int
+    k: int
+    packed: bool
+    lo: int = 0
+    lut: torch.Tensor | None = None
+
+
+@triton.jit
+def _gguf_matmul_kernel(
+    X, Y, C, SC, MN, D, DM, LUT,
+    M, N, K, lo,
+    stride_xm, stride_ym, stride_c, stride_sc, stride_d,
+    SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of y over all of K, the weight tile dequantized in registers."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // SUB
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    g = tl.arange(0, G)
+    i = tl.arange(0, SUB)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k3 = k0 + g[None, :, None] * SUB + i[None, None, :]  # [1, G, SUB]
+        ok3 = n_ok[:, None, None] & (k3 < K)
+        if PACKED:
+            byte = tl.load(C + n[:, None, None] * stride_c + k3 // 2, mask=ok3, other=0).to(tl.int32)
+            nib = (byte >> ((k3 & 1) * 4)) & 0xF
+            if HAS_LUT:
+                c = tl.load(LUT + nib).to(tl.float32)
+            else:
+                c = (nib + lo).to(tl.float32)
+        else:
+            c = tl.load(C + n[:, None, None] * stride_c + k3, mask=ok3, other=0).to(tl.float32)
+        ks = k0 + g[None, :] * SUB  # each sub-block's first input [1, G]
+        ok2 = n_ok[:, None] & (ks < K)
+        d = tl.load(D + n[:, None] * stride_d + ks // SUP, mask=ok2, other=0.0).to(tl.float32)
+        s = d * tl.load(SC + n[:, None] * stride_sc + ks // SUB, mask=ok2, other=0).to(tl.float32)
+        w3 = c * s[:, :, None]
+        if HAS_MIN:
+            dm = tl.load(DM + n[:, None] * stride_d + ks // SUP, mask=ok2, other=0.0).to(tl.float32)
+            z = dm * tl.load(MN + n[:, None] * stride_sc + ks // SUB, mask=ok2, other=0).to(tl.float32)
+            w3 = w3 + z[:, :, None]
+        w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+        k = k0 + kk
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
+        if DOT_F32:  # x's dtype is float32, or the interpreter (no bfloat16 dot): the same products in float32
+            w = w.to(X.dtype.element_ty).to(tl.float32)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)))
+    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def pack_for_triton(blocks: Blocks, device: torch.device | str) -> TritonWeight:
+    """The device tensors of `blocks`: codes two per byte where they fit in a nibble (see the module docstring)."""
+    codes = blocks.codes
+    rows, cols = codes.shape
+    lo, hi = (int(codes.min()), int(codes.max())) if codes.size else (0, 0)
+    lut = None
+    nibbles = None
+    if cols % 2 == 0 and hi - lo <= 15:
+        nibbles = (codes.astype(np.int16) - lo).astype(np.uint8)
+    elif cols % 2 == 0:
+        inverse = np.full(256, 255, dtype=np.uint8)
+        inverse[IQ4_VALUES.astype(np.int16) + 128] = np.arange(16, dtype=np.uint8)
+        index = inverse[codes.astype(np.int16) + 128]
+        if (index != 255).all():
+            nibbles, lo = index, 0
+            lut = torch.from_numpy(IQ4_VALUES.copy()).to(device)
+    if nibbles is not None:
+        stored = torch.from_numpy(np.ascontiguousarray(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)))
+    else:
+        stored, lo = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int8)), 0
+
+    def put(a):
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    has_min = blocks.mn is not None
+    return TritonWeight(
+        codes=stored.to(device), sc=put(blocks.sc), mn=put(blocks.mn) if has_min else None, d=put(blocks.d),
+        dm=put(blocks.dm) if has_min else None, sub=blocks.sub, sup=blocks.sup, n=rows, k=cols,
+        packed=nibbles is not None, lo=lo, lut=lut,
+    )
+
+
+def config_for(m: int, n: int, k: int) -> Config:
+    """The launch shape for m rows: narrow tiles for decode (enough programs to cover the GPU, each weight read
+    once), wide ones for prefill."""
+    if m <= DECODE_ROWS:
+        return Config(16, 32 if n >= 8192 else 16, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=4)
+    if m <= 64:
+        return Config(32 if m <= 32 else 64, 64, 128 if k % 128 == 0 else 64, num_warps=4, num_stages=3)
+    return Config(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x's dtype (float32, bfloat16 or float16), accumulated in float32."""
+    if x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"x {tuple(x.shape)} does not match a GGUF weight of {w.k} inputs")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x in {x.dtype}: the GGUF kernel takes float32, bfloat16 or float16")
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or config_for(m, w.n, w.k)
+    block_k = max(cfg.block_k, w.sub)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _gguf_matmul_kernel[grid](
+        x, y, w.codes, w.sc, w.mn if w.mn is not None else w.sc, w.d, w.dm if w.dm is not None else w.d,
+        w.lut if w.lut is not None else w.sc,
+        m, w.n, w.k, w.lo,
+        x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
+        SUB=w.sub, SUP=w.sup, PACKED=w.packed, HAS_LUT=w.lut is not None, HAS_MIN=w.mn is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        DOT_F32=x.dtype == torch.float32 or interpreted, PRECISION="ieee",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def product(w: TritonWeight, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    """GgufLinearMethod's run product (`wide` is the CPU kernels' choice; nothing to choose here)."""
+    return matmul(x, w)
