@@ -22,7 +22,7 @@ import torch
 from metrale.gpu_worker.errors import PlanError
 from metrale.gpu_worker.graph_runner import DecodeGraphs
 from metrale import cpu_isa
-from metrale.gpu_worker.layers import cpu_kernels
+from metrale.gpu_worker.layers import cpu_kernels, kernel_choice
 from metrale.gpu_worker.layers.attention_backends import select_backend
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata, build_metadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
@@ -156,7 +156,7 @@ class ModelRunner:
             fed_ahead_policy=FedAheadPolicy.REPICK_ONLY if recurrent else FedAheadPolicy.REWIND,
             num_swap_blocks=self.swap.num_blocks,
             num_state_slots=self.state.num_slots if self.state is not None else 0,
-            kernels=(cpu_kernels.isa() if self._native else "torch") if self.device.type == "cpu" else self.device.type,
+            kernels=(kernel_choice.describe() if self._native else "torch") if self.device.type == "cpu" else self.device.type,
             hidden_size=self.facts.hidden_size,
             pooling=self.facts.pooling.kind,
             pooling_normalize=self.facts.pooling.normalize,

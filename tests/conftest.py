@@ -20,6 +20,9 @@ from metrale.ipc.plan import FEED_HOST, MASK_NONE, StepPlan
 # threads spinning against other processes' slow every step down several-fold. torch reads this
 # when it is first imported; _torch_threads() covers a torch imported earlier.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every quantized product on the forced (or the process's) kernel class, not the one a start-up measurement picks:
+# a test that forces a path runs that path (tests/test_kernel_choice.py measures on purpose).
+os.environ.setdefault("METRALE_KERNEL_DISPATCH", "rank")
 
 
 def _torch_threads() -> None:
