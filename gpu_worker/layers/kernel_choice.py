@@ -2,7 +2,7 @@
 
 The classes rank by instruction set (metrale/cpu_isa.py), but a wider class is not always faster: on some AMD
 CPUs the AVX2 build of the int8 and 4-bit products outruns the AVX-512 one. So for each quantized product (an op
-of cpu_quant.cpp: `int8_linear`, `int4_linear`, ...) the process takes the class that ran a decode-sized product
+of cpu_quant.cpp and cpu_quant_k.cpp: `int8_linear`, `int4_linear`, `kq8_linear`) the process takes the class that ran a decode-sized product
 fastest on this CPU model: a short measurement (every candidate class alternated, medians), made once per CPU
 model, kernel sources and torch version and cached under $METRALE_CACHE_DIR (default ~/.cache/metrale)/dispatch,
 so later starts read the answer. The chosen classes are logged and reported with the worker's kernels.
@@ -198,3 +198,15 @@ def _int4_probe() -> tuple:
 
 def _probe_weight() -> torch.Tensor:
     return torch.randn(OUT, IN, generator=torch.Generator().manual_seed(1)) * 0.02
+
+
+@probe("kq8_linear")
+def _kq8_probe() -> tuple:
+    import numpy as np
+
+    from metrale.gpu_worker.layers import gguf_quant_types as qt
+
+    t = qt.TYPES["Q6_K"]
+    raw = np.random.default_rng(1).integers(0, 256, size=(OUT, IN // t.block * t.nbytes), dtype=np.uint8)
+    raw.reshape(OUT, -1, t.nbytes)[:, :, -2:] = np.full(2, 1e-4, dtype=np.float16).view(np.uint8)[:2]  # small d
+    return (*qt.pack_kq8(qt.decode("Q6_K", raw)), OUT)
