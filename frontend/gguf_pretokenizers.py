@@ -232,8 +232,8 @@ _PRE = {
 
 SUPPORTED_PRE: tuple[str, ...] = tuple(_PRE)
 REFUSED_PRE = {
-    "kimi-k2": "llama.cpp splits it with code of its own (Han runs)",
-    "afmoe": "llama.cpp splits it with code of its own (digit groups)",
+    "kimi-k2": "llama.cpp splits Han runs with code of its own",
+    "afmoe": "llama.cpp groups digits with code of its own",
     "superbpe": "llama.cpp splits it with a zero-width regex",
     "gemma4": "an SPM-style BPE vocabulary, not byte-level",
     "granite-embed-multi-311m": "an SPM-style BPE vocabulary, not byte-level",
@@ -254,7 +254,8 @@ def rules(pre: str) -> Pre:
     if pre in REFUSED_PRE:
         raise UnknownPre(f"GGUF pre-tokenizer {pre!r} is not supported ({REFUSED_PRE[pre]})")
     raise UnknownPre(
-        f"GGUF pre-tokenizer {pre!r} is unknown (llama.cpp refuses it too; known: {', '.join(sorted(_PRE))})"
+        f"GGUF pre-tokenizer {pre!r} is unknown (llama.cpp refuses it too; {len(_PRE)} names are known, "
+        "e.g. llama-bpe, qwen2, smollm, gpt-4o, deepseek-llm, tekken)"
     )
 
 
