@@ -7,7 +7,9 @@ fastest on this CPU model: a short measurement (every candidate class alternated
 model, kernel sources and torch version and cached under $METRALE_CACHE_DIR (default ~/.cache/metrale)/dispatch,
 so later starts read the answer. The chosen classes are logged and reported with the worker's kernels.
 
-The candidates are the classes from avx2 up that the CPU runs (generic never wins where avx2 runs). A forced
+The candidates are the CPU's best class and avx2 (generic never wins where avx2 runs, and the classes between
+differ from the best in the bf16 paths, not in these products): at most one more class to build on a first start.
+A forced
 METRALE_CPU_ISA, or METRALE_KERNEL_DISPATCH=rank, keeps every op on the process's own class (the tests run so,
 forcing one path at a time); METRALE_KERNEL_DISPATCH=measure (the default) measures.
 """
@@ -84,10 +86,10 @@ def describe() -> str:
 
 
 def candidates() -> list[str]:
-    """The classes measured: those from avx2 up that this CPU runs and whose kernels build."""
+    """The classes measured: avx2 and the process's own, where this CPU runs them and their kernels build."""
     out = []
-    for cls in cpu_isa.supported():
-        if cls == "generic" and "avx2" in cpu_isa.supported():
+    for cls in dict.fromkeys(("avx2", cpu_kernels.isa())):
+        if cls not in cpu_isa.supported():
             continue
         try:
             cpu_kernels.ops(cls)
