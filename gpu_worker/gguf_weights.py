@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from metrale.gguf_metadata import GgufError, open_gguf
+from metrale.gguf_metadata import GgufError, field, open_gguf
 from metrale.gpu_worker.gguf_names import ROPE_TENSORS, checkpoint_tensors, hf_name, unpermute_rows
 from metrale.gpu_worker.layers import gguf_quant_types
 from metrale.gpu_worker.layers.gguf_linear import tagged
@@ -69,8 +69,10 @@ def gguf_layer_kinds(path: str | Path, layer_of: Callable[[str], str]) -> dict[s
     when every part's type has a row in the table, else None (dense). layer_of maps a transformers tensor name
     to its layer's prefix (q/k/v_proj to the stacked qkv_proj ...)."""
     types: dict[str, set[str]] = {}
-    for tensor in open_gguf(path).tensors:
-        name = hf_name(tensor.name)
+    reader = open_gguf(path)
+    arch = field(reader, "general.architecture", "llama")  # names differ by family (Phi-3's fused attn_qkv ...)
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, arch)
         if name is not None and name.endswith(".weight"):
             types.setdefault(layer_of(name), set()).add(tensor.tensor_type.name)
     return {layer: _kind(found) for layer, found in types.items()}
@@ -87,8 +89,10 @@ def _kind(types: Iterable[str]) -> str | None:
 def gguf_blocks(path: str | Path, name: str) -> torch.Tensor | None:
     """The raw blocks of the tensor stored under transformers name `name` (tagged with its type), or None when
     it is absent or its type has no table row (a tied LM head's copy of the embedding)."""
-    for tensor in open_gguf(path).tensors:
-        if hf_name(tensor.name) == name and tensor.tensor_type.name in gguf_quant_types.TYPES:
+    reader = open_gguf(path)
+    arch = field(reader, "general.architecture", "llama")
+    for tensor in reader.tensors:
+        if hf_name(tensor.name, arch) == name and tensor.tensor_type.name in gguf_quant_types.TYPES:
             return tagged(np.array(tensor.data), tensor.tensor_type.name)
     return None
 
