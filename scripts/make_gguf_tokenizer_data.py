@@ -298,8 +298,24 @@ def llama_ids(path: Path) -> dict:
     llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
     special = [llm.tokenize(t.encode(), add_bos=True, special=True) for t in CORPUS]
     plain = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in CORPUS]
+    out = {"special": special} if plain == special else {"special": special, "plain": plain}
+    if llm.metadata.get("tokenizer.ggml.model") in ("llama", "t5"):  # llama.cpp cleans other kinds' spaces
+        out["text"] = [detokenize(llm, ids) for ids in plain]
     del llm
-    return {"special": special} if plain == special else {"special": special, "plain": plain}
+    return out
+
+
+def detokenize(llm, ids: list[int]) -> str:
+    """llama.cpp's own text of ids (llama_detokenize: special tokens removed, not rendered)."""
+    import ctypes
+
+    import llama_cpp
+
+    tokens = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
+    size = 16 * len(ids) + 16
+    buf = ctypes.create_string_buffer(size)
+    n = llama_cpp.llama_detokenize(llm._model.vocab, tokens, len(ids), buf, size, True, False)
+    return buf.raw[:n].decode("utf-8", errors="replace")
 
 
 def main() -> None:
