@@ -7,7 +7,8 @@ The ids are llama.cpp's for the same file (tests/test_gguf_tokenizer.py holds ll
   (llama.cpp merges the best-scoring pair first); unknown characters fall back to `<0xXX>` byte pieces; spaces are
   "▁", with one "▁" before each run of text when `tokenizer.ggml.add_space_prefix` (default true) — before the
   text and after every special token, as llama.cpp does; decoding turns "▁" back into spaces, bytes into text and
-  strips that one leading space.
+  strips that one leading space (llama.cpp keeps it when the ids start with a BOS it drops; we strip it there
+  too, as transformers does, so a prompt decodes to its text).
 - "gpt2": byte-level BPE, split first by llama.cpp's rules for `tokenizer.ggml.pre` (frontend/gguf_pretokenizers.py;
   an unknown or refused name is a GgufError naming it, a missing one llama.cpp's "default" rules with a warning).
 - "bert": WordPiece over llama.cpp's phantom-space vocabulary ("▁word" starts a word, a bare piece continues one),
