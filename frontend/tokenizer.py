@@ -3,7 +3,7 @@ metadata (frontend/gguf_tokenizer.py), without transformers.
 
 Encoding gives the ids transformers' AutoTokenizer (5.x) gives for the same folder: the `tokenizers` pipeline of
 tokenizer.json, post-processor included; like transformers 5, `add_bos_token` / `add_eos_token` in
-tokenizer_config.json do not override tokenizer.json when it exists. Decoding never applies
+tokenizer_config.json do not override tokenizer.json when it exists. A GGUF file's tokenizer gives the ids llama.cpp gives for that file. Decoding never applies
 `clean_up_tokenization_spaces`, so the text of a sequence is the concatenation of the texts of its parts (the
 incremental detokenizer relies on that).
 """
@@ -13,10 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as _HfTokenizer
 
 from metrale import gguf_metadata
+
+if TYPE_CHECKING:
+    from metrale.frontend.gguf_tokenizer import GgufTokenizer
 
 # Token strings a model may use to mark reasoning, tool calls and code; looked up by the engine's row masks.
 _NAMED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "```")
@@ -75,7 +79,7 @@ class Tokenizer:
         return cls.from_gguf_tokenizer(tokenizer_from_gguf(gguf_metadata.open_gguf(path), str(path)))
 
     @classmethod
-    def from_gguf_tokenizer(cls, built) -> Tokenizer:
+    def from_gguf_tokenizer(cls, built: GgufTokenizer) -> Tokenizer:
         """A Tokenizer over what frontend.gguf_tokenizer rebuilt (a GgufTokenizer)."""
         backend = built.backend
         return cls(
