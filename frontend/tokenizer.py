@@ -3,9 +3,9 @@ metadata (frontend/gguf_tokenizer.py), without transformers.
 
 Encoding gives the ids transformers' AutoTokenizer (5.x) gives for the same folder: the `tokenizers` pipeline of
 tokenizer.json, post-processor included; like transformers 5, `add_bos_token` / `add_eos_token` in
-tokenizer_config.json do not override tokenizer.json when it exists. A GGUF file's tokenizer gives the ids llama.cpp gives for that file. Decoding never applies
-`clean_up_tokenization_spaces`, so the text of a sequence is the concatenation of the texts of its parts (the
-incremental detokenizer relies on that).
+tokenizer_config.json do not override tokenizer.json when it exists. A GGUF file's tokenizer gives the ids
+llama.cpp gives for that file. Decoding never applies `clean_up_tokenization_spaces`, so the text of a sequence
+is the concatenation of the texts of its parts (the incremental detokenizer relies on that).
 """
 
 from __future__ import annotations
