@@ -36,7 +36,7 @@ from metrale.ipc.plan import DeviceError, DeviceLost, ModelInfo, StepKind, StepP
 from metrale.ipc.tickets import SPIN_IS_SAFE, RingGeometry, TicketRing, WorkerStats
 from metrale.settings import DEFAULTS
 
-from .hang_watch import HangWatch
+from .hang_watch import NO_WORK, HangWatch, StepWork
 
 DEFAULT_SPIN_US = 100.0
 WAIT_SLICE_S = 0.01
@@ -74,7 +74,7 @@ class WorkerDevice:
         self.hang = hang_watch or HangWatch()
         self.on_hang: Callable[[str], None] | None = None  # told why, when a hung worker is killed
         self._launched_ns = [0] * self._ring.num_slots
-        self._work = [1] * self._ring.num_slots  # tokens x steps of the ticket in each slot
+        self._work = [NO_WORK] * self._ring.num_slots  # the work of the ticket in each slot (its hang deadline)
         self._progress_ns = time.monotonic_ns()  # the last result seen (or the worker's start)
         self.num_ranks = num_ranks
         self._bell: Bell | None = None  # rank 0's: it rings back with results
@@ -232,7 +232,7 @@ class WorkerDevice:
             raise DeviceError("the device is closed")
         # every rank reads the plan
         return self._publish(lambda slot: self._ring.write_plan(slot, plan, kind, steps),
-                             work=max(1, len(plan.input_ids)) * steps, every_rank=True)
+                             work=StepWork.of_plan(plan, kind, steps), every_rank=True)
 
     def await_result(self, ticket: Ticket) -> StepResult:
         """Wait for a launched step. The result's arrays are copies (they stay valid for good).
@@ -275,7 +275,7 @@ class WorkerDevice:
         return self._collect(self._publish(lambda slot: self._ring.write_logits_request(slot, ticket.seq)),
                              self._ring.read_logits)
 
-    def _publish(self, write, *, work: int = 1, every_rank: bool = False) -> Ticket:
+    def _publish(self, write, *, work: StepWork = NO_WORK, every_rank: bool = False) -> Ticket:
         """Launch the next ticket: write(slot) fills its slot (a plan, or a logits or LoRA ticket's request; its
         ValueError leaves nothing launched), which is then published in order after what is in flight and rung
         to rank 0, or to every rank when each one acts on it."""
@@ -401,7 +401,7 @@ class WorkerDevice:
         if seq + 1 == self._next_seq and ring.spin_for_result(slot, seq, start + self._spin_ns):
             self._progressed(slot, started)
             return
-        deadline = started + self.hang.limit_ns(self._work[slot])
+        deadline = self.deadline_ns(slot, started)
         bell = self._bell
         while ring.result_seq(slot) != seq:
             if seq < self._first_seq:
@@ -414,7 +414,7 @@ class WorkerDevice:
                 raise DeviceLost(f"step {seq} lost: {gone}")
             if now > deadline:
                 self.fault_began_ns = started
-                raise DeviceLost(f"step {seq} lost: {self._kill_hung(now - started)}")
+                raise DeviceLost(f"step {seq} lost: {self._kill_hung(now - started, deadline - started, slot)}")
             bell.wait(self._slice_s)
         self._progressed(slot, started)
 
@@ -424,12 +424,20 @@ class WorkerDevice:
         self.hang.record(now - started, self._work[slot])
         self._progress_ns = now
 
-    def _kill_hung(self, stalled_ns: int) -> str:
+    def deadline_ns(self, slot: int, started_ns: int) -> int:
+        """When the ticket in slot, which the worker started no earlier than started_ns, counts as hung: the
+        hang timeout plus a margin on the time its work (prefill tokens, decode positions) is expected to take."""
+        return started_ns + self.hang.limit_ns(self._work[slot])
+
+    def _kill_hung(self, stalled_ns: int, allowed_ns: int, slot: int) -> str:
         """SIGKILL a worker (every rank of its group) that made no progress for stalled_ns; returns why (it is
         then gone, like a dead one)."""
         who = f"pid {self._pid}" if len(self._pids) == 1 else f"pids {', '.join(map(str, self._pids))}"
+        work, expected = self._work[slot], self.hang.expected_s(self._work[slot])
+        step = (f"a step of {work.prefill_tokens} prefill tokens and {work.decode_positions} decode positions"
+                + (f", expected to take {expected:.3f} s" if expected is not None else ", during warm-up"))
         why = (f"the worker process ({who}) made no progress for {stalled_ns / 1e9:.1f} s "
-               f"(longer than its recent steps allow); it was killed as hung")
+               f"({step}; allowed {allowed_ns / 1e9:.1f} s); it was killed as hung")
         for pid in self._pids:
             try:
                 os.kill(pid, signal.SIGKILL)

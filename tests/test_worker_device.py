@@ -13,8 +13,9 @@ import numpy as np
 import psutil
 import pytest
 
+from metrale.engine_core.hang_watch import NS, HangWatch, StepWork
 from metrale.engine_core.worker_device import WorkerDevice
-from metrale.ipc.plan import DeviceError, StepPlan
+from metrale.ipc.plan import DeviceError, DeviceLost, StepPlan
 from metrale.ipc.tickets import SEGMENT_PREFIX, RingGeometry, sweep_segments
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -304,3 +305,51 @@ def test_a_ring_without_a_logits_region_refuses_to_read_logits(device):
     device.await_result(ticket)
     with pytest.raises(DeviceError, match="carries no logits"):
         device.read_logits(ticket)
+
+
+# ---- the hang deadline of a ticket follows its work -------------------------------------------------
+
+
+def prefill_plan(ids: list[int]) -> StepPlan:
+    """One row that runs every id (a prompt chunk from position 0)."""
+    n = len(ids)
+    plan = decode_plan([ids[0]])
+    plan.input_ids = np.asarray(ids, dtype=np.int32)
+    plan.positions = np.arange(n, dtype=np.int32)
+    plan.slot_mapping = np.arange(n, dtype=np.int64)
+    plan.query_start = np.array([0, n], dtype=np.int32)
+    plan.seq_lens = np.array([n], dtype=np.int32)
+    return plan
+
+
+def fitted_watch(floor_s: float) -> HangWatch:
+    """A watch that has measured this model: 3 ms a forward, 0.1 ms a decode row, 20 µs a prefill token."""
+    watch = HangWatch(floor_s=floor_s, margin=2.0, warmup=0, refit_every=1)
+    for rows in (1, 4, 8, 1, 4, 8):
+        watch.record(int((0.003 + 0.0001 * rows) * NS), StepWork(decode_positions=rows))
+    for tokens in (16, 48):
+        watch.record(int((0.003 + 0.00002 * tokens) * NS), StepWork(prefill_tokens=tokens))
+    return watch
+
+
+def test_a_prefill_tickets_deadline_is_the_timeout_plus_its_expected_time(device):
+    """The deadline comes from the plan's own work: prefill tokens at prefill speed, decode rows at decode speed."""
+    device.hang = fitted_watch(floor_s=5.0)
+    prefill = device.launch(prefill_plan(list(range(1, 61))))
+    rows = device.launch(decode_plan([1, 2, 3, 4]))
+    expected_prefill, expected_rows = 0.003 + 60 * 0.00002, 0.003 + 4 * 0.0001
+    assert device.deadline_ns(prefill.slot, 0) == pytest.approx((5.0 + 2 * expected_prefill) * NS, rel=1e-6)
+    assert device.deadline_ns(rows.slot, 0) == pytest.approx((5.0 + 2 * expected_rows) * NS, rel=1e-6)
+    assert device.await_result(prefill).tokens.tolist() == [60]
+    assert device.await_result(rows).tokens.tolist() == [1, 2, 3, 4]
+
+
+def test_a_worker_stuck_in_a_prefill_is_killed_as_hung_past_its_deadline(device):
+    device.hang = fitted_watch(floor_s=0.2)
+    killed: list[str] = []
+    device.on_hang = killed.append
+    ticket = device.launch(prefill_plan([HANG_TOKEN, *range(1, 60)]))
+    with pytest.raises(DeviceLost, match="killed as hung") as lost:
+        device.await_result(ticket)
+    assert "60 prefill tokens and 0 decode positions, expected to take 0.004 s" in str(lost.value)
+    assert killed and device.process.wait(10) == -signal.SIGKILL
