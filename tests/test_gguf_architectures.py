@@ -121,6 +121,31 @@ def test_gguf_tokenizer_chat_template_and_special_tokens_are_the_folders(folder_
     assert ChatTemplate.load(gguf, ours).render(messages) == ChatTemplate.load(folder, theirs).render(messages)
 
 
+@pytest.mark.parametrize("case", ["phi3", "gemma3", "mixtral"])
+def test_a_q8_0_file_keeps_each_familys_layers_quantized_near_its_dequantized_run(folder_and_gguf, case, tmp_path):
+    """Phi-3's fused qkv and gate_up, Gemma's projections and Mixtral's attention stay int8 as stored (Mixtral's
+    48-wide expert rows, no whole number of Q8_0 blocks, stored F16 as llama.cpp's converter does); the first
+    greedy token and its log-probability are those of the dequantized weights, up to the int8 products' error."""
+    from metrale import SamplingParams
+    from metrale.gpu_worker.gguf_weights import gguf_layer_kinds
+    from metrale.gpu_worker.loader import _layer_of
+    from metrale.gpu_worker.models.registry import model_class
+
+    folder, _ = folder_and_gguf(case)
+    path = write_gguf(folder, tmp_path / f"{case}.q8_0.gguf", "q8_0")
+    facts = resolve_model(path)
+    kinds = gguf_layer_kinds(path, _layer_of(model_class(facts.architecture)))
+    fused = "model.layers.0.self_attn.qkv_proj"
+    assert kinds[fused] == "int8" and (case != "phi3" or kinds["model.layers.0.mlp.gate_up_proj"] == "int8")
+    prompts = [[1, 17, 305, 88, 1020, 45], [1, 9, 9, 700, 33, 12, 14, 55]]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
+    kept = LLM(str(path), dtype="float32", show_progress=False).generate(prompts, params)
+    dense = LLM(str(path), dtype="float32", quantization="none", show_progress=False).generate(prompts, params)
+    for a, b in zip(kept, dense):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs[0].logprob == pytest.approx(b.logprobs[0].logprob, abs=0.15)
+
+
 def test_gemma_norms_are_stored_plus_one_and_experts_stacked(folder_and_gguf):
     """What llama.cpp's converter writes (and llama.cpp reads): Gemma's norm weights as 1 + w, experts as one
     [n_expert, rows, cols] tensor per projection and layer."""
