@@ -64,13 +64,21 @@ class TritonWeight:
 
 
 @triton.jit
+def _rounded_to_bf16(v):
+    """float32 v rounded to the nearest bfloat16 (ties to even), still float32: the interpreter's cast truncates."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _gguf_matmul_kernel(
     X, Y, C, SC, MN, D, DM, LUT,
     M, N, K, lo,
     stride_xm, stride_ym, stride_c, stride_sc, stride_d,
     SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y over all of K, the weight tile dequantized in registers."""
     pid_n = tl.program_id(0)
@@ -108,11 +116,15 @@ def _gguf_matmul_kernel(
         w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
         k = k0 + kk
         x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
+        if ROUND_BF16:
+            w = _rounded_to_bf16(w)
         if DOT_F32:  # x's dtype is float32, or the interpreter (no bfloat16 dot): the same products in float32
             w = w.to(X.dtype.element_ty).to(tl.float32)
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=PRECISION)
         else:
             acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)))
+    if ROUND_BF16:
+        acc = _rounded_to_bf16(acc)
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -180,7 +192,8 @@ def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None) -> to
         x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
         SUB=w.sub, SUP=w.sup, PACKED=w.packed, HAS_LUT=w.lut is not None, HAS_MIN=w.mn is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        DOT_F32=x.dtype == torch.float32 or interpreted, PRECISION="ieee",
+        DOT_F32=x.dtype == torch.float32 or interpreted, ROUND_BF16=interpreted and x.dtype == torch.bfloat16,
+        PRECISION="ieee",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

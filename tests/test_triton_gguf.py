@@ -1,0 +1,133 @@
+"""The Triton GGUF kernel (layers/triton_gguf.py) against gguf_quant_types' dequantization then a matmul.
+
+Per kept type: random stored blocks, decoded to the common form, packed for the device; y = x @ W.T for one
+row (decode) and 33 (past the decode config, a ragged tile), x in float32 and bfloat16, to float32's rounding
+of the sums (bfloat16: the weight rounded to bfloat16 as the dense path rounds it, and y's one rounding).
+A stacked layer of two types multiplies through GgufLinearMethod's Triton runs.
+
+On a CPU the kernel runs under Triton's interpreter in a fresh pytest process (as tests/test_triton_attention.py
+explains); on a GPU (scripts/gpu_check.sh, stage gguf) the same checks run compiled with METRALE_TEST_DEVICE=cuda.
+Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from metrale.gpu_worker.layers import gguf_linear
+from metrale.gpu_worker.layers import gguf_quant_types as qt
+from metrale.gpu_worker.layers.gguf_linear import GgufLinearMethod, tagged
+from metrale.gpu_worker.layers.linear import QKVParallelLinear
+
+DEVICE = torch.device(os.environ.get("METRALE_TEST_DEVICE", "cpu"))
+KERNELS = "metrale.gpu_worker.layers.triton_gguf"
+CHILD = os.environ.get("METRALE_TRITON_CHILD") == "1"
+IN_PROCESS = DEVICE.type != "cpu" or CHILD
+COLS = 512  # two K-quant blocks: every kernel tile loops
+ROWS = 40  # not a whole number of BLOCK_N tiles
+# Where each type's fp16 scales lie in its block (the rest of a random block is any bytes).
+_SCALE_AT = {
+    "Q8_0": (0,), "Q5_0": (0,), "IQ4_NL": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_1": (0, 2),
+    "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_XS": (0,),
+}
+_PACKED = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"}  # codes in a nibble: two per byte
+
+
+@pytest.fixture(scope="module")
+def triton_gguf():
+    """The kernel module (interpreted in the child process on a CPU)."""
+    if not IN_PROCESS:
+        pytest.skip("on a CPU these run in a fresh process (test_the_kernel_under_the_interpreter)")
+    pytest.importorskip("triton")
+    try:
+        return importlib.import_module(KERNELS)
+    except ImportError as exc:
+        pytest.skip(f"triton cannot run here: {exc!r}")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="this process runs the kernel itself")
+def test_the_kernel_under_the_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (it is no dependency: CUDA builds of torch ship it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "METRALE_TRITON_CHILD": "1"}
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+        cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True, timeout=600,
+    )
+    tail = (child.stdout + child.stderr)[-3000:]
+    assert child.returncode == 0, tail
+    assert "51 passed, 1 skipped" in tail, tail  # every kernel test ran, bfloat16 included
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Rows of random `name` blocks (uint8 [rows, cols / block * nbytes]) with small positive fp16 scales."""
+    t = qt.TYPES[name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // t.block, t.nbytes), dtype=np.uint8)
+    for at in _SCALE_AT[name]:
+        scale = (rng.random((rows, cols // t.block)) * 2e-3 + 1e-4).astype(np.float16)
+        raw[:, :, at : at + 2] = scale.view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """y == x @ weight.T (weight float32, as gguf dequantizes it) to float32's sums and x's dtype's roundings."""
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], weight.shape[0])
+    w = weight.to(x.dtype).double()  # the dense path's weight: rounded once to x's dtype
+    want = x.double().cpu() @ w.T
+    size = x.double().cpu().abs() @ w.abs().T  # what the float32 sum's rounding scales with
+    rtol = 0.0 if x.dtype == torch.float32 else 2.0**-8  # y's one rounding to bfloat16
+    assert bool(((y.double().cpu() - want).abs() <= rtol * want.abs() + 1e-5 * size + 1e-30).all()), (
+        f"max error {float((y.double().cpu() - want).abs().max()):.3g} of {float(want.abs().max()):.3g}"
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(qt.TYPES))
+def test_each_type_multiplies_as_dequantize_then_matmul(triton_gguf, name, dtype, rows):
+    blocks = qt.decode(name, random_blocks(name, ROWS, COLS, seed=len(name)))
+    w = triton_gguf.pack_for_triton(blocks, DEVICE)
+    x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    _check(triton_gguf.matmul(x.to(DEVICE), w), x, qt.dequantize(blocks))
+
+
+def test_four_bit_codes_are_stored_two_per_byte(triton_gguf):
+    for name in sorted(qt.TYPES):
+        w = triton_gguf.pack_for_triton(qt.decode(name, random_blocks(name, ROWS, COLS)), DEVICE)
+        assert w.packed == (name in _PACKED), name
+        assert tuple(w.codes.shape) == (ROWS, COLS // 2 if w.packed else COLS), name
+        assert (w.lut is not None) == name.startswith("IQ4"), name
+
+
+def test_a_stacked_layer_of_two_types_multiplies_through_triton_runs(triton_gguf):
+    cols = 256
+    parts = {"q": ("Q4_K", 64), "k": ("Q4_K", 32), "v": ("Q6_K", 32)}  # a Q4_K_M file's attention
+    layer = QKVParallelLinear(cols, 32, 2, 1, dtype=torch.bfloat16, device=DEVICE, quant_method=GgufLinearMethod())
+    raws = {}
+    for seed, (shard, (name, rows)) in enumerate(parts.items()):
+        raws[shard] = random_blocks(name, rows, cols, seed)
+        layer.weight.weight_loader(layer.weight, tagged(raws[shard], name), shard)
+    weight = torch.cat([qt.dequantize(qt.decode(name, raws[s])) for s, (name, _) in parts.items()])
+    x = torch.randn(3, cols).to(torch.bfloat16)
+    runs = gguf_linear._triton_runs(gguf_linear._segments(layer), DEVICE)
+    assert [r.rows for r in runs] == [96, 32]  # one run per type, neither dequantized
+    _check(torch.cat([r.product(x.to(DEVICE), False) for r in runs], dim=1), x, weight)
+    if DEVICE.type == "cuda":  # the method takes the Triton runs itself there
+        layer.process_weights_after_loading()
+        assert layer.gguf_runs is not None and not hasattr(layer, "dequantized")
+        _check(layer(x.to(DEVICE)), x, weight)
+
+
+def test_a_mismatched_input_is_refused(triton_gguf):
+    w = triton_gguf.pack_for_triton(qt.decode("Q8_0", random_blocks("Q8_0", 4, 64)), DEVICE)
+    with pytest.raises(ValueError, match="64 inputs"):
+        triton_gguf.matmul(torch.zeros(1, 32, device=DEVICE), w)
