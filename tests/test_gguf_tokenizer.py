@@ -8,6 +8,7 @@ reader as the script applied them to a copy of the file for llama.cpp.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -51,9 +52,15 @@ class _Overridden:
                 self.fields[key] = _Value(value)
 
 
+@functools.cache
+def _open(path: Path):
+    """The GGUF reader of a file, opened once per test session (the SmolLM2 file's cases share one)."""
+    return gguf_metadata.open_gguf(path)
+
+
 def load(path: Path, overrides: dict | None = None) -> Tokenizer:
     """metrale's Tokenizer for a GGUF file with the overrides applied, built as Tokenizer.from_gguf builds it."""
-    reader = _Overridden(gguf_metadata.open_gguf(path), overrides or {})
+    reader = _Overridden(_open(path), overrides or {})
     return Tokenizer.from_gguf_tokenizer(tokenizer_from_gguf(reader, str(path)))
 
 
