@@ -60,6 +60,10 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
             log.warning("a step launched ahead was declined, settling first: %s", e)
         else:
             fail_rows(seqs, io, e)
+        # The builder took the swap copies for this plan: the swap-outs (of sequences parked meanwhile) ride the
+        # next plan; so do the swap-ins of rows that will run again (not of rows that just failed).
+        keep_in = ahead or io.device_lost is not None
+        io.builder.swap.put_back(plan.swap_out, plan.swap_in if keep_in else plan.swap_in[:0])
         return None
     written = [s.num_launched for s in seqs]
     held = [k * step.steps for k in num_new]

@@ -2,7 +2,8 @@
 
 Copies travel with the next plan built (StepBuilder takes them): first every swap-out (device → host),
 then every swap-in (host → device), then the forward. So a device block freed by a swap-out may be
-reused in the same step, and a host block is free again only once the plan carrying its swap-in is built.
+reused in the same step, and a host block is free again only once the plan carrying its swap-in is built. A
+plan whose launch fails gives its copies back (put_back), so they ride the next plan instead of being lost.
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ class SwapSpace:
         self._free.extend(self._release)
         self._release.clear()
         return out, into
+
+    def put_back(self, swap_out: np.ndarray, swap_in: np.ndarray) -> None:
+        """Copies taken for a plan that was never launched: queued again ahead of any queued since, and the
+        swapped-in host blocks held again until a launched plan carries them (pass no swap_in for rows that
+        will never run: their host blocks stay free)."""
+        self.swap_out[:0] = [(int(d), int(h)) for d, h in swap_out]
+        again = [(int(h), int(d)) for h, d in swap_in]
+        self.swap_in[:0] = again
+        held = {h for h, _ in again}
+        self._free = [b for b in self._free if b not in held]
+        self._release[:0] = [h for h, _ in again]
 
     def forget(self) -> None:
         """The worker (and its host copies) are gone: every host block is free, no copy is pending."""
