@@ -48,7 +48,7 @@ BUILD_TIMEOUT_S = 300
 _HERE = pathlib.Path(__file__).parent
 UNITS = {
     "core": ("cpu_kernels.cpp", "cpu_gemv.cpp", "cpu_decode_step.cpp"),
-    "quant": ("cpu_quant.cpp", "cpu_quant_k.cpp"),
+    "quant": ("cpu_quant.cpp", "cpu_quant_k.cpp", "cpu_quant_q5.cpp"),
     "sampling": ("cpu_sampling.cpp",),
 }
 

@@ -61,7 +61,7 @@ class GgufLinearMethod(LinearMethod):
         device = layer.weight.device
         runs = _by_kernel(segments)
         ops = {kernel: None if self.reference else _kernel(f"{kernel}_linear", device) for kernel, _ in runs}
-        layer.wide = _goes_wide(device) and all(k != "kq8" for k, _ in runs)
+        layer.wide = _goes_wide(device) and all(k in ("int8", "int4") for k, _ in runs)
         if not self.reference and device.type == "cuda" and (triton_runs := _triton_runs(segments, device)):
             layer.gguf_runs = triton_runs
         elif any(op is None for op in ops.values()):
@@ -166,6 +166,9 @@ def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], op) -> _Run:
     if kernel == "int4":
         codes, scales, zeros = qt.int4_pack(parts)
         return _Run(rows, lambda x, wide: op(x, codes, scales, zeros, rows, wide))
+    if kernel == "int5":
+        packed = qt.pack_int5(parts)
+        return _Run(rows, lambda x, wide: op(x, *packed, rows))
     packed = qt.pack_kq8(qt.merged([b for _, b in parts]))
     return _Run(rows, lambda x, wide: op(x, *packed, rows))
 

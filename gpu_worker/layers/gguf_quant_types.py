@@ -9,12 +9,14 @@ own dequantization bit for bit (the tests check).
 
 A row names the kernel (cpu_quant.cpp) that multiplies its blocks, and the layout it is repacked to once:
 
-- "int8": int8 codes and one fp16 scale per 32 (Q8_0 as stored; Q5_0 with c = q - 16; IQ4_NL with c its
-  table's value), `pack_int8`.
+- "int8": int8 codes and one fp16 scale per 32 (Q8_0 as stored; IQ4_NL with c its table's value),
+  `pack_int8`.
 - "int4": 4-bit codes, a scale and an offset per 32 (Q4_0, Q4_1, Q4_K), `pack_int4`: half the bytes.
-- "kq8": int8 codes with the integer sub-scales and mins and the fp16 block scales kept apart (Q5_1, Q5_K,
-  Q6_K, Q3_K, Q2_K, IQ4_XS), `pack_kq8`: each block of 32 inputs is summed exactly in int32 per sub-block,
-  scaled by its integer sub-scales, then by d and the activations' scale in float32 (llama.cpp's order).
+- "int5": 5-bit codes as the 4-bit layout plus a plane of fifth bits, an fp16 scale and offset per 32 (Q5_0,
+  Q5_1), `pack_int5`: the file's bits a weight, not 8.
+- "kq8": int8 codes with the integer sub-scales and mins and the fp16 block scales kept apart (Q5_K, Q6_K,
+  Q3_K, Q2_K, IQ4_XS), `pack_kq8`: each block of 32 inputs is summed exactly in int32 per sub-block, scaled
+  by its integer sub-scales, then by d and the activations' scale in float32 (llama.cpp's order).
 
 A new type is a row here and, unless one of these kernels takes it, a kernel. Types without a row (F32, F16,
 BF16, the IQ2/IQ3/IQ1 grids, TQ) load dense.
@@ -166,12 +168,12 @@ TYPES: dict[str, QuantType] = {
     t.name: t
     for t in (
         QuantType("Q8_0", 32, 34, "int8", 32, _q8_0),
-        QuantType("Q5_0", 32, 22, "int8", 32, _q5_0),
+        QuantType("Q5_0", 32, 22, "int5", 32, _q5_0, code_bias=16),
         QuantType("IQ4_NL", 32, 18, "int8", 32, _iq4_nl),
         QuantType("Q4_0", 32, 18, "int4", 32, _q4_0, code_bias=8),
         QuantType("Q4_1", 32, 20, "int4", 32, _q4_1),
         QuantType("Q4_K", 256, 144, "int4", 32, _q4_k),
-        QuantType("Q5_1", 32, 24, "kq8", 32, _q5_1),
+        QuantType("Q5_1", 32, 24, "int5", 32, _q5_1),
         QuantType("Q5_K", 256, 176, "kq8", 32, _q5_k),
         QuantType("Q6_K", 256, 210, "kq8", 16, _q6_k),
         QuantType("Q3_K", 256, 110, "kq8", 16, _q3_k),
@@ -247,6 +249,23 @@ def as_int4(b: Blocks, code_bias: int) -> tuple[torch.Tensor, torch.Tensor, torc
         z = np.repeat(b.dm.astype(np.float32), b.sup // 32, axis=1) * b.mn.astype(np.float32) + z
     codes = (b.codes.astype(np.int16) + code_bias).astype(np.uint8)
     return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(s)), torch.from_numpy(np.ascontiguousarray(z))
+
+
+def pack_int5(parts: list[tuple[str, Blocks]]) -> tuple[torch.Tensor, ...]:
+    """cpu_quant_q5.cpp's layout of int5-typed parts stacked by rows: the low four bits as pack_int4's codes
+    [panels, cols / 8, 16, 4], their fifth bits [panels, cols / 8, 16] (per 64-byte line of codes, 8 bytes of
+    the low nibbles' bits then 8 of the high ones', little-endian), scales and offsets as fp16 bits."""
+    q, s, z = (torch.cat(t) for t in zip(*(as_int4(b, TYPES[t].code_bias) for t, b in parts)))
+    if not (torch.equal(s.half().float(), s) and torch.equal(z.half().float(), z)):
+        raise ValueError("int5: scales and offsets must be exact in fp16")
+    codes, scales, zeros = pack_int4(q & 15, s, z)
+    rows, cols = q.shape
+    panels = -(-rows // PANEL)
+    high = np.zeros((panels * PANEL, cols), dtype=np.uint8)
+    high[:rows] = (q >> 4).numpy()
+    lines = high.reshape(panels, PANEL, cols // 8, 2, 4).transpose(0, 2, 3, 1, 4).reshape(panels, cols // 8, 2, 64)
+    bits = np.packbits(lines, axis=-1, bitorder="little").reshape(panels, cols // 8, 16)
+    return codes, torch.from_numpy(np.ascontiguousarray(bits)), scales, zeros
 
 
 def pack_kq8(b: Blocks) -> tuple[torch.Tensor, ...]:

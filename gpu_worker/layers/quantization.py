@@ -316,19 +316,25 @@ def linear_methods(quantization: str | None, file_kinds: Callable[[str], str | N
     """The linear method for each layer prefix.
 
     quantization (parse_quantization's values): int8 / int4 quantize every layer; "none" keeps every layer
-    dense; None follows the checkpoint: file_kinds(prefix) says what a GGUF stores for that layer ("int8" for
-    Q8_0, "int4" for its 4-bit codes, None for anything else), and a Hugging Face checkpoint is dense.
+    dense; None follows the checkpoint: file_kinds(prefix) names the kernel a GGUF layer's stored blocks run on
+    ("int8", "int4", "int5", "kq8": gguf_weights.gguf_layer_kinds; None for float tensors), and such a layer
+    keeps its blocks (gguf_linear.GgufLinearMethod); a Hugging Face checkpoint is dense. int4 of a 4-bit GGUF
+    layer takes its codes as stored.
     """
+    from metrale.gpu_worker.layers.gguf_linear import GgufLinearMethod
+
     kind, reference = parse_quantization(quantization)
 
     def method(prefix: str) -> LinearMethod:
         """The method for one layer (a tied LM head asks as "lm_head" with the embedding's stored kind)."""
         stored = file_kinds(prefix) if file_kinds is not None else None
-        chosen = stored if kind is None else (None if kind == DENSE else kind)
+        if kind is None and stored is not None:
+            return GgufLinearMethod()
+        chosen = None if kind in (None, DENSE) else kind
         if chosen == "int8":
             return Int8LinearMethod(reference=reference)
         if chosen == "int4":
-            return Int4LinearMethod(codes=stored == "int4" and kind in (None, "int4"), reference=reference)
+            return Int4LinearMethod(codes=stored == "int4", reference=reference)
         return DenseLinearMethod()
 
     return method
