@@ -13,6 +13,11 @@ The output text is the decode of the output ids in the context of the prompt's l
 BPE tokenizers that equals `tokenizer.decode(output_ids)`. Pure and synchronous: the server and the offline
 `metrale.LLM` share it.
 
+Over metrale's Tokenizer the per-token step is `tokenizers`' own DecodeStream (the same window technique in Rust:
+one call a token instead of two decodes and two list slices), started from the same prompt context; the window
+above then serves only the end of a request (text still held mid-character) and other decoders (a chat's
+tag-keeping one).
+
 A caller that does not stream (the offline LLM) hands a request's ids over once, at its end (`finish`). On a
 byte-level tokenizer without stop strings that is a single decode of the window: the per-token windows' texts
 telescope (see `_decodes_bytewise`), so the text is exactly what pushing the ids one by one would have emitted.
@@ -23,6 +28,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tokenizers import decoders
+from tokenizers.decoders import DecodeStream
 
 from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.sampling import SamplingParams
@@ -43,7 +49,7 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "_tok", "_skip", "_stops", "_ids", "_prefix", "_read", "_prefix_text", "_pending", "_pieces",
-        "_bytewise", "output_ids", "stopped", "stop_string",
+        "_bytewise", "_stream", "_backend", "_covered", "output_ids", "stopped", "stop_string",
     )
 
     def __init__(self, tokenizer: Decoder, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -54,6 +60,11 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
         self._bytewise = not self._stops and _decodes_bytewise(tokenizer)  # finish() may decode once
+        # Over a tokenizers backend, each pushed id is one DecodeStream step; _covered counts the ids its chunks
+        # have turned into text, and the window (_prefix, _read, _prefix_text) moves there only when it is needed.
+        self._backend = tokenizer.backend if isinstance(tokenizer, Tokenizer) else None
+        self._stream = DecodeStream(self._ids, skip_special_tokens=self._skip) if self._backend is not None else None
+        self._covered = self._read
         self._pending = ""  # decoded text not emitted yet: a possible stop-string start
         self._pieces: list[str] = []  # everything emitted, for `text`
         self.output_ids: list[int] = []  # ids accepted (those after a stop string are not)
@@ -78,7 +89,7 @@ class IncrementalDetokenizer:
                 break
             self._ids.append(token_id)
             self.output_ids.append(token_id)
-            new_text = self._advance(final=False)
+            new_text = self._step(token_id)
             if new_text:
                 out.append(self._release(new_text, final=False))
         return self._emit("".join(out)), self.stopped
@@ -87,7 +98,12 @@ class IncrementalDetokenizer:
         """At the end of the request: emit what was held back (incomplete characters, partial stop strings)."""
         if self.stopped:
             return ""
-        return self._emit(self._release(self._advance(final=True), final=True))
+        if self._stream is not None and self._covered == len(self._ids):
+            new_text = ""  # the stream has turned every id into text
+        else:
+            self._window_at_covered()
+            new_text = self._advance(final=True)
+        return self._emit(self._release(new_text, final=True))
 
     def finish(self, token_ids: list[int]) -> str:
         """Feed a request's last ids and end it: the text push(token_ids) then flush() would emit together.
@@ -100,6 +116,28 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         self.output_ids.extend(token_ids)
         return self.flush()
+
+    def _step(self, token_id: int) -> str:
+        """The text one pushed id completes ("" while a character is still split across ids)."""
+        if self._stream is None:
+            return self._advance(final=False)
+        try:
+            chunk = self._stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 - tokenizers refuses a window its invalid UTF-8 made ambiguous
+            self._window_at_covered()
+            self._stream = None  # this request goes on with the window, which renders such bytes as U+FFFD
+            return self._advance(final=False)
+        if chunk is None:
+            return ""
+        self._covered = len(self._ids)
+        return chunk
+
+    def _window_at_covered(self) -> None:
+        """Move the window just before the ids the stream has not turned into text yet."""
+        if self._stream is None or self._read == self._covered:
+            return  # the window is the only path (it moves itself), or it is there already
+        self._prefix, self._read = max(0, self._covered - PROMPT_CONTEXT_TOKENS), self._covered
+        self._prefix_text = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
 
     def _advance(self, final: bool) -> str:
         """Text the window gained since the last advance, or "" while it may still be mid-character."""
