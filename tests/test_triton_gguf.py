@@ -2,7 +2,8 @@
 
 Per kept type: random stored blocks, decoded to the common form, packed for the device; y = x @ W.T for one
 row (decode) and 33 (past the decode config, a ragged tile), x in float32 and bfloat16, to float32's rounding
-of the sums (bfloat16: the weight rounded to bfloat16 as the dense path rounds it, and y's one rounding).
+of the sums (bfloat16: the weight rounded to bfloat16 as the dense path rounds it, and y's one rounding); the
+prefill path's weight dequantized on the device is gguf's, and its product the same.
 A stacked layer of two types multiplies through GgufLinearMethod's Triton runs.
 
 On a CPU the kernel runs under Triton's interpreter in a fresh pytest process (as tests/test_triton_attention.py
@@ -64,7 +65,7 @@ def test_the_kernel_under_the_interpreter():
     )
     tail = (child.stdout + child.stderr)[-3000:]
     assert child.returncode == 0, tail
-    assert "51 passed, 1 skipped" in tail, tail  # every kernel test ran, bfloat16 included
+    assert "75 passed, 1 skipped" in tail, tail  # every kernel test ran, bfloat16 included
 
 
 def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -98,6 +99,21 @@ def test_each_type_multiplies_as_dequantize_then_matmul(triton_gguf, name, dtype
     w = triton_gguf.pack_for_triton(blocks, DEVICE)
     x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows)).to(dtype)
     _check(triton_gguf.matmul(x.to(DEVICE), w), x, qt.dequantize(blocks))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(qt.TYPES))
+def test_each_type_dequantizes_for_the_prefill_product(triton_gguf, name, dtype):
+    blocks = qt.decode(name, random_blocks(name, ROWS, COLS, seed=len(name)))
+    w = triton_gguf.pack_for_triton(blocks, DEVICE)
+    weight = qt.dequantize(blocks)
+    got = triton_gguf.dequantize(w, dtype).cpu()
+    assert got.dtype == dtype
+    # float32: the same products, a fused multiply-add at most apart; bfloat16: then one rounding
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), weight.to(dtype).float(), rtol=rtol, atol=0)
+    x = torch.randn(33, COLS, generator=torch.Generator().manual_seed(5)).to(dtype)
+    _check(triton_gguf.matmul(x.to(DEVICE), w, dense=True), x, weight)
 
 
 def test_four_bit_codes_are_stored_two_per_byte(triton_gguf):

@@ -6,13 +6,15 @@ The weight stays in gguf_quant_types' common form on the device, w[n, k] = d * s
   values (Q4_0, Q4_1, Q4_K: c = nibble + lo), or are 4-bit indices into IQ4's table (IQ4_NL, IQ4_XS);
 - sc, mn: int8 per sub-block of `sub` inputs [N, K / sub]; d, dm: fp16 per block of `sup` inputs [N, K / sup].
 
-`matmul(x, w)` is y[M, N] = x[M, K] @ W.T: each program loads a [BLOCK_N, BLOCK_K] tile of codes as
-[BLOCK_N, BLOCK_K / sub, sub], scales it by its sub-blocks' d * sc and offsets it by dm * mn in float32 (the
-same products `gguf_quant_types.dequantize` rounds, so the weight is the dense path's, rounded to x's dtype as
-it rounds it), and accumulates x tile @ w tile.T in float32 with tl.dot. x and y are float32, bfloat16 or
-float16; float32 dots run in IEEE precision (not TF32). Configs by M: decode rows (M <= 16) take narrow
-BLOCK_N tiles, so every weight is read once and the grid still covers the GPU; prefill rows take 128-wide tiles
-whose dequantization is spread over BLOCK_M rows. Weights are read as they lie: no dense copy is kept.
+`matmul(x, w)` is y[M, N] = x[M, K] @ W.T. Below DENSE_ROWS rows it is one fused kernel: each program loads a
+[BLOCK_N, BLOCK_K] tile of codes as [BLOCK_N, BLOCK_K / sub, sub], scales it by its sub-blocks' d * sc and
+offsets it by dm * mn in float32 (the products `gguf_quant_types.dequantize` rounds, so the weight is the dense
+path's, rounded to x's dtype as it rounds it), and accumulates x tile @ w tile.T in float32 with tl.dot. Decode
+rows (M <= 16) take narrow BLOCK_N tiles, so every weight is read once and the grid still covers the GPU; more
+rows take wider tiles. From DENSE_ROWS rows (prefill), where the product outweighs reading the weight, the
+weight is dequantized for the step into x's dtype (`dequantize`, the same tile code) and multiplied by torch's
+matmul, then freed: no dense copy outlives the call. x and y are float32, bfloat16 or float16; float32 dots run
+in IEEE precision (not TF32).
 
 This is vLLM's GGUF path in Triton (its CUDA kernels dequantize per type; here one kernel takes every type
 through the common form).
@@ -31,6 +33,7 @@ import triton.language as tl
 from metrale.gpu_worker.layers.gguf_quant_types import IQ4_VALUES, Blocks
 
 DECODE_ROWS = 16  # up to this many rows of x: the decode config (tl.dot's smallest M is 16)
+DENSE_ROWS = 256  # from this many rows: dequantized for the step, then torch's matmul (bench_gguf_cuda.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,41 @@ def _rounded_to_bf16(v):
 
 
 @triton.jit
+def _weight_tile(
+    C, SC, MN, D, DM, LUT, n, n_ok, k0, K, lo, stride_c, stride_sc, stride_d,
+    SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """w[n, k0 : k0 + BLOCK_K] in float32 ([BLOCK_N, BLOCK_K]; zeros past N and K): d * sc * c + dm * mn."""
+    G: tl.constexpr = BLOCK_K // SUB
+    g = tl.arange(0, G)
+    if PACKED:  # a sub-block's SUB / 2 bytes hold its codes in pairs: (low nibble, high nibble)
+        j = tl.arange(0, SUB // 2)
+        kb = k0 // 2 + g[None, :, None] * (SUB // 2) + j[None, None, :]  # [1, G, SUB / 2]
+        byte = tl.load(C + n[:, None, None] * stride_c + kb, mask=n_ok[:, None, None] & (kb < K // 2), other=0)
+        byte = byte.to(tl.int32)
+        nib = tl.reshape(tl.join(byte & 0xF, (byte >> 4) & 0xF), (BLOCK_N, G, SUB))
+        if HAS_LUT:
+            c = tl.load(LUT + nib).to(tl.float32)
+        else:
+            c = (nib + lo).to(tl.float32)
+    else:
+        i = tl.arange(0, SUB)
+        k3 = k0 + g[None, :, None] * SUB + i[None, None, :]  # [1, G, SUB]
+        c = tl.load(C + n[:, None, None] * stride_c + k3, mask=n_ok[:, None, None] & (k3 < K), other=0).to(tl.float32)
+    ks = k0 + g[None, :] * SUB  # each sub-block's first input [1, G]
+    ok = n_ok[:, None] & (ks < K)
+    d = tl.load(D + n[:, None] * stride_d + ks // SUP, mask=ok, other=0.0).to(tl.float32)
+    s = d * tl.load(SC + n[:, None] * stride_sc + ks // SUB, mask=ok, other=0).to(tl.float32)
+    w3 = c * s[:, :, None]
+    if HAS_MIN:
+        dm = tl.load(DM + n[:, None] * stride_d + ks // SUP, mask=ok, other=0.0).to(tl.float32)
+        z = dm * tl.load(MN + n[:, None] * stride_sc + ks // SUB, mask=ok, other=0).to(tl.float32)
+        w3 = w3 + z[:, :, None]
+    return tl.reshape(w3, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit(do_not_specialize=["lo"])
 def _gguf_matmul_kernel(
     X, Y, C, SC, MN, D, DM, LUT,
     M, N, K, lo,
@@ -83,37 +121,15 @@ def _gguf_matmul_kernel(
     """One [BLOCK_M, BLOCK_N] tile of y over all of K, the weight tile dequantized in registers."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    G: tl.constexpr = BLOCK_K // SUB
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < M
     n_ok = n < N
-    g = tl.arange(0, G)
-    i = tl.arange(0, SUB)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k3 = k0 + g[None, :, None] * SUB + i[None, None, :]  # [1, G, SUB]
-        ok3 = n_ok[:, None, None] & (k3 < K)
-        if PACKED:
-            byte = tl.load(C + n[:, None, None] * stride_c + k3 // 2, mask=ok3, other=0).to(tl.int32)
-            nib = (byte >> ((k3 & 1) * 4)) & 0xF
-            if HAS_LUT:
-                c = tl.load(LUT + nib).to(tl.float32)
-            else:
-                c = (nib + lo).to(tl.float32)
-        else:
-            c = tl.load(C + n[:, None, None] * stride_c + k3, mask=ok3, other=0).to(tl.float32)
-        ks = k0 + g[None, :] * SUB  # each sub-block's first input [1, G]
-        ok2 = n_ok[:, None] & (ks < K)
-        d = tl.load(D + n[:, None] * stride_d + ks // SUP, mask=ok2, other=0.0).to(tl.float32)
-        s = d * tl.load(SC + n[:, None] * stride_sc + ks // SUB, mask=ok2, other=0).to(tl.float32)
-        w3 = c * s[:, :, None]
-        if HAS_MIN:
-            dm = tl.load(DM + n[:, None] * stride_d + ks // SUP, mask=ok2, other=0.0).to(tl.float32)
-            z = dm * tl.load(MN + n[:, None] * stride_sc + ks // SUB, mask=ok2, other=0).to(tl.float32)
-            w3 = w3 + z[:, :, None]
-        w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+        w = _weight_tile(C, SC, MN, D, DM, LUT, n, n_ok, k0, K, lo, stride_c, stride_sc, stride_d,
+                         SUB, SUP, PACKED, HAS_LUT, HAS_MIN, BLOCK_N, BLOCK_K)
         k = k0 + kk
         x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
         if ROUND_BF16:
@@ -126,6 +142,26 @@ def _gguf_matmul_kernel(
     if ROUND_BF16:
         acc = _rounded_to_bf16(acc)
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["lo"])
+def _gguf_dequantize_kernel(
+    W, C, SC, MN, D, DM, LUT,
+    N, K, lo,
+    stride_w, stride_c, stride_sc, stride_d,
+    SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    """One [BLOCK_N, BLOCK_K] tile of the weight written dense in W's dtype (the prefill path's first half)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = n < N
+    w = _weight_tile(C, SC, MN, D, DM, LUT, n, n_ok, k0, K, lo, stride_c, stride_sc, stride_d,
+                     SUB, SUP, PACKED, HAS_LUT, HAS_MIN, BLOCK_N, BLOCK_K)
+    if ROUND_BF16:
+        w = _rounded_to_bf16(w)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(W + n[:, None] * stride_w + k[None, :], w.to(W.dtype.element_ty), mask=n_ok[:, None] & (k[None, :] < K))
 
 
 def pack_for_triton(blocks: Blocks, device: torch.device | str) -> TritonWeight:
@@ -161,8 +197,8 @@ def pack_for_triton(blocks: Blocks, device: torch.device | str) -> TritonWeight:
 
 
 def config_for(m: int, n: int, k: int) -> Config:
-    """The launch shape for m rows: narrow tiles for decode (enough programs to cover the GPU, each weight read
-    once), wide ones for prefill."""
+    """The fused launch shape for m rows: narrow tiles for decode (enough programs to cover the GPU, each
+    weight read once), wider ones as the rows grow."""
     if m <= DECODE_ROWS:
         return Config(16, 32 if n >= 8192 else 16, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=4)
     if m <= 64:
@@ -170,35 +206,64 @@ def config_for(m: int, n: int, k: int) -> Config:
     return Config(128, 128, 64, num_warps=8, num_stages=3)
 
 
-def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] in x's dtype (float32, bfloat16 or float16), accumulated in float32."""
+def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, dense: bool | None = None):
+    """x [M, K] @ W.T -> [M, N] in x's dtype (float32, bfloat16 or float16), accumulated in float32: fused
+    (the tile dequantized in registers) below DENSE_ROWS rows, else the weight dequantized to x's dtype for
+    the step and multiplied by torch (the dequantization then costs little beside the product); `dense`
+    forces either."""
     if x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"x {tuple(x.shape)} does not match a GGUF weight of {w.k} inputs")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x in {x.dtype}: the GGUF kernel takes float32, bfloat16 or float16")
     x = x.contiguous()
     m = x.shape[0]
+    if dense is None:
+        dense = m >= DENSE_ROWS
+    if dense:
+        return x @ dequantize(w, x.dtype).T
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     cfg = config or config_for(m, w.n, w.k)
-    block_k = max(cfg.block_k, w.sub)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = _interpreted()
     grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _gguf_matmul_kernel[grid](
-        x, y, w.codes, w.sc, w.mn if w.mn is not None else w.sc, w.d, w.dm if w.dm is not None else w.d,
-        w.lut if w.lut is not None else w.sc,
-        m, w.n, w.k, w.lo,
+        x, y, *_weight_args(w), m, w.n, w.k, w.lo,
         x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
-        SUB=w.sub, SUP=w.sup, PACKED=w.packed, HAS_LUT=w.lut is not None, HAS_MIN=w.mn is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        **_form(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, w.sub),
         DOT_F32=x.dtype == torch.float32 or interpreted, ROUND_BF16=interpreted and x.dtype == torch.bfloat16,
-        PRECISION="ieee",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION="ieee", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def dequantize(w: TritonWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in `dtype`, each value the dense path's (float32 d * sc * c + dm * mn, rounded once)."""
+    out = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device)
+    block_n, block_k = 32, max(128, w.sub)
+    _gguf_dequantize_kernel[(triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))](
+        out, *_weight_args(w), w.n, w.k, w.lo, out.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
+        **_form(w), BLOCK_N=block_n, BLOCK_K=block_k, ROUND_BF16=_interpreted() and dtype == torch.bfloat16,
+        num_warps=4,
+    )
+    return out
 
 
 def product(w: TritonWeight, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
     """GgufLinearMethod's run product (`wide` is the CPU kernels' choice; nothing to choose here)."""
     return matmul(x, w)
+
+
+def _weight_args(w: TritonWeight) -> tuple[torch.Tensor, ...]:
+    """C, SC, MN, D, DM, LUT: an absent tensor passed as a present one (the kernel never reads it)."""
+    return (w.codes, w.sc, w.mn if w.mn is not None else w.sc, w.d, w.dm if w.dm is not None else w.d,
+            w.lut if w.lut is not None else w.sc)
+
+
+def _form(w: TritonWeight) -> dict:
+    return dict(SUB=w.sub, SUP=w.sup, PACKED=w.packed, HAS_LUT=w.lut is not None, HAS_MIN=w.mn is not None)
+
+
+def _interpreted() -> bool:
+    """Triton's interpreter (a CPU): no bfloat16 dot, and its bfloat16 casts truncate."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
