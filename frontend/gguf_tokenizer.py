@@ -102,19 +102,15 @@ def tokenizer_from_gguf(reader, path: str) -> GgufTokenizer:
         raise GgufError(f"{path}: the tokenizer has no tokens (tokenizer.ggml.tokens is missing or empty)")
     types = _token_types(reader, tokens)
     ids = _special_ids(reader, _KINDS[kind], len(tokens))
-    add_bos = field(reader, "tokenizer.ggml.add_bos_token")
-    add_eos = field(reader, "tokenizer.ggml.add_eos_token")
-    add_bos = _KINDS[kind].add_bos if add_bos is None else bool(add_bos)
-    add_eos = _KINDS[kind].add_eos if add_eos is None else bool(add_eos)
+    pre = _pre_rules(reader, path) if kind == "gpt2" else None
+    if pre is not None and pre.no_bos:
+        ids.pop("bos", None)
+    add_bos = _flag(reader, "tokenizer.ggml.add_bos_token", pre.add_bos if pre else _KINDS[kind].add_bos)
+    add_eos = _flag(reader, "tokenizer.ggml.add_eos_token", _KINDS[kind].add_eos)
     if kind == "llama":
         backend = _sentencepiece_bpe(reader, tokens, types, ids.get("unk"))
     elif kind == "gpt2":
-        found = _pre_rules(reader, path)
-        backend = _byte_level_bpe(reader, tokens, types, found)
-        if field(reader, "tokenizer.ggml.add_bos_token") is None:
-            add_bos = found.add_bos
-        if found.no_bos:
-            ids.pop("bos", None)
+        backend = _byte_level_bpe(reader, tokens, types, pre)
     elif kind == "bert":
         backend = _wordpiece(reader, tokens, types, ids.get("unk"))
     else:
@@ -138,6 +134,12 @@ def tokenizer_from_gguf(reader, path: str) -> GgufTokenizer:
         unk_token_id=ids.get("unk"),
         chat_template=template if isinstance(template, str) else None,
     )
+
+
+def _flag(reader, key: str, default: bool) -> bool:
+    """A boolean key of the file, or llama.cpp's default when the file does not have it."""
+    value = field(reader, key)
+    return default if value is None else bool(value)
 
 
 def _token_types(reader, tokens: list[str]) -> list[int]:
@@ -317,11 +319,12 @@ def _rstripped(reader, tokens: list[str], types: list[int]) -> set[str]:
 
 
 def _lstripped(reader) -> set[str]:
-    """Tokens llama.cpp strips the spaces before: the mask token of jina v2, nomic-bert-moe, jina-bert-v3, ModernBERT."""
+    """Tokens llama.cpp strips the spaces before: the mask of jina v2, nomic-bert-moe, jina-bert-v3, ModernBERT."""
     pre = str(field(reader, "tokenizer.ggml.pre", "") or "")
     arch = str(field(reader, "general.architecture", "") or "")
     name = str(field(reader, "general.name", "") or "").lower()
-    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or arch in ("nomic-bert-moe", "jina-bert-v3"):
+    jina = any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))
+    if jina or arch in ("nomic-bert-moe", "jina-bert-v3"):
         return {"<mask>"}
     return {"[MASK]"} if "modern-bert" in name else set()
 

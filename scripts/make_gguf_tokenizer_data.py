@@ -64,7 +64,8 @@ TRAINING = [
     "def square(x):\n    return x * x\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n",
     "for i in range(10):\n\tprint(i, end=' ')\n# comment line with spaces   and tabs\n",
     "Numbers like 1, 12, 123, 2024 and 3.14 appear in text: 100 percent, 42 answers, 7 days.",
-    "你好世界，今天天气很好。我们一起去公园散步吧。日本語のテキストです。한국어 텍스트 입니다.",
+    "你好世界，今天天气很好。我们一起去公园散步吧。"
+    "日本語のテキストです。한국어 텍스트 입니다.",
     "Café, naïve, résumé and façade are French words; Straße is German; Ångström is Swedish.",
     "CamelCase and snake_case and kebab-case identifiers: HTTPServer, getValue, MAX_SIZE.",
     "if (a && b) { c[i] = d->e; } else { return -1; } // braces, brackets and arrows",
@@ -247,7 +248,9 @@ def cases() -> list[tuple[str, dict]]:
         ("gguf_tok_spm.gguf", {"tokenizer.ggml.add_space_prefix": False}),
         ("gguf_tok_spm.gguf", {"tokenizer.ggml.add_eos_token": True, "tokenizer.ggml.add_bos_token": False}),
         ("gguf_tok_spm.gguf", {"general.name": "Phi-3 tiny"}),  # llama.cpp's rstrip of special tokens
-        ("gguf_tok_ugm.gguf", {"tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.remove_extra_whitespaces": False}),
+        ("gguf_tok_ugm.gguf", {
+            "tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.remove_extra_whitespaces": False,
+        }),
         ("gguf_tok_bpe.gguf", {"tokenizer.ggml.add_bos_token": True}),
     ]
     out += [("gguf_tok_bpe.gguf", {"tokenizer.ggml.pre": pre}) for pre in supported_pre() if pre != "gpt-2"]
