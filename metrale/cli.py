@@ -149,7 +149,7 @@ def _check_max_logprobs(engine: EngineArgs, vocab_size: int, max_model_len: int)
         g = geometry_for(msgspec.structs.replace(engine, max_logprobs=n), max_model_len, MAX_STREAM_BURST, vocab_size)
         return g.num_slots * region_offsets(g)["_end"]
 
-    asked = logprobs_cap(engine.max_logprobs, vocab_size)
+    asked = min(logprobs_cap(engine.max_logprobs, vocab_size), vocab_size)  # the ring holds no more than the vocabulary
     try:
         limit = min(_RING_LIMIT_BYTES, shutil.disk_usage("/dev/shm").free)
     except OSError:  # no /dev/shm to measure: the 4 GiB bound alone

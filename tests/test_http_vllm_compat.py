@@ -309,3 +309,18 @@ def test_a_field_of_the_wrong_type_is_a_sentence(server):
     status, out = post(server, "v1/completions", {"model": MODEL, "prompt": "x", "n": "two"})
     assert_error(status, out, 400, param="n")
     assert out["error"]["message"] == "n must be an integer, not a string"
+
+
+def test_a_max_logprobs_whose_ring_does_not_fit_is_one_line_at_start_up(capsys):
+    """-1 on a 49,152-token vocabulary (SmolLM2's) with 2,048 tokens a step: a 6 GiB ticket ring, refused in one line
+    that names the flag and the largest count that fits; the default fits."""
+    from metrale.cli import _check_max_logprobs
+    from metrale.config import EngineArgs
+
+    _check_max_logprobs(EngineArgs(), 49152, 8192)
+    with pytest.raises(SystemExit) as caught:
+        _check_max_logprobs(EngineArgs(max_logprobs=-1), 49152, 8192)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("metrale serve: error: --max-logprobs -1: 49152 alternatives")
+    assert "at most" in err
