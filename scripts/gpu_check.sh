@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one short run, the most telling first. Each stage is time-boxed: 13 minutes if
+# The checks that need a GPU, as one short run, the most telling first. Each stage is time-boxed: 15.5 minutes if
 # every one ran to its limit, a few when they pass; with little device time run STAGES="steps bench" first (6.5
 # minutes at most) and the rest after. Stages:
 #   steps    decode steps queue with no host sync; captured decode graphs == eager tokens (runner and LLM,
@@ -10,6 +10,10 @@
 #   parity   greedy tokens and logits equal transformers' with both on the GPU (tests/test_model_parity.py)
 #   e2e      LLM and `metrale serve` end to end, and the worker SIGKILLed under live streams (their tests take
 #            cuda when it is present)
+#   gguf     the Triton GGUF kernel compiled against dequantize + matmul for every kept type
+#            (tests/test_triton_gguf.py), then scripts/bench_gguf_cuda.py: Q4_K, Q6_K, Q8_0 layers against the
+#            dense bf16 matmul at 1, 8, 32 and 512 rows (its JSON line in $OUT/gguf_bench.json, the ratios copied
+#            into the summary); 2.5 minutes at most, alone: STAGES=gguf
 # Assumes the machine has a CUDA build of torch (which ships triton) and metrale's other dependencies and
 # transformers, or their wheels in .whl/ (installed with --no-deps into /tmp/site); nothing else is installed
 # beyond `pip install -e .` (no build isolation, no index). Logs and results land in $OUT (default
@@ -17,7 +21,7 @@
 # seconds and the bench figures, written even when a stage fails or times out; the exit status is 1 if any failed.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-check}
-STAGES=${STAGES:-"steps bench parity e2e"}
+STAGES=${STAGES:-"steps bench parity e2e gguf"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -46,7 +50,15 @@ for key, r in ((bench or {}).get("results") or {}).items():  # issue 21's target
         "floor_decode_step_ms": (r.get("floor") or {}).get("decode_step_ms_median"),  # target <= 1.5 at b32
         "serve_worker_idle_decode": (r.get("serve") or {}).get("worker_idle_decode"),  # target < 0.02
     }
-print(json.dumps({"gpu_check": stages, "figures": figures, "bench": bench}))
+gguf = None
+log = out / "gguf_bench.json"
+if log.exists():
+    lines = [l for l in log.read_text().splitlines() if l.startswith("{")]
+    g = json.loads(lines[-1]) if lines else {}
+    gguf = {k: g.get(k) for k in ("device", "dense_rows", "worst_ratio", "slower_than_dense")} if g else None
+    if gguf:  # triton ms / dense bf16 ms per layer, type and rows (target <= 1.0), and the best path's ratio
+        gguf["ratios"] = {k: [r["ratio"], r["best_ratio"], r["best"]] for k, r in g["results"].items()}
+print(json.dumps({"gpu_check": stages, "figures": figures, "bench": bench, "gguf": gguf}))
 EOF
 }
 trap summary EXIT
@@ -83,6 +95,12 @@ TAIL=30 stage bench 240 sh -c "'$PY' scripts/bench_compare.py --device cuda --pr
   --max-num-seqs 128 --reps 1 --engines offline,serve,floor,transformers >'$OUT/bench.json'"
 stage parity 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_model_parity.py
 stage e2e 150 "$PY" -m pytest -q -x tests/test_llm.py tests/test_serve_e2e.py tests/test_faults_e2e.py
+TAIL=45 stage gguf 150 bash -c '
+  rc=0
+  METRALE_TEST_DEVICE=cuda timeout -k 5 85 "$0" -m pytest -q -p no:cacheprovider tests/test_triton_gguf.py || rc=$?
+  timeout -k 5 55 "$0" scripts/bench_gguf_cuda.py >"$1/gguf_bench.json" || { r=$?; [ "$rc" != 0 ] || rc=$r; }
+  exit "$rc"
+' "$PY" "$OUT"
 if cut -f2 "$OUT/stages.tsv" | grep -qv '^0$'; then
   exit 1
 fi

@@ -109,7 +109,7 @@ def _weight_tile(
     return tl.reshape(w3, (BLOCK_N, BLOCK_K))
 
 
-@triton.jit(do_not_specialize=["lo"])
+@triton.jit(do_not_specialize=["M", "lo"])  # one compile for every count of rows
 def _gguf_matmul_kernel(
     X, Y, C, SC, MN, D, DM, LUT,
     M, N, K, lo,

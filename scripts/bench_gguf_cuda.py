@@ -1,0 +1,141 @@
+"""The Triton GGUF kernel (layers/triton_gguf.py) against the dense bf16 matmul it replaces, on a CUDA GPU.
+
+    python scripts/bench_gguf_cuda.py [--reps 25] [--types Q4_K,Q6_K,Q8_0] [--rows 1,8,32,512] [--dry]
+
+Per layer shape (N outputs x K inputs: 4096x4096, 14336x4096 and 4096x14336), type and M rows of bf16 x:
+the dispatch's product (`triton_gguf.matmul`: fused below DENSE_ROWS, else dequantized for the step + torch)
+against torch.matmul of the same weight dense in bf16, each the median of --reps single calls timed with CUDA
+events, L2 flushed before each (a model reads each layer once per step, never from L2). Alongside: the fused
+kernel under a few other configs and the dequantize-then-matmul path, so the config table and DENSE_ROWS can
+be set from the figures, and the largest error of the dispatch's answer against the dense one (relative to
+its largest value). The weights are each type's own decoding of random blocks (8 rows tiled to N), so the
+layout is the real one. Output: one JSON line on stdout; progress on stderr.
+
+--dry runs the same code on a CPU under Triton's interpreter with tiny shapes and 1 rep (a syntax and
+plumbing check: its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))
+DRY_SHAPES = ((48, 512),)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
+    ap.add_argument("--rows", default="1,8,32,512")
+    ap.add_argument("--dry", action="store_true", help="a CPU under Triton's interpreter, tiny shapes, 1 rep")
+    args = ap.parse_args()
+    if args.dry:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+    import numpy as np
+    import torch
+
+    from metrale.gpu_worker.layers import gguf_quant_types as qt
+    from metrale.gpu_worker.layers import triton_gguf as tg
+
+    if not args.dry and not torch.cuda.is_available():
+        sys.exit("bench_gguf_cuda: no CUDA device (--dry checks the script on a CPU)")
+    device = torch.device("cpu" if args.dry else "cuda")
+    reps = 1 if args.dry else args.reps
+    shapes = DRY_SHAPES if args.dry else SHAPES
+    rows_list = [int(r) for r in args.rows.split(",")]
+    flush = None if args.dry else torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    def time_ms(fn) -> float:
+        """Median ms of single calls, L2 flushed before each."""
+        fn()
+        if args.dry:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        fn()
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+
+    def alternatives(m: int) -> dict[str, tg.Config]:
+        if m <= tg.DECODE_ROWS:
+            options = [tg.Config(16, 32, 256, 4, 4), tg.Config(16, 64, 128, 4, 3), tg.Config(16, 16, 128, 4, 4)]
+        elif m <= 64:
+            options = [tg.Config(32, 32, 256, 4, 4), tg.Config(32, 128, 64, 4, 3)]
+        else:
+            options = [tg.Config(128, 64, 64, 4, 3), tg.Config(64, 128, 64, 4, 4)]
+        return {f"fused_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}_s{c.num_stages}": c for c in options}
+
+    rng = np.random.default_rng(0)
+    results = {}
+    t_start = time.perf_counter()
+    for name in args.types.split(","):
+        t = qt.TYPES[name]
+        for n, k in shapes:
+            raw = rng.integers(0, 256, size=(8, k // t.block, t.nbytes), dtype=np.uint8)
+            sample = qt.decode(name, _with_small_scales(raw, name, rng).reshape(8, -1))
+            blocks = qt.Blocks(
+                codes=np.tile(sample.codes, (n // 8, 1)), sc=np.tile(sample.sc, (n // 8, 1)),
+                mn=None if sample.mn is None else np.tile(sample.mn, (n // 8, 1)), d=np.tile(sample.d, (n // 8, 1)),
+                dm=None if sample.dm is None else np.tile(sample.dm, (n // 8, 1)), sub=sample.sub, sup=sample.sup,
+            )
+            w = tg.pack_for_triton(blocks, device)
+            dense = tg.dequantize(w, torch.bfloat16)
+            for m in rows_list:
+                x = torch.randn(m, k, device=device).to(torch.bfloat16)
+                want = x @ dense.T
+                got = tg.matmul(x, w)
+                err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+                dense_ms = time_ms(lambda: x @ dense.T)
+                triton_ms = time_ms(lambda: tg.matmul(x, w))
+                others = {label: time_ms(lambda c=c: tg.matmul(x, w, c, dense=False)) for label, c in alternatives(m).items()}
+                others["fused_default"] = time_ms(lambda: tg.matmul(x, w, dense=False))
+                others["dequantize_then_matmul"] = time_ms(lambda: tg.matmul(x, w, dense=True))
+                best = min(others, key=others.get)
+                key = f"{name}_n{n}_k{k}_m{m}"
+                results[key] = {
+                    "triton_ms": round(triton_ms, 4), "dense_bf16_ms": round(dense_ms, 4),
+                    "ratio": round(triton_ms / dense_ms, 3), "best": best, "best_ms": round(others[best], 4),
+                    "best_ratio": round(others[best] / dense_ms, 3), "max_rel_err": float(f"{err:.3g}"),
+                    "paths_ms": {label: round(v, 4) for label, v in others.items()},
+                }
+                print(f"{key}: triton {triton_ms:.4f} ms, dense {dense_ms:.4f} ms, ratio {triton_ms / dense_ms:.2f}, "
+                      f"best {best} {others[best]:.4f} ms, err {err:.2g}", file=sys.stderr)
+            del dense, w
+    ratios = [r["ratio"] for r in results.values()]
+    print(json.dumps({
+        "bench": "gguf_cuda", "device": "cpu (interpreter, dry)" if args.dry else torch.cuda.get_device_name(),
+        "dense_rows": tg.DENSE_ROWS, "reps": reps, "seconds": round(time.perf_counter() - t_start, 1),
+        "worst_ratio": max(ratios), "slower_than_dense": sorted(k for k, r in results.items() if r["ratio"] > 1.0),
+        "results": results,
+    }))
+
+
+_SCALE_AT = {"Q8_0": (0,), "Q5_0": (0,), "IQ4_NL": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_1": (0, 2),
+             "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_XS": (0,)}
+
+
+def _with_small_scales(raw, name, rng):
+    """Random blocks with small positive fp16 scales where the type keeps them (finite, realistic sums)."""
+    import numpy as np
+
+    for at in _SCALE_AT[name]:
+        scale = (rng.random(raw.shape[:2]) * 2e-3 + 1e-4).astype(np.float16)
+        raw[:, :, at : at + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw
+
+
+if __name__ == "__main__":
+    main()
