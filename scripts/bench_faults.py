@@ -11,6 +11,11 @@ delta's arrival is timed on CLOCK_MONOTONIC, which the engine core's log lines s
     ready_to_first_token  the new worker ready -> that token: requeue, recompute (prefill of prompt + streamed
                           tokens), the first new decode, and the trip to the client (model load excluded)
     kill_to_ready         SIGKILL -> the new worker ready (process start, imports, model load)
+    engine_fault_to_resumed  the fault's start as the engine core knows it (the death noticed, or the hung step's
+                          start) -> its first token of a resumed request (its log): the device's idle time
+    hang_detect           (--fault stop) the stuck step's start -> the engine core's kill of the hung worker
+                          (its log's "made no progress for X s"); detect_to_resumed is the rest (the new worker's
+                          start, the recompute)
     engine_recompute      the new worker ready -> the engine core sends those first tokens (its own log)
 
 Every stream must still complete with exactly max-tokens tokens and no error.
@@ -25,7 +30,11 @@ worker faults only.
 --simulate A,B,C serves the simulated device (gpu_worker/sim_runner.py: a weightless bench-small folder, each step
 A + B·rows + C·tokens ms, slept) with --max-num-seqs = streams, so a fault can be measured at GPU-scale
 concurrency (1,024 streams) on any box; every stream must then also equal the tokens the simulated device gives
-its prompt without a fault (sim_runner.expected_tokens), so nothing is lost or changed by the fault.
+its prompt without a fault (sim_runner.expected_tokens), so nothing is lost or changed by the fault. The fault is
+sent when the clients have seen kill-after tokens a stream, and at 1,024 streams the clients see tokens well after
+the simulated device made them: give --max-tokens enough (512) that the device still has work when the fault lands.
+The client-side stall then understates the device's idle time (a backlog of tokens reaches the clients after the
+fault); engine_fault_to_resumed is the engine core's own measure of it.
 
 Prints one JSON line on stdout (progress on stderr):
 
@@ -68,6 +77,8 @@ from _bench_common import (  # noqa: E402
 
 READY = re.compile(r"new worker ready .* \(ready at monotonic ([\d.]+)\)")
 FIRST = re.compile(r"first tokens .* \(at monotonic ([\d.]+)\)")
+HUNG = re.compile(r"worker lost \(.*made no progress for ([\d.]+) s")
+RESUMED = re.compile(r"the first resumed token came ([\d.]+) s after the fault")
 
 
 ROLES = {"worker": "metrale.gpu_worker.worker", "engine": "metrale.engine_core.core"}
@@ -193,6 +204,10 @@ def main() -> None:
                 figures = {"stall": stall(arrivals, t_kill)}
                 if args.fault != "engine":
                     log = server.log_text()
+                    if len(READY.findall(log)) <= k:
+                        raise SystemExit(f"fault {k}: the engine core logged no new worker: the fault landed after the "
+                                         f"device had done the round's work (the clients lag the engine; give more "
+                                         f"--max-tokens); its log ends:\n{log[-2000:]}")
                     t_ready = float(READY.findall(log)[k])
                     t_engine_first = float(FIRST.findall(log)[k])
                     t_first = min(t for a in arrivals for t in a if t > t_ready)
@@ -202,6 +217,12 @@ def main() -> None:
                         "kill_to_ready": t_ready - t_kill,
                         "engine_recompute": t_engine_first - t_ready,
                     })
+                    # The engine core's own figure: the fault's start (the death noticed, or the hung step's start)
+                    # to the first token of a resumed request, i.e. how long the device stood idle.
+                    figures["engine_fault_to_resumed"] = float(RESUMED.findall(log)[k])
+                    if args.fault == "stop":  # the hang watch's share: the stuck step's start to its kill
+                        figures["hang_detect"] = float(HUNG.findall(log)[k])
+                        figures["detect_to_resumed"] = figures["engine_fault_to_resumed"] - figures["hang_detect"]
                 rounds.append(figures)
                 note(f"{args.fault} {k + 1}/{args.kills}: no token for {figures['stall']:.3f} s after the fault"
                      + (f"; first resumed token {figures['kill_to_first_token']:.3f} s after it, "

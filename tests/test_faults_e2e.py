@@ -371,6 +371,38 @@ def test_a_hung_worker_is_killed_and_restarted_and_16_streams_lose_nothing(serve
     wait_idle(server)
 
 
+def test_a_worker_stopped_in_a_long_prefill_is_killed_at_the_timeout_plus_the_steps_expected_time(server):
+    """The hang watch has measured this server's steps (a few requests); the worker is SIGSTOPped, then a
+    400-token prompt arrives: its prefill is the step in flight, and its deadline is --worker-hang-timeout plus
+    twice that prefill's expected time (the kill message names them), not 20 x the slowest per-token rate x 400.
+    The request then completes on a new worker, equal to the same request on a healthy one."""
+    import re
+
+    wait_idle(server)
+    with server.client(timeout=60) as c:
+        for n in (8, 40, 90, 20, 150, 60):  # prefill and decode steps for the fit (and past a new worker's warm-up)
+            c.complete(token_ids=[11 + i % 50 for i in range(n)],
+                       params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    wait_idle(server)  # nothing in flight (a finished request's step launched ahead is settled): the prefill is next
+    old = server.children()
+    prompt = [7 + (i * 13) % 200 for i in range(400)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    os.kill(old["gpu_worker"], signal.SIGSTOP)
+    with server.client(timeout=120) as c:
+        stalled = c.complete(token_ids=prompt, params=params)
+    pids = wait_recovered(server, "gpu_worker", old["gpu_worker"])
+    with server.client(timeout=60) as c:
+        health = c.health()
+        healthy = c.complete(token_ids=prompt, params=params)
+    assert stalled.finish_reason == "length" and stalled.token_ids == healthy.token_ids
+    fault = health.last_fault
+    assert "hung" in fault and "a step of 400 prefill tokens and 0 decode positions" in fault, fault
+    expected, allowed = (float(x) for x in re.search(r"expected to take ([\d.]+) s; allowed ([\d.]+) s", fault).groups())
+    assert allowed == pytest.approx(10.0 + 2 * expected, abs=0.06), "the timeout plus the step's expected time"
+    assert pids["gpu_worker"] != old["gpu_worker"]
+    wait_idle(server)
+
+
 def test_a_child_that_cannot_run_as_configured_is_given_up_at_once(supervisor):
     """A frontend that exits with EXIT_CONFIG (its port was taken when it restarted) is not restarted: the
     server ends, with the frontend's own reason."""
