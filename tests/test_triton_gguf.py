@@ -65,7 +65,7 @@ def test_the_kernel_under_the_interpreter():
     )
     tail = (child.stdout + child.stderr)[-3000:]
     assert child.returncode == 0, tail
-    assert "75 passed, 1 skipped" in tail, tail  # every kernel test ran, bfloat16 included
+    assert "77 passed, 1 skipped" in tail, tail  # every kernel test ran, bfloat16 included
 
 
 def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -98,6 +98,15 @@ def test_each_type_multiplies_as_dequantize_then_matmul(triton_gguf, name, dtype
     blocks = qt.decode(name, random_blocks(name, ROWS, COLS, seed=len(name)))
     w = triton_gguf.pack_for_triton(blocks, DEVICE)
     x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    _check(triton_gguf.matmul(x.to(DEVICE), w), x, qt.dequantize(blocks))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_rows_past_the_decode_tiles_take_the_wide_ones(triton_gguf, name):
+    blocks = qt.decode(name, random_blocks(name, ROWS, COLS, seed=3))
+    w = triton_gguf.pack_for_triton(blocks, DEVICE)
+    assert triton_gguf.DECODE_ROWS < 100 < triton_gguf.DENSE_ROWS
+    x = torch.randn(100, COLS, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     _check(triton_gguf.matmul(x.to(DEVICE), w), x, qt.dequantize(blocks))
 
 

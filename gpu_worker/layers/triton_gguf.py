@@ -197,13 +197,14 @@ def pack_for_triton(blocks: Blocks, device: torch.device | str) -> TritonWeight:
 
 
 def config_for(m: int, n: int, k: int) -> Config:
-    """The fused launch shape for m rows: narrow tiles for decode (enough programs to cover the GPU, each
-    weight read once), wider ones as the rows grow."""
+    """The fused launch shape for m rows: narrow tiles while the weight's bytes dominate (enough programs to
+    cover the GPU, each weight read once per BLOCK_M rows), wider ones as the rows grow."""
+    narrow = 32 if n >= 8192 else 16
     if m <= DECODE_ROWS:
-        return Config(16, 32 if n >= 8192 else 16, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=4)
+        return Config(16, narrow, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=4)
     if m <= 64:
-        return Config(32 if m <= 32 else 64, 64, 128 if k % 128 == 0 else 64, num_warps=4, num_stages=3)
-    return Config(128, 128, 64, num_warps=8, num_stages=3)
+        return Config(32 if m <= 32 else 64, narrow, 128 if k % 128 == 0 else 64, num_warps=4, num_stages=4)
+    return Config(64, 64, 64, num_warps=4, num_stages=3)
 
 
 def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, dense: bool | None = None):
