@@ -4,14 +4,15 @@ A GGUF names its pre-tokenizer but does not store it: the rules live in llama.cp
 `llm_tokenizer_bpe`), a list of regexes applied one after the other, each splitting every piece into its matches
 and the text between them (what `Split(behavior="isolated")` does). The regexes below are llama.cpp's, as it runs
 them (its adaptations of the tokenizer.json originals included, e.g. `((?=[\p{L}])([^a-z]))` for `\p{Lu}`), so
-the ids equal llama.cpp's; with each name go llama.cpp's two per-name flags that change ids: `ignore_merges` (a
-piece already in the vocabulary is one token) and whether a BOS is added when the file does not say.
+the ids equal llama.cpp's; with each name go llama.cpp's per-name flags that change ids: `ignore_merges` (a
+piece already in the vocabulary is one token), whether a BOS is added when the file does not say, and for
+gemma4-style names an SPM-style vocabulary ("▁" for spaces, <0xXX> bytes) split into lines.
 
 Names llama.cpp implements with code of its own rather than a regex (kimi-k2's Han split, afmoe's digit groups,
-superbpe's zero-width split) or with a non-byte-level vocabulary (gemma4, sarvam-moe, whitespace) are refused, as
-is a name llama.cpp does not know: `rules` raises UnknownPre naming it (llama.cpp refuses an unknown
-name too; a guessed split would give ids the model was not trained on without anyone noticing). A file without
-the key gets llama.cpp's "default" rules, with a warning.
+superbpe's zero-width split) or with a whitespace-split vocabulary (whitespace) are refused, as is a name
+llama.cpp does not know: `rules` raises UnknownPre naming it (llama.cpp refuses an unknown name too; a guessed
+split would give ids the model was not trained on without anyone noticing). A file without the key gets
+llama.cpp's "default" rules, with a warning.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class Pre:
     ignore_merges: bool = False
     add_bos: bool = False  # llama.cpp's add_bos when the file has no tokenizer.ggml.add_bos_token
     no_bos: bool = False  # llama.cpp drops the file's bos id (chatglm)
+    raw_utf8: bool = False  # SPM-style BPE (gemma4): "▁" spaces and <0xXX> bytes, not GPT-2's byte alphabet
+    whole_newlines: bool = False  # a run of newlines in the vocabulary is one token (llama.cpp's gemma4 fix)
+    force_bos: bool = False  # BOS even when the file says add_bos_token = false (llama.cpp's gemma4 override)
 
 
 _Pre = Pre
@@ -136,6 +140,9 @@ _MINICPM5 = (
     r"\p{N}{1,3}",
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+_LINES = (
+    r"[^\n]+|[\n]+",
+)
 _DEFAULT = (
     r"[\p{P}\$\+<=>\^~\|]+",
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
@@ -228,6 +235,9 @@ _PRE = {
     "minimax-m2": _Pre(_GPT4O),
     "solar-open": _Pre(_QWEN2),
     "mellum2": _Pre(_DIGITS_THEN_GPT2),
+    "gemma4": _Pre(_LINES, add_bos=True, raw_utf8=True, whole_newlines=True, force_bos=True),
+    "granite-embed-multi-311m": _Pre(_LINES, add_bos=True, raw_utf8=True, whole_newlines=True, force_bos=True),
+    "sarvam-moe": _Pre(_LINES, raw_utf8=True),
 }
 
 SUPPORTED_PRE: tuple[str, ...] = tuple(_PRE)
@@ -235,9 +245,6 @@ REFUSED_PRE = {
     "kimi-k2": "llama.cpp splits Han runs with code of its own",
     "afmoe": "llama.cpp groups digits with code of its own",
     "superbpe": "llama.cpp splits it with a zero-width regex",
-    "gemma4": "an SPM-style BPE vocabulary, not byte-level",
-    "granite-embed-multi-311m": "an SPM-style BPE vocabulary, not byte-level",
-    "sarvam-moe": "an SPM-style BPE vocabulary, not byte-level",
     "whitespace": "a whitespace-split vocabulary, not byte-level",
 }
 
@@ -259,7 +266,9 @@ def rules(pre: str) -> Pre:
     )
 
 
-def byte_level_pre_tokenizer(found: Pre):
-    """llama.cpp's splits, one after the other, then GPT-2's byte -> character mapping of each piece."""
+def split_pre_tokenizer(found: Pre):
+    """llama.cpp's splits, one after the other, then (byte-level vocabularies) GPT-2's byte -> character mapping."""
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in found.regexes]
+    if found.raw_utf8:
+        return pre_tokenizers.Sequence(splits)
     return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

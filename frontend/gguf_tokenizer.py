@@ -15,14 +15,17 @@ The ids are llama.cpp's for the same file (tests/test_gguf_tokenizer.py holds ll
   with BERT's normalizer (lowercase and accent stripping per `tokenizer.ggml.normalizer.*`, default on); a
   sequence is `[CLS] ... [SEP]`.
 - "t5": SentencePiece Unigram with the file's precompiled NFKC charsmap.
+- "gemma4" (and the gpt2 pre-tokenizers gemma4, granite-embed-multi-311m, sarvam-moe): SPM-style BPE, spaces as
+  "▁", the file's merges over UTF-8 characters line by line, <0xXX> byte fallback.
 
 Control, unknown and user-defined tokens match whole, before anything else, wherever they appear (llama.cpp's
-`parse_special`); control and unknown ones are special (skipped when decoding with skip_special_tokens), as are
-tokens llama.cpp promotes to control by their text (<|eot_id|>, <|im_end|>, <end_of_turn>, ...). BOS and EOS are
-added as llama.cpp adds them: `tokenizer.ggml.add_bos_token` / `add_eos_token` when the file has them, else
-llama.cpp's default for the kind (SentencePiece: BOS; Unigram: EOS; byte-level BPE: BOS for llama3 and tekken).
+`parse_special`; frontend/gguf_special_tokens.py); control and unknown ones are special (skipped when decoding
+with skip_special_tokens), as are tokens llama.cpp promotes to control by their text (<|eot_id|>, <|im_end|>,
+<end_of_turn>, ...). BOS and EOS are added as llama.cpp adds them: `tokenizer.ggml.add_bos_token` /
+`add_eos_token` when the file has them, else llama.cpp's default for the kind (SentencePiece: BOS; Unigram: EOS;
+byte-level BPE: BOS for llama3 and tekken; gemma4: BOS always, whatever the file says).
 Ids come from the file's `tokenizer.ggml.*_token_id` keys, else llama.cpp's defaults for SentencePiece, WordPiece
-and Unigram. Other kinds (rwkv, plamo2, gemma4, ...) are a GgufError naming the kind.
+and Unigram. Other kinds (rwkv, plamo2, whitespace, ...) are a GgufError naming the kind.
 """
 
 from __future__ import annotations
@@ -30,31 +33,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.models import BPE, Unigram, WordPiece
 
-from metrale.frontend.gguf_pretokenizers import UnknownPre, byte_level_pre_tokenizer, rules
+from metrale.frontend.gguf_pretokenizers import Pre, UnknownPre, rules, split_pre_tokenizer
+from metrale.frontend.gguf_special_tokens import (
+    CONTROL, NORMAL, UNKNOWN, USER_DEFINED, add_special_tokens, token_types,
+)
 from metrale.gguf_metadata import GgufError, eos_token_ids, field
 
 log = logging.getLogger(__name__)
 
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
 _SPACE = "\u2581"  # SentencePiece's "▁"
-SUPPORTED_MODELS = ("llama", "gpt2", "bert", "t5")
+SUPPORTED_MODELS = ("llama", "gpt2", "bert", "t5", "gemma4")
 
-# Texts llama.cpp treats as control tokens whatever their type says (end of turn / generation, fill-in-the-middle).
-_CONTROL_LOOKING = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
-    "[EOT]", "[EOS]", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|eom_id|>", "<|return|>", "<|call|>",
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
-    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
-    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
-    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
-    "<REPO>", "<reponame>", "<|file_sep|>",
-))
-# gpt-oss's channel markers: llama.cpp renders them as text (user-defined) whatever the file says.
-_ALWAYS_RENDERED = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +76,7 @@ _KINDS = {
     "gpt2": _Kind({}, add_bos=False, add_eos=False),
     "bert": _Kind({"bos": 101, "unk": 100, "sep": 102, "pad": 0}, add_bos=True, add_eos=False),
     "t5": _Kind({"eos": 1, "unk": 2, "pad": 0}, add_bos=False, add_eos=True),
+    "gemma4": _Kind({}, add_bos=True, add_eos=False),  # SPM-style BPE, pre-tokenizer "gemma4" whatever the file says
 }
 _ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
             "sep": "seperator_token_id", "pad": "padding_token_id"}  # (sic: gguf's spelling)
@@ -100,22 +94,23 @@ def tokenizer_from_gguf(reader, path: str) -> GgufTokenizer:
     tokens: list[str] = list(field(reader, "tokenizer.ggml.tokens") or [])
     if not tokens:
         raise GgufError(f"{path}: the tokenizer has no tokens (tokenizer.ggml.tokens is missing or empty)")
-    types = _token_types(reader, tokens)
+    types = token_types(reader, tokens)
     ids = _special_ids(reader, _KINDS[kind], len(tokens))
-    pre = _pre_rules(reader, path) if kind == "gpt2" else None
+    pre = rules("gemma4") if kind == "gemma4" else _pre_rules(reader, path) if kind == "gpt2" else None
     if pre is not None and pre.no_bos:
         ids.pop("bos", None)
     add_bos = _flag(reader, "tokenizer.ggml.add_bos_token", pre.add_bos if pre else _KINDS[kind].add_bos)
+    add_bos = add_bos or (pre is not None and pre.force_bos)
     add_eos = _flag(reader, "tokenizer.ggml.add_eos_token", _KINDS[kind].add_eos)
     if kind == "llama":
         backend = _sentencepiece_bpe(reader, tokens, types, ids.get("unk"))
-    elif kind == "gpt2":
+    elif kind in ("gpt2", "gemma4"):
         backend = _byte_level_bpe(reader, tokens, types, pre)
     elif kind == "bert":
         backend = _wordpiece(reader, tokens, types, ids.get("unk"))
     else:
         backend = _unigram(reader, tokens, types, ids.get("unk"))
-    _add_special_tokens(backend, reader, tokens, types)
+    add_special_tokens(backend, reader, tokens, types)
     if kind == "bert":  # llama.cpp: [CLS] text [SEP], whatever the add_* flags say
         post = _post_processor(backend, ids.get("bos"), ids.get("sep"))
     else:
@@ -140,18 +135,6 @@ def _flag(reader, key: str, default: bool) -> bool:
     """A boolean key of the file, or llama.cpp's default when the file does not have it."""
     value = field(reader, key)
     return default if value is None else bool(value)
-
-
-def _token_types(reader, tokens: list[str]) -> list[int]:
-    """Each token's llama.cpp type: the file's, with llama.cpp's promotions by text (control-looking, gpt-oss)."""
-    types = [int(t) for t in field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)]
-    types += [NORMAL] * (len(tokens) - len(types))
-    for i, text in enumerate(tokens):
-        if text in _ALWAYS_RENDERED:
-            types[i] = USER_DEFINED
-        elif text in _CONTROL_LOOKING and types[i] != CONTROL:
-            types[i] = CONTROL
-    return types
 
 
 def _special_ids(reader, kind: _Kind, n_tokens: int) -> dict[str, int]:
@@ -219,9 +202,11 @@ def _pre_rules(reader, path: str):
         raise GgufError(f"{path}: {e}") from None
 
 
-def _byte_level_bpe(reader, tokens: list[str], types: list[int], found) -> HfTokenizer:
+def _byte_level_bpe(reader, tokens: list[str], types: list[int], found: Pre) -> HfTokenizer:
     """Byte-level BPE (`gpt2`): the vocabulary spelled in GPT-2's byte alphabet, llama.cpp's splits before it."""
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]
+    if found.raw_utf8:
+        return _spm_style_bpe(tokens, merges, found)
     spelling = _byte_spelling()
     alphabet = set(spelling.values())
     # A normal token outside the byte alphabet is re-spelled byte by byte; a matched-whole one (control,
@@ -235,8 +220,24 @@ def _byte_level_bpe(reader, tokens: list[str], types: list[int], found) -> HfTok
         vocab=_first_ids(spelled), merges=merges, fuse_unk=False, byte_fallback=False,
         ignore_merges=found.ignore_merges,
     ))
-    backend.pre_tokenizer = byte_level_pre_tokenizer(found)
+    backend.pre_tokenizer = split_pre_tokenizer(found)
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _spm_style_bpe(tokens: list[str], merges: list, found: Pre) -> HfTokenizer:
+    """SPM-style BPE (`gemma4`): spaces as "▁", merges over UTF-8 characters per line, <0xXX> byte fallback.
+
+    llama.cpp takes a run of newlines that is in the vocabulary whole; ignore_merges does that for every piece,
+    which changes nothing for the lines whose merges reach their own token (BPE vocabularies are made by merging).
+    """
+    backend = HfTokenizer(BPE(
+        vocab=_first_ids(tokens), merges=merges, fuse_unk=False, byte_fallback=True,
+        ignore_merges=found.whole_newlines,
+    ))
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.pre_tokenizer = split_pre_tokenizer(found)
+    backend.decoder = _spm_decoder(prefix=False)
     return backend
 
 
@@ -287,46 +288,6 @@ def _unigram(reader, tokens: list[str], types: list[int], unk: int | None) -> Hf
     backend.normalizer = normalizers.Sequence(steps)
     backend.decoder = _spm_decoder(prefix)
     return backend
-
-
-def _add_special_tokens(backend: HfTokenizer, reader, tokens: list[str], types: list[int]) -> None:
-    """Control, unknown and user-defined tokens, matched whole before anything else (llama.cpp's special cache).
-
-    Control and unknown ones are special (skipped by skip_special_tokens); user-defined ones decode as text.
-    llama.cpp strips spaces beside some by model name: Phi-3's right of its special tokens, <mask>'s left.
-    """
-    rstrip = _rstripped(reader, tokens, types)
-    lstrip = _lstripped(reader)
-    special, plain = [], []
-    for text, kind in zip(tokens, types):
-        if kind not in (CONTROL, UNKNOWN, USER_DEFINED):
-            continue
-        token = AddedToken(
-            text, normalized=False, special=kind != USER_DEFINED, rstrip=text in rstrip, lstrip=text in lstrip
-        )
-        (plain if kind == USER_DEFINED else special).append(token)
-    backend.add_special_tokens(special)
-    backend.add_tokens(plain)
-
-
-def _rstripped(reader, tokens: list[str], types: list[int]) -> set[str]:
-    """Tokens llama.cpp strips the spaces after: Phi-3's special tokens but <unk>, <s>, <|endoftext|>."""
-    name = str(field(reader, "general.name", "") or "").lower()
-    if "phi-3" not in name and "phi3" not in name:
-        return set()
-    found = {t for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN, USER_DEFINED)} | {"</s>"}
-    return found - {"<unk>", "<s>", "<|endoftext|>"}
-
-
-def _lstripped(reader) -> set[str]:
-    """Tokens llama.cpp strips the spaces before: the mask of jina v2, nomic-bert-moe, jina-bert-v3, ModernBERT."""
-    pre = str(field(reader, "tokenizer.ggml.pre", "") or "")
-    arch = str(field(reader, "general.architecture", "") or "")
-    name = str(field(reader, "general.name", "") or "").lower()
-    jina = any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))
-    if jina or arch in ("nomic-bert-moe", "jina-bert-v3"):
-        return {"<mask>"}
-    return {"[MASK]"} if "modern-bert" in name else set()
 
 
 def _post_processor(backend: HfTokenizer, bos: int | None, eos: int | None):

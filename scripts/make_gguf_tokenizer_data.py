@@ -75,6 +75,7 @@ SPM_USER_DEFINED = ["<|im_start|>", "<|im_end|>"]
 SPM_CONTROL = ["<ctrl>", "<|endoftext|>"]  # <|endoftext|>: llama.cpp's Phi-3 rule names it
 BPE_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<|im_start|>", "<|im_end|>"]
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
@@ -195,6 +196,32 @@ def byte_bpe_kv() -> dict:
     }
 
 
+def spm_style_bpe_kv() -> dict:
+    """An SPM-style BPE as Gemma 4 has it: "▁" spaces, merges within lines, <0xXX> byte pieces (`gemma4`)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\n]+|[\n]+"), behavior="isolated")
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=GEMMA_SPECIAL, show_progress=False)
+    tok.train_from_iterator(TRAINING * 20, trainer)
+    model = json.loads(tok.to_str())["model"]
+    trained = sorted(model["vocab"], key=model["vocab"].get)
+    tokens = [*GEMMA_SPECIAL, *(f"<0x{b:02X}>" for b in range(256)), *trained[len(GEMMA_SPECIAL):]]
+    tokens += [t for t in ("\n\n\n",) if t not in tokens]  # no merge makes it: llama.cpp takes the run whole
+    kinds = {**{t: CONTROL for t in GEMMA_SPECIAL}, **{f"<0x{b:02X}>": BYTE for b in range(256)}}
+    return {
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [kinds.get(t, NORMAL) for t in tokens],
+        "tokenizer.ggml.merges": [" ".join(m) if isinstance(m, list) else m for m in model["merges"]],
+        "tokenizer.ggml.bos_token_id": tokens.index("<bos>"),
+        "tokenizer.ggml.eos_token_id": tokens.index("<eos>"),
+        "tokenizer.ggml.unknown_token_id": tokens.index("<unk>"),
+        "tokenizer.ggml.padding_token_id": tokens.index("<pad>"),
+    }
+
+
 def wordpiece_kv() -> dict:
     """A BERT WordPiece (uncased), its vocabulary spelled as llama.cpp's converter writes it (phantom spaces).
 
@@ -238,6 +265,7 @@ FILES = {
     "gguf_tok_ugm.gguf": ugm_kv,
     "gguf_tok_bpe.gguf": byte_bpe_kv,
     "gguf_tok_wpm.gguf": wordpiece_kv,
+    "gguf_tok_gemma4.gguf": spm_style_bpe_kv,
 }
 
 
@@ -253,7 +281,17 @@ def cases() -> list[tuple[str, dict]]:
         }),
         ("gguf_tok_bpe.gguf", {"tokenizer.ggml.add_bos_token": True}),
     ]
-    out += [("gguf_tok_bpe.gguf", {"tokenizer.ggml.pre": pre}) for pre in supported_pre() if pre != "gpt-2"]
+    pres = supported_pre()
+    module = sys.modules["gguf_pretokenizers"]
+    out += [
+        ("gguf_tok_bpe.gguf", {"tokenizer.ggml.pre": pre}) for pre in pres
+        if pre != "gpt-2" and not module.rules(pre).raw_utf8
+    ]
+    out += [  # the SPM-style names on a gpt2-model file, as llama.cpp's converter writes them
+        ("gguf_tok_gemma4.gguf", {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre}) for pre in pres
+        if module.rules(pre).raw_utf8
+    ]
+    out.append(("gguf_tok_gemma4.gguf", {"tokenizer.ggml.add_bos_token": False}))  # llama.cpp adds one anyway
     return out
 
 
@@ -271,7 +309,8 @@ def distinct_pre() -> list[str]:
     module = sys.modules["gguf_pretokenizers"]
     seen: dict = {}
     for name in supported_pre():
-        seen.setdefault(module.rules(name), name)
+        if not module.rules(name).raw_utf8:  # an SPM-style split means nothing to a byte-level vocabulary
+            seen.setdefault(module.rules(name), name)
     return list(seen.values())
 
 

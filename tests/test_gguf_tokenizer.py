@@ -110,12 +110,13 @@ def test_smollm2_ids_equal_llama_cpps(case):
 
 
 def test_every_pre_tokenizer_has_golden_ids():
-    bpe = [c for c in GOLDEN["cases"] if c["file"] == "gguf_tok_bpe.gguf"]
-    tested = {c["overrides"].get("tokenizer.ggml.pre", "gpt-2") for c in bpe}
+    bpe = [c for c in GOLDEN["cases"] if c["file"] in ("gguf_tok_bpe.gguf", "gguf_tok_gemma4.gguf")]
+    tested = {c["overrides"].get("tokenizer.ggml.pre", "gpt-2") for c in bpe if c["overrides"]}
+    tested.add("gpt-2")  # the byte-level file's own
     assert tested == set(SUPPORTED_PRE)
 
 
-@pytest.mark.parametrize("name", ["spm", "ugm", "bpe", "wpm"])
+@pytest.mark.parametrize("name", ["spm", "ugm", "bpe", "wpm", "gemma4"])
 def test_file_loads_through_tokenizer_from_dir(name):
     tok = Tokenizer.from_dir(DATA / f"gguf_tok_{name}.gguf")
     case = next(c for c in GOLDEN["cases"] if c["file"] == f"gguf_tok_{name}.gguf" and not c["overrides"])
@@ -172,8 +173,8 @@ def test_a_missing_pre_tokenizer_splits_as_llama_cpps_default_and_warns(caplog):
     assert [missing.encode(t) for t in CORPUS] == [default.encode(t) for t in CORPUS]
 
 
-@pytest.mark.parametrize("kind", ["rwkv", "plamo2", "gemma4"])
+@pytest.mark.parametrize("kind", ["rwkv", "plamo2", "whitespace"])
 def test_an_unsupported_tokenizer_model_is_one_error_naming_it(kind):
-    supported = r"\(supported: llama, gpt2, bert, t5\)"
+    supported = r"\(supported: llama, gpt2, bert, t5, gemma4\)"
     with pytest.raises(GgufError, match=rf"tokenizer model '{kind}' is not supported {supported}"):
         load(DATA / "gguf_tok_bpe.gguf", {"tokenizer.ggml.model": kind})
