@@ -77,12 +77,14 @@ def main() -> None:
 
     def alternatives(m: int) -> dict[str, tg.Config]:
         if m <= tg.DECODE_ROWS:
-            options = [tg.Config(16, 64, 128, 4, 3), tg.Config(16, 32, 256, 8, 4)]
+            options = [tg.Config(1, 8, 512, 4, 1), tg.Config(1, 32, 128, 4, 1), tg.Config(16, 16, 256, 4, 4),
+                       tg.Config(16, 64, 128, 4, 3)]
         elif m <= 64:
             options = [tg.Config(32, 64, 128, 4, 3)]
         else:
             options = [tg.Config(128, 128, 64, 8, 3), tg.Config(128, 64, 64, 4, 3)]
-        return {f"fused_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}_s{c.num_stages}": c for c in options}
+        kind = lambda c: "gemv" if c.block_m == 1 else "fused"  # noqa: E731
+        return {f"{kind(c)}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}_s{c.num_stages}": c for c in options}
 
     rng = np.random.default_rng(0)
     results = {}
@@ -104,7 +106,7 @@ def main() -> None:
                 want = (x @ dense.T).float()
                 paths = {
                     "dispatch": lambda: tg.matmul(x, w),
-                    "fused_default": lambda: tg.matmul(x, w, dense=False),
+                    "kernel_default": lambda: tg.matmul(x, w, dense=False),
                     "dequantize_then_matmul": lambda: tg.matmul(x, w, dense=True),
                     **{label: partial(tg.matmul, x, w, c, dense=False) for label, c in alternatives(m).items()},
                 }

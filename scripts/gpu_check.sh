@@ -95,12 +95,14 @@ TAIL=30 stage bench 240 sh -c "'$PY' scripts/bench_compare.py --device cuda --pr
   --max-num-seqs 128 --reps 1 --engines offline,serve,floor,transformers >'$OUT/bench.json'"
 stage parity 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_model_parity.py
 stage e2e 150 "$PY" -m pytest -q -x tests/test_llm.py tests/test_serve_e2e.py tests/test_faults_e2e.py
-# gguf: the kernel compiles dominate, so the tests run as four shards beside the bench's compiles (--warm, into
-# triton's cache), then the bench alone.
+# gguf: the kernel compiles dominate, so the tests run as four shards beside the bench's compiles (--warm, one
+# process per type, into triton's cache), then the bench alone.
 TAIL=45 stage gguf 150 bash -c '
   py=$0 out=$1 rc=0 pids=() i=0
-  timeout -k 5 90 "$py" scripts/bench_gguf_cuda.py --warm >"$out/gguf_warm.log" 2>&1 &
-  pids+=($!)
+  for t in Q4_K Q6_K Q8_0; do
+    timeout -k 5 90 "$py" scripts/bench_gguf_cuda.py --warm --types $t >"$out/gguf_warm_$t.log" 2>&1 &
+    pids+=($!)
+  done
   typed="Q8_0 or Q5_0 or IQ4_NL or Q4_0 or Q4_1 or Q4_K or Q5_1 or Q5_K or Q6_K"
   for sel in "Q8_0 or Q5_0 or IQ4_NL" "Q4_0 or Q4_1 or Q4_K" "Q5_1 or Q5_K or Q6_K" "not ($typed)"; do
     i=$((i + 1))
@@ -109,7 +111,7 @@ TAIL=45 stage gguf 150 bash -c '
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-  for log in "$out"/gguf_warm.log "$out"/gguf_tests_*.log; do
+  for log in "$out"/gguf_warm_*.log "$out"/gguf_tests_*.log; do
     echo "-- $log"; grep -E "FAILED|ERROR|Error|passed|failed|skipped" "$log" | tail -n 6
   done
   timeout -k 5 50 "$py" scripts/bench_gguf_cuda.py >"$out/gguf_bench.json" || rc=1

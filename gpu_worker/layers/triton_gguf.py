@@ -9,12 +9,12 @@ The weight stays in gguf_quant_types' common form on the device, w[n, k] = d * s
 `matmul(x, w)` is y[M, N] = x[M, K] @ W.T. Below DENSE_ROWS rows it is one fused kernel: each program loads a
 [BLOCK_N, BLOCK_K] tile of codes as [BLOCK_N, BLOCK_K / sub, sub], scales it by its sub-blocks' d * sc and
 offsets it by dm * mn in float32 (the products `gguf_quant_types.dequantize` rounds, so the weight is the dense
-path's, rounded to x's dtype as it rounds it), and accumulates x tile @ w tile.T in float32 with tl.dot. Decode
-rows (M <= 16) take narrow BLOCK_N tiles, so every weight is read once and the grid still covers the GPU; more
-rows take wider tiles. From DENSE_ROWS rows (prefill), where the product outweighs reading the weight, the
-weight is dequantized for the step into x's dtype (`dequantize`, the same tile code) and multiplied by torch's
-matmul, then freed: no dense copy outlives the call. x and y are float32, bfloat16 or float16; float32 dots run
-in IEEE precision (not TF32).
+path's, rounded to x's dtype as it rounds it), and accumulates x tile @ w tile.T in float32 with tl.dot; a
+single row (batch-1 decode) sums elementwise products instead, no tl.dot. Decode rows take narrow BLOCK_N
+tiles, so every weight is read once and the grid still covers the GPU; more rows take wider tiles. From
+DENSE_ROWS rows (prefill), where the product outweighs reading the weight, the weight is dequantized for the
+step into x's dtype (`dequantize`, the same tile code) and multiplied by torch's matmul, then freed: no dense
+copy outlives the call. x and y are float32, bfloat16 or float16; float32 dots run in IEEE precision (not TF32).
 
 This is vLLM's GGUF path in Triton (its CUDA kernels dequantize per type; here one kernel takes every type
 through the common form).
@@ -32,15 +32,16 @@ import triton.language as tl
 
 from metrale.gpu_worker.layers.gguf_quant_types import IQ4_VALUES, Blocks
 
+GEMV_ROWS = 1  # up to this many rows of x: the GEMV kernel (each row reads the weight; from L2 after the first)
 DECODE_ROWS = 16  # up to this many rows of x: the decode config (tl.dot's smallest M is 16)
 DENSE_ROWS = 256  # from this many rows: dequantized for the step, then torch's matmul (bench_gguf_cuda.py)
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """One launch shape: tiles, warps, pipeline stages."""
+    """One launch shape: tiles, warps, pipeline stages (`config_for`'s, or a benchmark's)."""
 
-    block_m: int
+    block_m: int  # 1: the GEMV kernel (one program per row of x and BLOCK_N outputs; no tl.dot)
     block_n: int
     block_k: int
     num_warps: int = 4
@@ -145,6 +146,36 @@ def _gguf_matmul_kernel(
 
 
 @triton.jit(do_not_specialize=["lo"])
+def _gguf_gemv_kernel(
+    X, Y, C, SC, MN, D, DM, LUT,
+    N, K, lo,
+    stride_xm, stride_ym, stride_c, stride_sc, stride_d,
+    SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    """BLOCK_N outputs of one row of x: products summed elementwise in float32, reduced once at the end (a
+    single row gains nothing from tl.dot, whose operand layout would cost a trip through shared memory)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _weight_tile(C, SC, MN, D, DM, LUT, n, n_ok, k0, K, lo, stride_c, stride_sc, stride_d,
+                         SUB, SUP, PACKED, HAS_LUT, HAS_MIN, BLOCK_N, BLOCK_K)
+        if ROUND_BF16:
+            w = _rounded_to_bf16(w)
+        w = w.to(X.dtype.element_ty).to(tl.float32)  # the dense path's weight, rounded to x's dtype
+        k = k0 + kk
+        x = tl.load(X + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if ROUND_BF16:
+        y = _rounded_to_bf16(y)
+    tl.store(Y + row * stride_ym + n, y.to(Y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["lo"])
 def _gguf_dequantize_kernel(
     W, C, SC, MN, D, DM, LUT,
     N, K, lo,
@@ -200,6 +231,8 @@ def config_for(m: int, n: int, k: int) -> Config:
     """The fused launch shape for m rows: narrow tiles while the weight's bytes dominate (enough programs to
     cover the GPU, each weight read once per BLOCK_M rows), wider ones as the rows grow."""
     narrow = 32 if n >= 8192 else 16
+    if m <= GEMV_ROWS:
+        return Config(1, narrow, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=1)
     if m <= DECODE_ROWS:
         return Config(16, narrow, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=4)
     if m <= 64:
@@ -228,6 +261,14 @@ def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, de
     cfg = config or config_for(m, w.n, w.k)
     interpreted = _interpreted()
     grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    if cfg.block_m == 1:
+        _gguf_gemv_kernel[grid](
+            x, y, *_weight_args(w), w.n, w.k, w.lo,
+            x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
+            **_form(w), BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, w.sub),
+            ROUND_BF16=interpreted and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return y
     _gguf_matmul_kernel[grid](
         x, y, *_weight_args(w), m, w.n, w.k, w.lo,
         x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
