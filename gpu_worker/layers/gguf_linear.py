@@ -116,22 +116,22 @@ def _segments(layer: nn.Module) -> list[tuple[str, qt.Blocks]]:
     staged = layer.gguf_staged
     if not staged:
         raise ValueError("a GGUF-typed layer got no blocks")
-    rows = layer.weight.shape[0]
-    owner: list[str | None] = [None] * rows
-    for name, (_, filled) in staged.items():
-        for r in torch.nonzero(filled[:, 0]).flatten().tolist():
-            if owner[r] is not None:
-                raise ValueError(f"rows loaded twice, as {owner[r]} and {name}")
-            owner[r] = name
-    previous = next(o for o in owner if o is not None)
-    for r in range(rows):
-        owner[r] = previous = owner[r] or previous
-    segments, start = [], 0
-    for r in range(1, rows + 1):
-        if r == rows or owner[r] != owner[r - 1]:
-            name = owner[r - 1]
-            segments.append((name, qt.decode(name, staged[name][0][start:r].numpy())))
-            start = r
+    names = list(staged)
+    owner = torch.zeros(layer.weight.shape[0], dtype=torch.int64)  # 1 + the type's index; 0: no part filled
+    for i, (_, filled) in enumerate(staged.values()):
+        mine = filled[:, 0].bool()
+        if bool((mine & (owner > 0)).any()):
+            raise ValueError(f"rows loaded twice, as {names[int(owner[mine].max()) - 1]} and {names[i]}")
+        owner[mine] = i + 1
+    filled_at = torch.nonzero(owner).flatten()
+    # An unfilled row takes the type of the filled row before it (the first filled row's, at the top).
+    before = torch.searchsorted(filled_at, torch.arange(len(owner)), right=True).clamp_(min=1) - 1
+    owner = owner[filled_at[before]]
+    edges = [0, *(torch.nonzero(owner[1:] != owner[:-1]).flatten() + 1).tolist(), len(owner)]
+    segments = []
+    for start, end in zip(edges[:-1], edges[1:]):
+        name = names[int(owner[start]) - 1]
+        segments.append((name, qt.decode(name, staged[name][0][start:end].numpy())))
     return segments
 
 
