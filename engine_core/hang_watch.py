@@ -82,11 +82,14 @@ class HangWatch:
         self._seen = 0
 
     def record(self, elapsed_ns: int, work: StepWork | int) -> None:
-        """A ticket of this work took elapsed_ns (an int work: that many decode positions)."""
+        """A ticket of this work took elapsed_ns (an int work: that many decode positions). A ticket without
+        tokens (a logits read, a LoRA load) is no step: it neither counts toward warm-up nor feeds the fit."""
+        work = _as_work(work)
+        if not (work.prefill_tokens or work.decode_positions):
+            return
         self._seen += 1
         if self._seen <= self.warmup:
             return  # warm-up steps say nothing about the model's steady step time
-        work = _as_work(work)
         sample = (work, elapsed_ns / NS)
         if work.prefill_tokens:
             self._prefills.append(sample)

@@ -101,3 +101,15 @@ def test_a_plans_work_splits_prefill_chunks_from_decode_rows_and_drafts():
     assert StepWork.of_plan(plan) == StepWork(forwards=1, prefill_tokens=100, decode_positions=4)
     burst = decode_plan([1, 2, 3, 4])
     assert StepWork.of_plan(burst, StepKind.BURST, 8) == StepWork(forwards=8, prefill_tokens=0, decode_positions=32)
+
+
+def test_a_ticket_without_tokens_is_no_step():
+    """A LoRA load or a logits read neither ends a worker's warm-up nor feeds the fit (a slow adapter load would
+    otherwise raise every step's expected overhead)."""
+    watch = HangWatch(floor_s=1.0, warmup=2, refit_every=1)
+    watch.record(5 * NS, StepWork(forwards=1))
+    watch.record(5 * NS, StepWork(forwards=1))
+    assert watch.limit_ns(decode(8)) == 300 * NS, "still warming up"
+    run(watch, [decode(1), decode(8)] + [decode(r) for r in (1, 8, 64)] * 2)
+    watch.record(5 * NS, StepWork(forwards=1))
+    assert watch.expected_s(decode(64)) == pytest.approx(true_s(decode(64)), rel=0.01)
