@@ -9,6 +9,7 @@ at batch N (tokens/s) for each of its configurations. One JSON line.
 
     python scripts/bench_gguf.py --model bench-small --files bf16 q8_0 --llamacpp-python /work/venvs/llamacpp/bin/python
     python scripts/bench_gguf.py --model smollm2 --files q4_1 q8_0 --llamacpp-python /work/venvs/llamacpp/bin/python
+    python scripts/bench_gguf.py --model smollm2 --files q4_k_m q5_k_m q6_k --llamacpp-python /work/peers/llama-venv/bin/python
 """
 
 from __future__ import annotations
@@ -51,8 +52,21 @@ print(json.dumps({"prefill_s": prefill, "decode_s_per_token": decode}))
 """
 
 
-def gguf_files(model: str, kinds: list[str]) -> dict[str, Path]:
-    """The model's GGUF file of each kind, written once into out/gguf/."""
+# The mixes llama.cpp's quantizer makes (its llama_ftype numbers), made by it from the model's f32 file: the
+# files people download (Q4_K_M: Q4_K with Q6_K attn_v / ffn_down; where a row is no whole 256-block, its
+# fallbacks Q5_0 / Q5_1 / Q8_0).
+LLAMACPP_MIXES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+QUANTIZE_SCRIPT = r"""
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
+"""
+
+
+def gguf_files(model: str, kinds: list[str], llamacpp_python: str | None = None) -> dict[str, Path]:
+    """The model's GGUF file of each kind, written once into out/gguf/ (the K-quant mixes by llama.cpp's
+    quantizer, which needs llamacpp_python)."""
     from metrale.gpu_worker.gguf_export import requantize_gguf, write_gguf
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -62,6 +76,13 @@ def gguf_files(model: str, kinds: list[str]) -> dict[str, Path]:
             files[kind] = SMOLLM2_Q4_1
             continue
         path = OUT / f"{model}.{kind}.gguf"
+        if not path.exists() and kind in LLAMACPP_MIXES:
+            if llamacpp_python is None:
+                raise SystemExit(f"{kind}: llama.cpp's quantizer makes it; pass --llamacpp-python")
+            source = gguf_files(model, ["f32"])["f32"]
+            tmp = path.with_suffix(".tmp")
+            subprocess.run([llamacpp_python, "-c", QUANTIZE_SCRIPT, str(source), str(tmp), str(LLAMACPP_MIXES[kind])], check=True)
+            os.replace(tmp, path)
         if not path.exists():
             tmp = path.with_suffix(".tmp")
             if model == "smollm2":
@@ -121,7 +142,7 @@ def llamacpp_once(python: str, path: Path, threads: int, prompt: list[int], new:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["bench-small", "bench-tiny", "smollm2"], default="bench-small")
-    ap.add_argument("--files", nargs="+", default=["bf16", "q8_0"], help="GGUF tensor types (bf16, q8_0, q4_1, f32)")
+    ap.add_argument("--files", nargs="+", default=["bf16", "q8_0"], help="GGUF tensor types (bf16, q8_0, q4_1, f32; q4_k_m, q5_k_m, q6_k by llama.cpp's quantizer)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
@@ -136,7 +157,7 @@ def main() -> None:
     from metrale import LLM
 
     torch.set_num_threads(args.threads)
-    files = gguf_files(args.model, args.files)
+    files = gguf_files(args.model, args.files, args.llamacpp_python)
     prompt = prompt_ids(args.model, 1, args.prompt_len)[0]
     batch = prompt_ids(args.model, args.batch, args.prompt_len) if args.batch else []
     engines = {}
