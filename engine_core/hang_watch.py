@@ -16,7 +16,6 @@ worker's first `warmup` steps (compilation, warm-up) are not recorded and get `f
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +38,10 @@ class StepWork:
     @classmethod
     def of_plan(cls, plan: StepPlan, kind: StepKind = StepKind.STEP, steps: int = 1) -> StepWork:
         """A plan's work: a row whose new tokens are more than its last token and drafts is a prefill chunk."""
+        rows, tokens = len(plan.seq_lens), int(plan.query_start[-1])
+        if tokens == rows:  # one token a row: all decodes (the common step, priced without numpy)
+            return cls(forwards=steps, decode_positions=rows * steps) if kind == StepKind.BURST \
+                else cls(decode_positions=rows)
         per_row = np.diff(plan.query_start)
         chunk = per_row > 1 + plan.num_drafts
         prefill = int(per_row[chunk].sum())
@@ -46,15 +49,6 @@ class StepWork:
         if kind == StepKind.BURST:
             return cls(forwards=steps, prefill_tokens=0, decode_positions=(decode + prefill) * steps)
         return cls(forwards=1, prefill_tokens=prefill, decode_positions=decode)
-
-    @property
-    def vector(self) -> tuple[float, float, float]:
-        return float(self.forwards), float(self.prefill_tokens), float(self.decode_positions)
-
-    @property
-    def units(self) -> int:
-        """Tokens times forwards, at least 1: the old single measure (for the slowest-rate stand-in)."""
-        return max(1, self.prefill_tokens + self.decode_positions)
 
 
 NO_WORK = StepWork()  # a ticket without a plan (logits, LoRA): one forward's overhead
@@ -70,12 +64,15 @@ class HangWatch:
     warmup: int = 2
     history: int = 64  # recent steps the fit reads (and the slowest rate's window)
     prefill_history: int = 32  # recent steps with prefill work, kept apart so decode runs do not push them out
-    refit_every: int = 16  # records between fits (a fit is a few small least-squares solves)
-    _recent: deque = field(default_factory=deque)  # (StepWork, seconds)
-    _prefills: deque = field(default_factory=deque)  # (StepWork, seconds) of steps with prefill tokens
+    refit_every: int = 32  # records between fits (a fit is a few small least-squares solves)
+    _recent: _Samples | None = None  # the last `history` steps without prefill tokens
+    _prefills: _Samples | None = None  # the last `prefill_history` steps with prefill tokens
     _seen: int = 0  # steps completed by the current worker
     _stale: int = 0  # records since the last fit
-    _rates: np.ndarray | None = None  # seconds per forward, prefill token, decode position (None: not fitted)
+    _rates: tuple[float, float, float] | None = None  # seconds per forward, prefill token, decode position
+
+    def __post_init__(self) -> None:
+        self._recent, self._prefills = _Samples(self.history), _Samples(self.prefill_history)
 
     def reset(self) -> None:
         """A new worker: its first steps get the warm-up allowance again. The fit stays: same model, same device."""
@@ -90,15 +87,7 @@ class HangWatch:
         self._seen += 1
         if self._seen <= self.warmup:
             return  # warm-up steps say nothing about the model's steady step time
-        sample = (work, elapsed_ns / NS)
-        if work.prefill_tokens:
-            self._prefills.append(sample)
-            if len(self._prefills) > self.prefill_history:
-                self._prefills.popleft()
-        else:
-            self._recent.append(sample)
-            if len(self._recent) > self.history:
-                self._recent.popleft()
+        (self._prefills if work.prefill_tokens else self._recent).add(work, elapsed_ns / NS)
         self._stale += 1
         if self._rates is None or self._stale >= self.refit_every:
             self._refit()
@@ -107,7 +96,9 @@ class HangWatch:
         """The time a ticket of this work is expected to take; None while nothing steady has been measured."""
         if self._rates is None:
             return None
-        return float(np.dot(self._rates, _as_work(work).vector))
+        a, b, c = self._rates
+        work = _as_work(work)
+        return a * work.forwards + b * work.prefill_tokens + c * work.decode_positions
 
     def limit_ns(self, work: StepWork | int = NO_WORK) -> int:
         """How long a ticket of this work may run before its worker counts as hung."""
@@ -118,38 +109,70 @@ class HangWatch:
 
     def _refit(self) -> None:
         """Fit seconds = a·forwards + b·prefill_tokens + c·decode_positions with every rate >= 0; a kind of work
-        seen in fewer than MIN_SAMPLES steps gets the slowest recent time per unit of work instead."""
+        seen in fewer than MIN_SAMPLES steps gets the slowest recent time per token instead."""
         self._stale = 0
-        samples = [*self._recent, *self._prefills]
-        if not samples:
+        samples = np.concatenate((self._recent.rows(), self._prefills.rows()))
+        if not len(samples):
             self._rates = None
             return
-        x = np.array([w.vector for w, _ in samples])
-        y = np.array([t for _, t in samples])
-        slowest = max(t / w.units for w, t in samples)
-        known = [True, len(self._prefills) >= MIN_SAMPLES, int((x[:, 2] > 0).sum()) >= MIN_SAMPLES]
-        rates = _nonnegative_fit(x, y, [j for j in range(3) if known[j]])
-        for j in (1, 2):
-            if not known[j]:
-                rates[j] = slowest
-        self._rates = rates
+        x, y = samples[:, :3], samples[:, 3]
+        slowest = float((y / np.maximum(1.0, x[:, 1] + x[:, 2])).max())  # seconds per token, the slowest step's
+        known = [True, len(self._prefills.rows()) >= MIN_SAMPLES, int(np.count_nonzero(x[:, 2])) >= MIN_SAMPLES]
+        rates = _nonnegative_fit(x.T @ x, x.T @ y, [j for j in range(3) if known[j]])
+        self._rates = tuple(rates[j] if known[j] else slowest for j in range(3))
 
 
-def _nonnegative_fit(x: np.ndarray, y: np.ndarray, columns: list[int]) -> np.ndarray:
-    """Least squares of y on x's `columns` with no negative coefficient (a negative one leaves the fit and the
-    rest is solved again); columns scaled to unit norm first, so a rarely seen kind of work is not drowned."""
-    rates = np.zeros(x.shape[1])
+class _Samples:
+    """The last n steps' (forwards, prefill tokens, decode positions, seconds), in a preallocated ring."""
+
+    def __init__(self, n: int) -> None:
+        self._rows = np.zeros((n, 4))
+        self._count = 0
+
+    def add(self, work: StepWork, seconds: float) -> None:
+        self._rows[self._count % len(self._rows)] = (work.forwards, work.prefill_tokens, work.decode_positions, seconds)
+        self._count += 1
+
+    def rows(self) -> np.ndarray:
+        return self._rows[: min(self._count, len(self._rows))]
+
+
+def _nonnegative_fit(gram: np.ndarray, xty: np.ndarray, columns: list[int]) -> list[float]:
+    """Least squares from the normal equations (gram = XᵀX, xty = Xᵀy) over `columns`, with no negative
+    coefficient (a negative one leaves the fit and the rest is solved again). Columns are scaled to unit norm, so a
+    rarely seen kind of work is not drowned, and a whisker of ridge keeps collinear ones (every decode step of
+    the same batch) solvable: they then share the time, which predicts the steps seen."""
+    rates = [0.0, 0.0, 0.0]
     active = list(columns)
     while active:
-        sub = x[:, active]
-        norms = np.linalg.norm(sub, axis=0)
+        g = gram[np.ix_(active, active)]
+        norms = np.sqrt(np.diag(g))
         norms[norms == 0] = 1.0
-        coef = np.linalg.lstsq(sub / norms, y, rcond=None)[0] / norms
-        if (coef >= 0).all():
-            rates[active] = coef
+        scaled = g / np.outer(norms, norms) + 1e-9 * np.eye(len(active))
+        coef = _solve(scaled.tolist(), (xty[active] / norms).tolist())
+        coef = [c / n for c, n in zip(coef, norms.tolist())]
+        if min(coef) >= 0:
+            for j, c in zip(active, coef):
+                rates[j] = c
             break
-        active = [j for j, c in zip(active, coef) if c >= 0] if (coef >= 0).any() else []
+        active = [j for j, c in zip(active, coef) if c >= 0]
     return rates
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a·x = b for a small symmetric positive definite a (Gaussian elimination; no LAPACK call, whose
+    overhead is most of the cost at this size)."""
+    n = len(b)
+    for k in range(n):
+        for i in range(k + 1, n):
+            f = a[i][k] / a[k][k]
+            for j in range(k, n):
+                a[i][j] -= f * a[k][j]
+            b[i] -= f * b[k]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
 
 
 def _as_work(work: StepWork | int) -> StepWork:
