@@ -71,11 +71,15 @@ class GgufLinearMethod(LinearMethod):
             layer.gguf_runs = None
         else:
             layer.gguf_runs = [_run(kernel, parts, ops[kernel]) for kernel, parts in runs]
+        single = layer.gguf_runs is not None and len(layer.gguf_runs) == 1 and not layer.wide
+        layer.gguf_single = layer.gguf_runs[0].product if single else None
         layer.gguf_staged = {}
         layer.weight = nn.Parameter(layer.weight.new_empty((0, 0)), requires_grad=False)
 
     def apply(self, layer, x, bias=None):
         """x @ W.T (+ bias) in x's dtype, one product per run of rows."""
+        if layer.gguf_single is not None and bias is None and x.dim() == 2 and x.is_contiguous():
+            return layer.gguf_single(x, False)  # a decode step's common case, without the general path's ops
         flat = x.reshape(-1, x.shape[-1])
         if layer.gguf_runs is None:
             y = _dense_product(flat, layer.dequantized, layer.wide)
