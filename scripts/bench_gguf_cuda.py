@@ -77,14 +77,17 @@ def main() -> None:
 
     def alternatives(m: int) -> dict[str, tg.Config]:
         if m <= tg.DECODE_ROWS:
-            options = [tg.Config(1, 8, 512, 4, 1), tg.Config(1, 32, 128, 4, 1), tg.Config(16, 16, 256, 4, 4),
+            options = [tg.Config(1, 16, 256, 4, 1, split_k=1), tg.Config(1, 8, 512, 4, 1, split_k=4),
+                       tg.Config(1, 32, 256, 8, 1, split_k=8), tg.Config(16, 16, 256, 4, 4),
                        tg.Config(16, 64, 128, 4, 3)]
         elif m <= 64:
             options = [tg.Config(32, 64, 128, 4, 3)]
         else:
             options = [tg.Config(128, 128, 64, 8, 3), tg.Config(128, 64, 64, 4, 3)]
         kind = lambda c: "gemv" if c.block_m == 1 else "fused"  # noqa: E731
-        return {f"{kind(c)}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}_s{c.num_stages}": c for c in options}
+        split = lambda c: f"_split{c.split_k}" if c.block_m == 1 else ""  # noqa: E731
+        return {f"{kind(c)}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}_s{c.num_stages}{split(c)}": c
+                for c in options}
 
     rng = np.random.default_rng(0)
     results = {}

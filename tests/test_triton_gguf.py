@@ -65,7 +65,7 @@ def test_the_kernel_under_the_interpreter():
     )
     tail = (child.stdout + child.stderr)[-3000:]
     assert child.returncode == 0, tail
-    assert "81 passed, 1 skipped" in tail, tail  # every kernel test ran, bfloat16 included
+    assert "83 passed, 1 skipped" in tail, tail  # every kernel test ran, bfloat16 included
 
 
 def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -127,6 +127,17 @@ def test_each_type_dequantizes_for_the_prefill_product(triton_gguf, name, dtype)
     torch.testing.assert_close(got.float(), weight.to(dtype).float(), rtol=rtol, atol=atol)
     x = torch.randn(33, COLS, generator=torch.Generator().manual_seed(5)).to(dtype)
     _check(triton_gguf.matmul(x.to(DEVICE), w, dense=True), x, weight)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_a_row_split_over_k_sums_its_spans(triton_gguf, name):
+    blocks = qt.decode(name, random_blocks(name, ROWS, 1280, seed=7))
+    w = triton_gguf.pack_for_triton(blocks, DEVICE)
+    x = torch.randn(1, 1280, generator=torch.Generator().manual_seed(7))
+    for split in (3, 5):  # spans of whole 256-input tiles: 512, 512 and 256; five of 256
+        config = triton_gguf.Config(1, 16, 256, split_k=split)
+        _check(triton_gguf.matmul(x.to(DEVICE), w, config), x, qt.dequantize(blocks))
+    assert triton_gguf.config_for(1, 4096, 4096, sms=132).split_k > 1  # a decode row of a large layer splits
 
 
 def test_four_bit_codes_are_stored_two_per_byte(triton_gguf):

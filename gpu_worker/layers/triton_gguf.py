@@ -22,6 +22,7 @@ through the common form).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import triton.language as tl
 from metrale.gpu_worker.layers.gguf_quant_types import IQ4_VALUES, Blocks
 
 GEMV_ROWS = 1  # up to this many rows of x: the GEMV kernel (each row reads the weight; from L2 after the first)
+GEMV_PROGRAMS_PER_SM = 4  # a single row's programs (split over K to reach it): loads in flight on every SM
 DECODE_ROWS = 16  # up to this many rows of x: the decode config (tl.dot's smallest M is 16)
 DENSE_ROWS = 256  # from this many rows: dequantized for the step, then torch's matmul (bench_gguf_cuda.py)
 
@@ -46,6 +48,7 @@ class Config:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # GEMV only: spans of K run as separate programs, their sums added after
 
 
 @dataclass(slots=True)
@@ -145,34 +148,54 @@ def _gguf_matmul_kernel(
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["lo"])
+@triton.jit(do_not_specialize=["M", "lo", "k_span"])
 def _gguf_gemv_kernel(
-    X, Y, C, SC, MN, D, DM, LUT,
-    N, K, lo,
+    X, Y, P, C, SC, MN, D, DM, LUT,
+    M, N, K, lo, k_span,
     stride_xm, stride_ym, stride_c, stride_sc, stride_d,
     SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    """BLOCK_N outputs of one row of x: products summed elementwise in float32, reduced once at the end (a
-    single row gains nothing from tl.dot, whose operand layout would cost a trip through shared memory)."""
+    """BLOCK_N outputs of one row of x over one span of K: products summed elementwise in float32, reduced
+    once at the end (one row gains nothing from tl.dot, whose operand layout costs a trip through shared
+    memory). Split over K, each span's sums land in P [SPLIT_K, M, N] for `_sum_splits_kernel`."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
+    split = tl.program_id(2)
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = _weight_tile(C, SC, MN, D, DM, LUT, n, n_ok, k0, K, lo, stride_c, stride_sc, stride_d,
+    k_end = tl.minimum(K, (split + 1) * k_span)
+    for k0 in range(split * k_span, k_end, BLOCK_K):
+        w = _weight_tile(C, SC, MN, D, DM, LUT, n, n_ok, k0, k_end, lo, stride_c, stride_sc, stride_d,
                          SUB, SUP, PACKED, HAS_LUT, HAS_MIN, BLOCK_N, BLOCK_K)
         if ROUND_BF16:
             w = _rounded_to_bf16(w)
         w = w.to(X.dtype.element_ty).to(tl.float32)  # the dense path's weight, rounded to x's dtype
         k = k0 + kk
-        x = tl.load(X + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_xm + k, mask=k < k_end, other=0.0).to(tl.float32)
         acc += w * x[None, :]
     y = tl.sum(acc, axis=1)
+    if SPLIT_K > 1:
+        tl.store(P + (split * M + row) * N + n, y, mask=n_ok)
+    else:
+        if ROUND_BF16:
+            y = _rounded_to_bf16(y)
+        tl.store(Y + row * stride_ym + n, y.to(Y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _sum_splits_kernel(P, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """y[row] = the sum of the K spans' partial sums, in a fixed order (no atomics: the same answer each run)."""
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    y = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        y += tl.load(P + (split * M + row) * N + n, mask=ok, other=0.0)
     if ROUND_BF16:
         y = _rounded_to_bf16(y)
-    tl.store(Y + row * stride_ym + n, y.to(Y.dtype.element_ty), mask=n_ok)
+    tl.store(Y + row * stride_ym + n, y.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["lo"])
@@ -227,12 +250,15 @@ def pack_for_triton(blocks: Blocks, device: torch.device | str) -> TritonWeight:
     )
 
 
-def config_for(m: int, n: int, k: int) -> Config:
-    """The fused launch shape for m rows: narrow tiles while the weight's bytes dominate (enough programs to
-    cover the GPU, each weight read once per BLOCK_M rows), wider ones as the rows grow."""
+def config_for(m: int, n: int, k: int, sms: int = 1) -> Config:
+    """The launch shape for m rows on a GPU of `sms` multiprocessors: narrow tiles while the weight's bytes
+    dominate (enough programs to keep loads in flight on every multiprocessor, each weight read once per
+    BLOCK_M rows; one row splits K for more), wider ones as the rows grow."""
     narrow = 32 if n >= 8192 else 16
     if m <= GEMV_ROWS:
-        return Config(1, narrow, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=1)
+        block_k = 256 if k % 256 == 0 else 64
+        split = max(1, min(-(-GEMV_PROGRAMS_PER_SM * sms // -(-n // narrow)), k // (2 * block_k), 8))
+        return Config(1, narrow, block_k, num_warps=4, num_stages=1, split_k=split)
     if m <= DECODE_ROWS:
         return Config(16, narrow, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=4)
     if m <= 64:
@@ -258,16 +284,11 @@ def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, de
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or config_for(m, w.n, w.k)
+    cfg = config or config_for(m, w.n, w.k, _multiprocessors(x.device))
     interpreted = _interpreted()
     grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     if cfg.block_m == 1:
-        _gguf_gemv_kernel[grid](
-            x, y, *_weight_args(w), w.n, w.k, w.lo,
-            x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
-            **_form(w), BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, w.sub),
-            ROUND_BF16=interpreted and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        _gemv(x, y, w, cfg, interpreted)
         return y
     _gguf_matmul_kernel[grid](
         x, y, *_weight_args(w), m, w.n, w.k, w.lo,
@@ -277,6 +298,26 @@ def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, de
         PRECISION="ieee", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def _gemv(x: torch.Tensor, y: torch.Tensor, w: TritonWeight, cfg: Config, interpreted: bool) -> None:
+    """y = x @ W.T by the GEMV kernel, over cfg.split_k spans of K (whole blocks of BLOCK_K) summed after."""
+    block_k = max(cfg.block_k, w.sub)
+    k_span = triton.cdiv(triton.cdiv(w.k, cfg.split_k), block_k) * block_k
+    split_k = triton.cdiv(w.k, k_span)
+    m = x.shape[0]
+    partial = torch.empty(split_k, m, w.n, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    round_bf16 = interpreted and x.dtype == torch.bfloat16
+    _gguf_gemv_kernel[(triton.cdiv(w.n, cfg.block_n), m, split_k)](
+        x, y, partial, *_weight_args(w), m, w.n, w.k, w.lo, k_span,
+        x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
+        **_form(w), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k, ROUND_BF16=round_bf16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split_k > 1:
+        _sum_splits_kernel[(m, triton.cdiv(w.n, 1024))](
+            partial, y, m, w.n, y.stride(0), SPLIT_K=split_k, BLOCK=1024, ROUND_BF16=round_bf16, num_warps=4,
+        )
 
 
 def dequantize(w: TritonWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -304,6 +345,12 @@ def _weight_args(w: TritonWeight) -> tuple[torch.Tensor, ...]:
 
 def _form(w: TritonWeight) -> dict:
     return dict(SUB=w.sub, SUP=w.sup, PACKED=w.packed, HAS_LUT=w.lut is not None, HAS_MIN=w.mn is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessor count (1 off CUDA: the interpreter gains nothing from more programs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _interpreted() -> bool:
