@@ -1,13 +1,14 @@
 """Write the tokenizer test GGUFs under tests/data/ and the token ids llama.cpp gives for them (the golden file).
 
-Run once, in a venv that has llama-cpp-python, sentencepiece, tokenizers and gguf (not metrale's own: the tests
-read only what this writes):
+Run once, with a Python that has llama-cpp-python (0.3.36 made the committed ids), sentencepiece, protobuf,
+tokenizers and gguf; metrale itself is not imported (the tests read only what this writes):
 
-    /work/peers/llama-venv/bin/python scripts/make_gguf_tokenizer_data.py [--smollm2 FILE]
+    python scripts/make_gguf_tokenizer_data.py [--smollm2 FILE] [--files-only]
 
-Each vocabulary is trained here on a fixed corpus (sentencepiece BPE with byte fallback and sentencepiece Unigram
-with NFKC, a byte-level BPE and a WordPiece with `tokenizers`) and written as a vocab-only GGUF with the `gguf`
-writer. llama.cpp (`Llama(vocab_only=True)`) then tokenizes CORPUS for every case: a case is a file plus metadata
+The files come out the same every run; the ids are whatever that llama.cpp says. Each vocabulary is trained or
+counted here on a fixed corpus (sentencepiece BPE with byte fallback, sentencepiece Unigram with NFKC, a
+byte-level BPE, a WordPiece and a Gemma-4-style BPE) and written as a vocab-only GGUF with the `gguf` writer.
+llama.cpp (`Llama(vocab_only=True)`) then tokenizes CORPUS for every case: a case is a file plus metadata
 overrides (another `tokenizer.ggml.pre`, add_space_prefix, add_bos_token, ...), written to a scratch copy for
 llama.cpp; tests/test_gguf_tokenizer.py applies the same overrides to the committed file. With --smollm2, the
 SmolLM2 file's vocabulary is tokenized too, with its own pre-tokenizer and with each other set of rules in the table.
