@@ -257,7 +257,7 @@ def config_for(m: int, n: int, k: int, sms: int = 1) -> Config:
     narrow = 32 if n >= 8192 else 16
     if m <= GEMV_ROWS:
         block_k = 256 if k % 256 == 0 else 64
-        split = max(1, min(-(-GEMV_PROGRAMS_PER_SM * sms // -(-n // narrow)), k // (2 * block_k), 8))
+        split = max(1, min(triton.cdiv(GEMV_PROGRAMS_PER_SM * sms, triton.cdiv(n, narrow)), k // (2 * block_k), 8))
         return Config(1, narrow, block_k, num_warps=4, num_stages=1, split_k=split)
     if m <= DECODE_ROWS:
         return Config(16, narrow, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=4)
