@@ -112,7 +112,7 @@ TAIL=45 stage gguf 150 bash -c '
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   for log in "$out"/gguf_warm_*.log "$out"/gguf_tests_*.log; do
-    echo "-- $log"; grep -E "FAILED|ERROR|Error|passed|failed|skipped" "$log" | tail -n 6
+    echo "-- $log"; grep -E "FAILED|ERROR|Error|passed|failed|skipped|bench_gguf_cuda|\"warm\"" "$log" | tail -n 6
   done
   timeout -k 5 50 "$py" scripts/bench_gguf_cuda.py >"$out/gguf_bench.json" || rc=1
   exit "$rc"
