@@ -16,7 +16,7 @@ worker's first `warmup` steps (compilation, warm-up) are not recorded and get `f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 

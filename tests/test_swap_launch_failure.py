@@ -29,7 +29,8 @@ def declining(monkeypatch):
 
     def declining_launch(self, plan, *args, **kw):
         if carries_copies(plan) and state["rule"](plan):
-            state["declined"].append((len(plan.swap_out), len(plan.swap_in), bool((plan.feed_from_row != FEED_HOST).any())))
+            fed = bool((plan.feed_from_row != FEED_HOST).any())
+            state["declined"].append((len(plan.swap_out), len(plan.swap_in), fed))
             raise DeviceError("declined by the test")
         state["copies_run"] += len(plan.swap_out) + len(plan.swap_in)
         return launch(self, plan, *args, **kw)
