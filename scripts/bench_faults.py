@@ -194,7 +194,8 @@ def main() -> None:
                 meter.sample()
                 bad = [r for r in results if isinstance(r, BaseException) or (len(r[0]), r[1]) != (args.max_tokens, "length")]
                 if bad:
-                    raise SystemExit(f"fault {k}: {len(bad)} streams did not complete: {bad[:3]}")
+                    raise SystemExit(f"fault {k}: {len(bad)} streams did not complete: {bad[:3]}; the server's log "
+                                     f"ends:\n{server.log_text()[-4000:]}")
                 if args.simulate is not None:
                     changed = [i for i, (tokens, _) in enumerate(results)
                                if tokens != expected_tokens(prompts[i], args.max_tokens, vocab)]
