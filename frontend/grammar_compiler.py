@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import select
@@ -58,6 +59,40 @@ def grammar_vocab(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[i
     h.update(repr((vocab_type, add_prefix_space, vocab_size, list(stop_token_ids))).encode())
     return GrammarVocab(digest=h.hexdigest(), encoded_vocab=encoded[:vocab_size], vocab_type=vocab_type,
                         add_prefix_space=add_prefix_space, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
+_INT_BOUNDS = (-(10**18 - 1), 10**18 - 1)  # 18 digits: within int64, and a range xgrammar compiles fast (all nines)
+
+
+def bounded_integers(schema: str) -> str:
+    """A JSON schema whose integers without a bound get one of 18 digits (within int64): an unbounded integer lets a
+    small model write digits until max_tokens (seen: SmolLM2 writing `{"n": 2087128130003213...` to the end), while
+    a bounded one must close within 19 characters. A schema that is not JSON comes back as it is (the compile says what is wrong)."""
+    try:
+        tree = json.loads(schema)
+    except ValueError:
+        return schema
+    _bound(tree)
+    return json.dumps(tree, separators=(",", ":"), ensure_ascii=False)
+
+
+def _bound(node: object) -> None:
+    """Give each integer schema under node the _INT_BOUNDS bound it lacks (a side already bounded is kept)."""
+    if isinstance(node, list):
+        for item in node:
+            _bound(item)
+        return
+    if not isinstance(node, dict):
+        return
+    kind = node.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        low, high = node.get("minimum", node.get("exclusiveMinimum")), node.get("maximum", node.get("exclusiveMaximum"))
+        if low is None and (not isinstance(high, (int, float)) or high >= _INT_BOUNDS[0]):
+            node["minimum"] = _INT_BOUNDS[0]
+        if high is None and (not isinstance(low, (int, float)) or low <= _INT_BOUNDS[1]):
+            node["maximum"] = _INT_BOUNDS[1]
+    for value in node.values():
+        _bound(value)
 
 
 def grammar_key(kind: str, spec: str) -> str:
@@ -142,7 +177,7 @@ class GrammarCompiler:
             helper = self._ensure_helper()
             if not helper.ready:
                 self._started(helper, await _readable(helper, START_TIMEOUT_S))
-            helper.send((kind, spec))
+            helper.send((kind, bounded_integers(spec) if kind == "json" else spec))
             return self._answer(kind, spec, helper, await _readable(helper, self.timeout_s))
 
     def compile_blocking(self, so: StructuredOutputs) -> GrammarBlob:
@@ -154,7 +189,7 @@ class GrammarCompiler:
         helper = self._ensure_helper()
         if not helper.ready:
             self._started(helper, helper.poll(START_TIMEOUT_S))
-        helper.send((kind, spec))
+        helper.send((kind, bounded_integers(spec) if kind == "json" else spec))
         return self._answer(kind, spec, helper, helper.poll(self.timeout_s))
 
     def close(self) -> None:

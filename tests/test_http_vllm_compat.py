@@ -324,3 +324,22 @@ def test_a_max_logprobs_whose_ring_does_not_fit_is_one_line_at_start_up(capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("metrale serve: error: --max-logprobs -1: 49152 alternatives")
     assert "at most" in err
+
+
+# ---- 12: a schema-bound answer ends --------------------------------------------------------------
+
+
+def test_a_json_schema_integer_ends_even_when_the_model_wants_digits_forever(api, tokenizer):
+    """The digit 1 biased to the top: an unbounded integer would take every token up to max_tokens; the 18-digit
+    bound the server adds (the schema gave none) makes the answer close."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    one = tokenizer.encode("1", add_special_tokens=False)
+    assert len(one) == 1
+    out = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a big number"}], max_tokens=200, temperature=0,
+        logit_bias={str(one[0]): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": schema}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and out.usage.completion_tokens < 60
+    n = json.loads(choice.message.content)["n"]
+    assert len(str(n)) == 18 and str(n).endswith("1" * 16)  # digits to the bound, then closed
