@@ -22,7 +22,10 @@ Every stream must still complete with exactly max-tokens tokens and no error.
 
 --fault picks what is done at the kill point: `kill` (SIGKILL the worker, above), `stop` (SIGSTOP the worker: the
 engine core's hang watch kills it and a new one starts) or `engine` (SIGKILL the engine core: the supervisor starts
-a fresh one with fresh workers and the frontend resubmits its requests with the tokens they streamed). `stall_s` is
+a fresh one with fresh workers and the frontend resubmits its requests with the tokens they streamed) or
+`stop-prefill` (each round streams without a fault, then SIGSTOPs the worker and sends one --long-prompt prompt of
+4,096 tokens by default, as one step: the hang watch must kill the worker within --worker-hang-timeout plus the
+prefill's expected time; the figures are the engine core's: the stuck step's work, expected and allowed time). `stall_s` is
 the longest time no stream received a token, from the fault to the end of the round (a fault-free round's
 is about one step): how long the device stood idle, as the clients see it. The log-based splits are given for the
 worker faults only.
@@ -78,6 +81,8 @@ from _bench_common import (  # noqa: E402
 READY = re.compile(r"new worker ready .* \(ready at monotonic ([\d.]+)\)")
 FIRST = re.compile(r"first tokens .* \(at monotonic ([\d.]+)\)")
 HUNG = re.compile(r"worker lost \(.*made no progress for ([\d.]+) s")
+STUCK = re.compile(r"worker lost \(.*a step of (\d+) prefill tokens and (\d+) decode positions, "
+                   r"expected to take ([\d.]+) s; allowed ([\d.]+) s")
 RESUMED = re.compile(r"the first resumed token came ([\d.]+) s after the fault")
 
 
@@ -141,6 +146,60 @@ async def one_round(port: int, prompts, params, kill_after: int, kill) -> tuple[
     return t_kill, arrivals, results
 
 
+def emit_prefill_hangs(server: ServeProcess, args, vocab: int, vocab_end: int, meter: LoadMeter) -> None:
+    """--fault stop-prefill: each round streams the requests without a fault (the hang watch measures the steps),
+    then SIGSTOPs the worker and sends one --long-prompt prompt, whose prefill is then the step in flight; the
+    engine core's log says when it killed the worker and what the step was allowed. Prints the JSON line."""
+    from metrale.frontend.client import AsyncClient
+
+    params = greedy_params(args.max_tokens)
+    rounds = []
+    for k in range(args.kills):
+        prompts = random_prompts(args.streams, args.prompt_len, seed=1000 + k, vocab_end=vocab_end)
+        asyncio.run(one_round(server.port, prompts, params, args.kill_after, lambda: None))
+        long_prompt = random_prompts(1, args.long_prompt, seed=2000 + k, vocab_end=vocab_end)[0]
+        os.kill(child_pid(server, "worker"), signal.SIGSTOP)
+
+        async def one() -> list[int]:
+            async with AsyncClient("127.0.0.1", server.port, timeout=600) as client:
+                return (await client.complete(token_ids=long_prompt, params=params)).token_ids
+
+        tokens = asyncio.run(one())
+        meter.sample()
+        if len(tokens) != args.max_tokens or (args.simulate is not None
+                                              and tokens != expected_tokens(long_prompt, args.max_tokens, vocab)):
+            raise SystemExit(f"round {k}: the long prompt's tokens differ from its fault-free run")
+        log = server.log_text()
+        if len(STUCK.findall(log)) <= k:
+            raise SystemExit(f"round {k}: no hung prefill in the engine core's log; it ends:\n{log[-2000:]}")
+        prefill, decode, expected, allowed = STUCK.findall(log)[k]
+        rounds.append({"prefill_tokens": int(prefill), "decode_positions": int(decode), "expected_s": float(expected),
+                       "allowed_s": float(allowed), "hang_detect_s": float(HUNG.findall(log)[k]),
+                       "fault_to_resumed_s": float(RESUMED.findall(log)[k])})
+        note(f"prefill hang {k + 1}/{args.kills}: {rounds[-1]}")
+    timeout = args.worker_hang_timeout if args.worker_hang_timeout is not None else 10.0
+    emit({
+        "bench": "faults",
+        "commit": git_commit(),
+        "model": f"simulated:{args.simulate}" if args.simulate is not None else str(args.model or f"tiny:{args.preset}"),
+        "fault": "stop-prefill",
+        "kills": args.kills,
+        "long_prompt": args.long_prompt,
+        "streams": args.streams,
+        "rounds": rounds,
+        # the issue's target: killed within the timeout plus the step's expected time (the watch allows it twice)
+        "within_timeout_plus_2x_expected": sum(r["hang_detect_s"] <= timeout + 2 * r["expected_s"] + 0.15
+                                               for r in rounds),
+        "load": meter.report(),
+    })
+
+
+def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
+    from metrale.gpu_worker.sim_runner import expected_tokens as simulated
+
+    return simulated(prompt, n, vocab)
+
+
 def summary(values: list[float]) -> dict:
     """Median, min and max, in seconds (3 decimals)."""
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
@@ -157,8 +216,10 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int, default=8, help="tokens every stream has before the kill")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads of each torch process")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: the server's choice)")
-    ap.add_argument("--fault", choices=("kill", "stop", "engine"), default="kill",
-                    help="SIGKILL the worker, SIGSTOP it, or SIGKILL the engine core")
+    ap.add_argument("--fault", choices=("kill", "stop", "engine", "stop-prefill"), default="kill",
+                    help="SIGKILL the worker, SIGSTOP it, SIGKILL the engine core, or SIGSTOP the worker before a "
+                         "--long-prompt prefill")
+    ap.add_argument("--long-prompt", type=int, default=4096, help="the prefill's tokens (--fault stop-prefill)")
     ap.add_argument("--worker-hang-timeout", type=float, default=None,
                     help="serve's --worker-hang-timeout (the least time a step may take before its worker counts as hung)")
     ap.add_argument("--simulate", default=None, metavar="A,B,C",
@@ -177,7 +238,10 @@ def main() -> None:
 
             model_dir = write_weightless_model(Path(tmp) / "sim")
             env = {**env, "METRALE_SIMULATE_DEVICE": args.simulate}
-            flags += ["--max-num-seqs", str(args.streams), "--max-model-len", "2048"]
+            flags += ["--max-num-seqs", str(args.streams),
+                      "--max-model-len", str(max(2048, args.long_prompt + args.max_tokens + 16))]
+        if args.fault == "stop-prefill":  # the long prompt is one step
+            flags += ["--max-num-batched-tokens", str(max(2048, args.long_prompt))]
         else:
             model_dir = args.model or build_model(tmp, args.preset)
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
@@ -185,6 +249,9 @@ def main() -> None:
         params = greedy_params(args.max_tokens)
         meter = LoadMeter()
         with ServeProcess(model_dir, *flags, env=env) as server:
+            if args.fault == "stop-prefill":
+                emit_prefill_hangs(server, args, vocab, vocab_end, meter)
+                return
             rounds = []
             for k in range(args.kills):
                 prompts = random_prompts(args.streams, args.prompt_len, seed=1000 + k, vocab_end=vocab_end)
