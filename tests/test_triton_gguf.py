@@ -65,7 +65,7 @@ def test_the_kernel_under_the_interpreter():
     )
     tail = (child.stdout + child.stderr)[-3000:]
     assert child.returncode == 0, tail
-    assert "83 passed, 2 skipped" in tail, tail  # every kernel test ran, bfloat16 included
+    assert "84 passed, 2 skipped" in tail, tail  # every kernel test ran, bfloat16 included
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="compiled where it runs")
@@ -184,7 +184,18 @@ def test_four_bit_codes_are_stored_two_per_byte(triton_gguf):
         assert (w.lut is not None) == name.startswith("IQ4"), name
 
 
-def test_a_stacked_layer_of_two_types_multiplies_through_triton_runs(triton_gguf):
+def test_the_dense_weight_serves_cuda_unless_triton_is_asked_for(monkeypatch):
+    """On CUDA the Triton products still run slower than the dense weight: they are opt-in."""
+    segments = [("Q8_0", qt.decode("Q8_0", random_blocks("Q8_0", 4, 64)))]
+    monkeypatch.delenv(gguf_linear.GGUF_CUDA_ENV, raising=False)
+    assert gguf_linear._triton_runs(segments, torch.device("cpu")) is None
+    monkeypatch.setenv(gguf_linear.GGUF_CUDA_ENV, "fastest")
+    with pytest.raises(ValueError, match="METRALE_GGUF_CUDA"):
+        gguf_linear._triton_runs(segments, torch.device("cpu"))
+
+
+def test_a_stacked_layer_of_two_types_multiplies_through_triton_runs(triton_gguf, monkeypatch):
+    monkeypatch.setenv(gguf_linear.GGUF_CUDA_ENV, "triton")
     cols = 256
     parts = {"q": ("Q4_K", 64), "k": ("Q4_K", 32), "v": ("Q6_K", 32)}  # a Q4_K_M file's attention
     layer = QKVParallelLinear(cols, 32, 2, 1, dtype=torch.bfloat16, device=DEVICE, quant_method=GgufLinearMethod())

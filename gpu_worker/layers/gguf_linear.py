@@ -13,6 +13,7 @@ order of float32 sums, which is what the tests check them against.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,9 +153,20 @@ def _by_kernel(segments: list[tuple[str, qt.Blocks]]) -> list[tuple[str, list[tu
     return runs
 
 
+# On CUDA the Triton products (a quarter to a half of bf16's bytes on the device) still run slower than the dense
+# dequantized weight (scripts/bench_gguf_cuda.py, docs/performance.md), so they are taken only when asked for:
+# METRALE_GGUF_CUDA=triton keeps the file's blocks on the device (for a model whose bf16 weights do not fit).
+GGUF_CUDA_ENV = "METRALE_GGUF_CUDA"  # dense (default) | triton
+
+
 def _triton_runs(segments: list[tuple[str, qt.Blocks]], device: torch.device) -> list[_Run] | None:
-    """One Triton product per segment, its blocks dequantized in registers (triton_gguf.py); None where triton
-    does not import (the dense fallback then)."""
+    """One Triton product per segment, its blocks dequantized in registers (triton_gguf.py), when
+    METRALE_GGUF_CUDA=triton; None otherwise, or where triton does not import (the dense weight then)."""
+    choice = os.environ.get(GGUF_CUDA_ENV, "dense").strip().lower() or "dense"
+    if choice not in ("dense", "triton"):
+        raise ValueError(f"{GGUF_CUDA_ENV} must be dense or triton (got {choice!r})")
+    if choice != "triton":
+        return None
     try:
         from metrale.gpu_worker.layers import triton_gguf
     except ImportError:
