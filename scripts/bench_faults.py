@@ -157,6 +157,7 @@ def emit_prefill_hangs(server: ServeProcess, args, vocab: int, vocab_end: int, m
     for k in range(args.kills):
         prompts = random_prompts(args.streams, args.prompt_len, seed=1000 + k, vocab_end=vocab_end)
         asyncio.run(one_round(server.port, prompts, params, args.kill_after, lambda: None))
+        asyncio.run(wait_idle(server.port))  # a step launched ahead of the streams' last one is settled too
         long_prompt = random_prompts(1, args.long_prompt, seed=2000 + k, vocab_end=vocab_end)[0]
         os.kill(child_pid(server, "worker"), signal.SIGSTOP)
 
@@ -192,6 +193,20 @@ def emit_prefill_hangs(server: ServeProcess, args, vocab: int, vocab_end: int, m
                                                for r in rounds),
         "load": meter.report(),
     })
+
+
+async def wait_idle(port: int, timeout_s: float = 60.0) -> None:
+    """Until the engine core runs nothing and holds no KV block (polling its counters: there is no event)."""
+    from metrale.frontend.client import AsyncClient
+
+    deadline = time.monotonic() + timeout_s
+    async with AsyncClient("127.0.0.1", port, timeout=30) as client:
+        while time.monotonic() < deadline:
+            stats = await client.stats()
+            if stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0:
+                return
+            await asyncio.sleep(0.05)
+    raise SystemExit(f"the engine core did not go idle within {timeout_s:.0f} s")
 
 
 def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
@@ -240,10 +255,10 @@ def main() -> None:
             env = {**env, "METRALE_SIMULATE_DEVICE": args.simulate}
             flags += ["--max-num-seqs", str(args.streams),
                       "--max-model-len", str(max(2048, args.long_prompt + args.max_tokens + 16))]
-        if args.fault == "stop-prefill":  # the long prompt is one step
-            flags += ["--max-num-batched-tokens", str(max(2048, args.long_prompt))]
         else:
             model_dir = args.model or build_model(tmp, args.preset)
+        if args.fault == "stop-prefill":  # the long prompt is one step
+            flags += ["--max-num-batched-tokens", str(max(2048, args.long_prompt))]
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
         vocab_end = plain_vocab_end(model_dir)
         params = greedy_params(args.max_tokens)
