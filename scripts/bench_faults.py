@@ -24,7 +24,7 @@ Every stream must still complete with exactly max-tokens tokens and no error.
 engine core's hang watch kills it and a new one starts) or `engine` (SIGKILL the engine core: the supervisor starts
 a fresh one with fresh workers and the frontend resubmits its requests with the tokens they streamed) or
 `stop-prefill` (each round streams without a fault, then SIGSTOPs the worker and sends one --long-prompt prompt of
-4,096 tokens by default, as one step: the hang watch must kill the worker within --worker-hang-timeout plus the
+4,000 tokens by default, as one step: the hang watch must kill the worker within --worker-hang-timeout plus the
 prefill's expected time; the figures are the engine core's: the stuck step's work, expected and allowed time). `stall_s` is
 the longest time no stream received a token, from the fault to the end of the round (a fault-free round's
 is about one step): how long the device stood idle, as the clients see it. The log-based splits are given for the
@@ -234,7 +234,8 @@ def main() -> None:
     ap.add_argument("--fault", choices=("kill", "stop", "engine", "stop-prefill"), default="kill",
                     help="SIGKILL the worker, SIGSTOP it, SIGKILL the engine core, or SIGSTOP the worker before a "
                          "--long-prompt prefill")
-    ap.add_argument("--long-prompt", type=int, default=4096, help="the prefill's tokens (--fault stop-prefill)")
+    ap.add_argument("--long-prompt", type=int, default=4000,
+                    help="the prefill's tokens (--fault stop-prefill; the simulated model holds 4,096 positions)")
     ap.add_argument("--worker-hang-timeout", type=float, default=None,
                     help="serve's --worker-hang-timeout (the least time a step may take before its worker counts as hung)")
     ap.add_argument("--simulate", default=None, metavar="A,B,C",
@@ -243,6 +244,7 @@ def main() -> None:
     if args.kill_after >= args.max_tokens:
         ap.error("--kill-after must be below --max-tokens")
 
+    long_len = args.long_prompt + args.max_tokens + 16  # the long prompt's request, with room to spare
     with tempfile.TemporaryDirectory(prefix="metrale-bench-faults-") as tmp:
         env = thread_env(args.threads)
         flags = ["--device", args.device] if args.device else []
@@ -254,7 +256,7 @@ def main() -> None:
             model_dir = write_weightless_model(Path(tmp) / "sim")
             env = {**env, "METRALE_SIMULATE_DEVICE": args.simulate}
             flags += ["--max-num-seqs", str(args.streams),
-                      "--max-model-len", str(max(2048, args.long_prompt + args.max_tokens + 16))]
+                      "--max-model-len", str(max(2048, long_len) if args.fault == "stop-prefill" else 2048)]
         else:
             model_dir = args.model or build_model(tmp, args.preset)
         if args.fault == "stop-prefill":  # the long prompt is one step
