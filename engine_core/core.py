@@ -100,7 +100,7 @@ def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int, vocab_size: 
         max_rows=e.max_num_seqs,
         max_blocks_per_row=-(-max_model_len // e.block_size) + 1,
         max_ban_ids=MAX_BAN_IDS,
-        # Alternatives per token: --max-logprobs (never more than the vocabulary), and MAX_LOGPROBS for prompt logprobs.
+        # Alternatives per token, sampled or prompt: --max-logprobs (never more than the vocabulary, at least MAX_LOGPROBS).
         max_logprobs=max(MAX_LOGPROBS, min(logprobs_cap(e.max_logprobs, vocab_size), vocab_size)),
         max_hist_tokens=max(65536, e.max_num_seqs * max_model_len),
         # A verify step's picks come back as the steps of a burst.

@@ -180,8 +180,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
     """The request's SamplingParams (defaults, the model's generation config, for what it leaves out); 400
     naming the field when one is out of range. structured: a constraint the route adds (a forced tool call's
     schema) where the body asks for none. prompt_logprobs: the top-N each prompt token lists (-1: the whole
-    vocabulary), None for none. max_logprobs: the server's cap (--max-logprobs as a count; prompt logprobs stop at
-    MAX_LOGPROBS, the worker's)."""
+    vocabulary), None for none. max_logprobs: the server's cap (--max-logprobs as a count), for both."""
     if body.seed is not None and not 0 <= body.seed <= _MAX_SEED:  # pydantic's words too, which vLLM's clients match
         side = "greater_than_equal 0" if body.seed < 0 else f"less_than_equal {_MAX_SEED}"
         raise ApiError(400, f"seed {body.seed} is out of range: a seed must be an integer from 0 to {_MAX_SEED} "
@@ -193,9 +192,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                        "structured_outputs", param="tool_choice", code="invalid_value")
     kw["structured_outputs"] = asked or structured
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    prompt_cap = min(max_logprobs, MAX_LOGPROBS)
     params = SamplingParams(max_tokens=max_tokens, logprobs=_num_logprobs(logprobs, vocab_size, max_logprobs),
-                            stop=stop, prompt_logprobs=_num_logprobs(prompt_logprobs, vocab_size, prompt_cap,
+                            stop=stop, prompt_logprobs=_num_logprobs(prompt_logprobs, vocab_size, max_logprobs,
                                                                      "prompt_logprobs"),
                             stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias(body, vocab_size), **kw)
     try:

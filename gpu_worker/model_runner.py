@@ -39,7 +39,7 @@ from metrale.model_facts import STATE_RECURRENT, ModelError, resolve_model
 from metrale.config import lora_pairs
 from metrale.settings import DEFAULTS
 from metrale.ipc.plan import MASK_GRAMMAR, FedAheadPolicy, ModelInfo, StepPlan, StepResult, moved_on
-from metrale.ipc.sampling import MAX_LOGPROBS
+from metrale.ipc.sampling import logprobs_cap
 
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
 GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
@@ -96,6 +96,7 @@ class ModelRunner:
         lora_modules: list[str] = DEFAULTS.lora_modules,
         max_loras: int = DEFAULTS.max_loras,
         max_lora_rank: int = DEFAULTS.max_lora_rank,
+        max_logprobs: int = DEFAULTS.max_logprobs,
     ):
         """Load the model, allocate the KV cache (num_kv_blocks, or as many as kv_cache_memory bytes hold)
         and swap_space bytes of host blocks for swap preemption.
@@ -145,6 +146,7 @@ class ModelRunner:
         )
         per_block = PagedKVCache.bytes_per_block(kv.num_layers, block_size, kv.num_kv_heads, kv.head_dim, self.model.dtype)
         self.swap = KvSwapSpace(self.kv_cache, KvSwapSpace.blocks_for(swap_space, per_block))
+        self.max_logprobs = logprobs_cap(max_logprobs, self.facts.vocab_size)  # a plan may ask no more
         self.info = ModelInfo(
             name=self.model_dir.name,
             vocab_size=self.facts.vocab_size,
@@ -411,9 +413,9 @@ class ModelRunner:
             raise PlanError("invalid plan: block_tables narrower than the longest row's seq_len needs")
         counts = plan.prompt_lp_count
         if counts.any():
-            if (counts < 0).any() or (counts > q_lens).any() or (plan.prompt_lp_n[counts > 0] > MAX_LOGPROBS).any():
+            if (counts < 0).any() or (counts > q_lens).any() or (plan.prompt_lp_n[counts > 0] > self.max_logprobs).any():
                 raise PlanError("invalid plan: prompt logprobs for more positions than a row runs, or over "
-                                f"{MAX_LOGPROBS} alternatives")
+                                f"{self.max_logprobs} alternatives (--max-logprobs)")
             if _outside(plan.prompt_lp_next[(counts > 0) & (counts == q_lens)], self.info.vocab_size):
                 raise PlanError("invalid plan: a row's prompt logprobs end past its tokens without a next token")
         check_pool(plan)

@@ -117,7 +117,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def validate(self, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
         """Raise ValueError naming the first field whose value the engine cannot serve. max_logprobs: the server's
         --max-logprobs as a count (logprobs_cap)."""
-        prompt_cap = min(max_logprobs, MAX_LOGPROBS)
+        prompt_cap = max_logprobs
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1", self.max_tokens)
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
         _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer", self.top_k)

@@ -75,6 +75,7 @@ class _EngineArgs(msgspec.Struct, kw_only=True):
             "lora_modules": list(self.lora_modules),
             "max_loras": self.max_loras,
             "max_lora_rank": self.max_lora_rank,
+            "max_logprobs": self.max_logprobs,
         }
 
 

@@ -20,7 +20,7 @@ from metrale.frontend.detokenizer import IncrementalDetokenizer
 from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.messages import EngineStats, RequestOutputDelta, TokenLogprob
 from metrale.ipc.pooling import PoolingParams
-from metrale.ipc.sampling import SamplingParams, seeded_for_choice
+from metrale.ipc.sampling import SamplingParams, logprobs_cap, seeded_for_choice
 from metrale.llm_embed import EmbeddingRequestOutput, embed
 from metrale.llm_lora import LoRARequest, adapter_names
 from metrale.model_facts import generation_defaults
@@ -301,8 +301,9 @@ class LLM:
         prompt, samples in order."""
         adapters = adapters or [None] * len(token_lists)
         plist = _params_list(params, len(token_lists), self.get_default_sampling_params)
+        vocab = self.engine.info.vocab_size
         for p in plist:
-            p.validate(self.engine.info.vocab_size)
+            p.validate(vocab, logprobs_cap(self.args.max_logprobs, vocab))
         grammars = [self._grammar(p) for p in plist]
         results = [RequestOutput(f"offline-{next(self._ids)}", ids, prompt=text)
                    for text, ids in zip(texts, token_lists)]

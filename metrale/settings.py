@@ -136,9 +136,9 @@ SETTINGS: tuple[Setting, ...] = (
       "send a request's tokens every N tokens (its first and last at once): less CPU per token, burstier streams.",
       "serve", ("frontend", "engine_core"), flag="--stream-interval", vllm="--stream-interval", min=1),
     S("max_logprobs", int, 20,
-      "the most alternatives a token's logprobs may list (logprobs, top_logprobs; prompt_logprobs up to 20); -1: the "
+      "the most alternatives a token's logprobs may list (logprobs, top_logprobs, prompt_logprobs); -1: the "
       "whole vocabulary. The ticket ring holds this many per token, so a large value costs shared memory.",
-      "engine", ("engine_core", "frontend"), flag="--max-logprobs", vllm="--max-logprobs", min=-1),
+      "engine", ("engine_core", "frontend", "runner"), flag="--max-logprobs", vllm="--max-logprobs", min=-1),
     S("seed", int | None, None, "the engine's seed (requests without one of their own).", "engine", ("engine_core",),
       flag="--seed", vllm="--seed"),
     S("worker_threads", int | None, None,

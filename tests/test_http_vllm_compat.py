@@ -121,6 +121,16 @@ def test_max_logprobs_minus_one_serves_the_whole_vocabulary(api, tokenizer):
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
 
 
+def test_prompt_logprobs_follow_max_logprobs_past_twenty(api, tokenizer):
+    """prompt_logprobs above the default 20 (vLLM's tests ask for the vocabulary): the worker's plan check and the
+    ring follow --max-logprobs, not a fixed 20."""
+    prompt = "A robot may not injure"
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 32})
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(tokenizer.encode(prompt)) and entries[0] is None
+    assert all(32 <= len(entry) <= 33 for entry in entries[1:])
+
+
 # ---- 4: truncation_side --------------------------------------------------------------------------
 
 

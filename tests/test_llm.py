@@ -229,3 +229,15 @@ def test_a_recurrent_model_preempted_by_recompute_streams_as_with_room(hf_model_
         assert tight.engine.options.preemption_mode == "recompute"
     assert [o.finish_reason for o in got] == ["length"] * 4
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_offline_logprobs_follow_max_logprobs(default_model):
+    """LLM(max_logprobs=N) serves up to N alternatives, prompt logprobs too; more is a ValueError naming the field."""
+    from metrale import LLM, SamplingParams
+
+    with LLM(str(default_model), max_logprobs=30) as llm:
+        out = llm.generate(["def f(x):"], SamplingParams(max_tokens=1, logprobs=30, prompt_logprobs=25))[0]
+        assert len(out.outputs[0].logprobs[0].top_ids) == 30
+        assert all(len(entry.top_ids) == 25 for entry in out.prompt_logprobs[1:])
+        with pytest.raises(ValueError, match="logprobs"):
+            llm.generate(["x"], SamplingParams(max_tokens=1, logprobs=31))
