@@ -49,6 +49,8 @@ def gguf_tensors(
         rows_heads = heads if ".self_attn.q_proj." in name else kv_heads if ".self_attn.k_proj." in name else 0
         qtype = gguf_quant_types.TYPES.get(tensor.tensor_type.name)
         if wants_blocks(name) and qtype is not None:
+            if not gguf_quant_types.finite(qtype.name, np.asarray(tensor.data)):
+                raise GgufError(f"tensor {tensor.name}: holds values that are not finite (corrupt file?)")
             parts = [("", np.asarray(tensor.data))]
             base = name
         elif wants_codes(name) and qtype is not None and qtype.kernel == "int4":

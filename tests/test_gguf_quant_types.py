@@ -23,11 +23,6 @@ from metrale.gpu_worker.layers.quantization import quantize_activations
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# Where each type's fp16 scales lie in its block (the rest of a random block is any bytes).
-_SCALE_AT = {
-    "Q8_0": (0,), "Q5_0": (0,), "IQ4_NL": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_1": (0, 2),
-    "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_XS": (0,),
-}
 
 
 def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -35,7 +30,7 @@ def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     t = qt.TYPES[name]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // t.block, t.nbytes), dtype=np.uint8)
-    for at in _SCALE_AT[name]:
+    for at in t.halves:  # the fp16 scales
         scale = (rng.random((rows, cols // t.block)) * 2e-3 + 1e-4).astype(np.float16)
         raw[:, :, at : at + 2] = scale.view(np.uint8).reshape(rows, -1, 2)
     return raw.reshape(rows, -1)
@@ -72,6 +67,9 @@ def _layer(name: str, raw: np.ndarray, cols: int, **method) -> ColumnParallelLin
 def test_the_table_decodes_as_gguf_dequantizes(name):
     raw = random_blocks(name, 5, 512)
     assert torch.equal(qt.dequantize(qt.decode(name, raw)), gguf_dequantized(name, raw))
+    assert qt.finite(name, raw)
+    raw.reshape(-1, qt.TYPES[name].nbytes)[3, qt.TYPES[name].halves[-1] + 1] = 0x7C  # an fp16 inf or NaN
+    assert not qt.finite(name, raw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -60,6 +60,7 @@ class QuantType:
     sub: int
     decode: Callable[[np.ndarray], tuple]
     code_bias: int = 0  # int4: the stored code is c + code_bias (Q4_0's signed codes)
+    halves: tuple[int, ...] = (0,)  # where the block's fp16 scales lie (their bytes' offsets)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -171,16 +172,24 @@ TYPES: dict[str, QuantType] = {
         QuantType("Q5_0", 32, 22, "int5", 32, _q5_0, code_bias=16),
         QuantType("IQ4_NL", 32, 18, "int8", 32, _iq4_nl),
         QuantType("Q4_0", 32, 18, "int4", 32, _q4_0, code_bias=8),
-        QuantType("Q4_1", 32, 20, "int4", 32, _q4_1),
-        QuantType("Q4_K", 256, 144, "int4", 32, _q4_k),
-        QuantType("Q5_1", 32, 24, "int5", 32, _q5_1),
-        QuantType("Q5_K", 256, 176, "kq8", 32, _q5_k),
-        QuantType("Q6_K", 256, 210, "kq8", 16, _q6_k),
-        QuantType("Q3_K", 256, 110, "kq8", 16, _q3_k),
-        QuantType("Q2_K", 256, 84, "kq8", 16, _q2_k),
+        QuantType("Q4_1", 32, 20, "int4", 32, _q4_1, halves=(0, 2)),
+        QuantType("Q4_K", 256, 144, "int4", 32, _q4_k, halves=(0, 2)),
+        QuantType("Q5_1", 32, 24, "int5", 32, _q5_1, halves=(0, 2)),
+        QuantType("Q5_K", 256, 176, "kq8", 32, _q5_k, halves=(0, 2)),
+        QuantType("Q6_K", 256, 210, "kq8", 16, _q6_k, halves=(208,)),
+        QuantType("Q3_K", 256, 110, "kq8", 16, _q3_k, halves=(108,)),
+        QuantType("Q2_K", 256, 84, "kq8", 16, _q2_k, halves=(80, 82)),
         QuantType("IQ4_XS", 256, 136, "kq8", 32, _iq4_xs),
     )
 }
+
+
+def finite(name: str, raw: np.ndarray) -> bool:
+    """True when every fp16 scale of the stored blocks of type `name` is finite (a NaN or inf scale makes its
+    whole block so)."""
+    t = TYPES[name]
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, t.nbytes)
+    return all(np.isfinite(np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16)).all() for at in t.halves)
 
 
 def decode(name: str, raw: np.ndarray) -> Blocks:
