@@ -118,8 +118,9 @@ def available() -> bool:
 
 
 def loaded() -> bool:
-    """True when the kernels are already loaded in this process (never builds: cheap to ask anywhere)."""
-    return _active.get("ops") is not None
+    """True when the kernels are already loaded in this process and not turned off since (METRALE_CPU_KERNELS=torch
+    after a load: then ops() refuses, so nothing may take the native path); never builds, cheap to ask anywhere."""
+    return _active.get("ops") is not None and choice() != "torch"
 
 
 def error() -> str | None:
