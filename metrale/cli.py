@@ -97,12 +97,12 @@ def serve(**o) -> None:
     except ValueError as e:
         _fail(str(e))
     served = {st.name: st.value(o[st.name]) for st in settings.of_scope("serve") if st.flag}
+    engine = _fitted_max_logprobs(engine)
     config = ServeConfig(engine=engine, **served)
     try:
         sup = Supervisor(config)
     except StartupError as e:
         _fail(str(e))
-    _check_max_logprobs(engine, sup.facts.vocab_size, sup.max_model_len)
     stop = lambda *_: sup.request_stop()  # noqa: E731 - no lock in a signal handler; the watch loop notices and returns
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -138,9 +138,29 @@ def _fail(message: str) -> None:
 _RING_LIMIT_BYTES = 4 << 30  # a ticket ring larger than this is a mistake in the flags, not a server
 
 
-def _check_max_logprobs(engine: EngineArgs, vocab_size: int, max_model_len: int) -> None:
-    """--max-logprobs whose ticket ring (it holds that many alternatives per token of a step, in each slot) would
-    not fit in /dev/shm's free space (or 4 GiB) is a start-up mistake, named with the largest count that fits."""
+def _fitted_max_logprobs(engine: EngineArgs) -> EngineArgs:
+    """engine with --max-logprobs lowered to what the ticket ring can hold (one warning line says so); unchanged
+    when it fits, or when the model cannot be resolved (the supervisor names that mistake)."""
+    from metrale.ipc.sampling import MAX_LOGPROBS
+    from metrale.model_facts import ModelError, resolve_model
+
+    if engine.model is None or 0 <= engine.max_logprobs <= MAX_LOGPROBS:
+        return engine  # the default's ring always fits (and the demo model is the supervisor's to make)
+    try:
+        facts = resolve_model(engine.model, engine.max_model_len)
+    except (ModelError, ValueError, OSError):
+        return engine
+    fitted, why = max_logprobs_that_fit(engine, facts.vocab_size, facts.max_model_len)
+    if why:
+        click.echo(f"metrale serve: warning: {why}; serving up to {fitted} (a request for more is a 400)", err=True)
+        return msgspec.structs.replace(engine, max_logprobs=fitted)
+    return engine
+
+
+def max_logprobs_that_fit(engine: EngineArgs, vocab_size: int, max_model_len: int) -> tuple[int, str | None]:
+    """(--max-logprobs as given, None) when its ticket ring (that many alternatives per token of a step, in each
+    slot) fits in /dev/shm's free space (or 4 GiB); else (the largest count that fits, why). vLLM's users pass the
+    vocabulary's size out of habit: the server then serves as many as it can hold rather than none."""
     from metrale.engine_core.core import MAX_STREAM_BURST, geometry_for
     from metrale.ipc.sampling import MAX_LOGPROBS, logprobs_cap
     from metrale.ipc.ticket_layout import region_offsets
@@ -155,15 +175,15 @@ def _check_max_logprobs(engine: EngineArgs, vocab_size: int, max_model_len: int)
     except OSError:  # no /dev/shm to measure: the 4 GiB bound alone
         limit = _RING_LIMIT_BYTES
     if asked <= MAX_LOGPROBS or ring_bytes(asked) <= limit:
-        return
+        return engine.max_logprobs, None
     lo, hi = MAX_LOGPROBS, asked  # ring_bytes(lo) fits (the default's ring), ring_bytes(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ring_bytes(mid) <= limit else (lo, mid)
-    _fail(f"--max-logprobs {engine.max_logprobs}: {asked} alternatives per token need a "
-          f"{ring_bytes(asked) / 2**30:.1f} GiB ticket ring, over the {limit / 2**30:.1f} GiB it may take; at most "
-          f"{lo} fit with --max-num-batched-tokens {engine.max_num_batched_tokens} and --max-num-seqs "
-          f"{engine.max_num_seqs}")
+    return lo, (f"--max-logprobs {engine.max_logprobs}: {asked} alternatives per token need a "
+                f"{ring_bytes(asked) / 2**30:.1f} GiB ticket ring, over the {limit / 2**30:.1f} GiB it may take; at "
+                f"most {lo} fit with --max-num-batched-tokens {engine.max_num_batched_tokens} and --max-num-seqs "
+                f"{engine.max_num_seqs}")
 
 
 def _check_device(device: str | None) -> None:

@@ -321,19 +321,29 @@ def test_a_field_of_the_wrong_type_is_a_sentence(server):
     assert out["error"]["message"] == "n must be an integer, not a string"
 
 
-def test_a_max_logprobs_whose_ring_does_not_fit_is_one_line_at_start_up(capsys):
-    """-1 on a 49,152-token vocabulary (SmolLM2's) with 2,048 tokens a step: a 6 GiB ticket ring, refused in one line
-    that names the flag and the largest count that fits; the default fits."""
-    from metrale.cli import _check_max_logprobs
+def test_a_max_logprobs_whose_ring_does_not_fit_is_lowered_to_what_fits():
+    """-1 on a 49,152-token vocabulary (SmolLM2's) with 2,048 tokens a step: a 6 GiB ticket ring; the server serves
+    the largest count that fits (a request for more is a 400) and says why in one line; the default fits as it is."""
+    from metrale.cli import max_logprobs_that_fit
     from metrale.config import EngineArgs
 
-    _check_max_logprobs(EngineArgs(), 49152, 8192)
-    with pytest.raises(SystemExit) as caught:
-        _check_max_logprobs(EngineArgs(max_logprobs=-1), 49152, 8192)
-    assert caught.value.code == 2
+    assert max_logprobs_that_fit(EngineArgs(), 49152, 8192) == (20, None)
+    fitted, why = max_logprobs_that_fit(EngineArgs(max_logprobs=-1), 49152, 8192)
+    assert 20 < fitted < 49152
+    assert "\n" not in why and why.startswith("--max-logprobs -1: 49152 alternatives") and f"at most {fitted}" in why
+    assert max_logprobs_that_fit(EngineArgs(max_logprobs=fitted), 49152, 8192) == (fitted, None)
+
+
+def test_metrale_serve_lowers_a_max_logprobs_that_does_not_fit(tiny_model_dir, capsys, monkeypatch):
+    """Through the CLI's own step: the engine arguments the supervisor gets carry the fitted count."""
+    from metrale import cli
+    from metrale.config import EngineArgs
+
+    monkeypatch.setattr(cli, "_RING_LIMIT_BYTES", 64 << 20)  # a small /dev/shm: the tiny vocabulary's -1 no longer fits
+    engine = cli._fitted_max_logprobs(EngineArgs(model=str(tiny_model_dir("llama")), max_logprobs=-1))
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("metrale serve: error: --max-logprobs -1: 49152 alternatives")
-    assert "at most" in err
+    assert 20 <= engine.max_logprobs < 2048 and err.startswith("metrale serve: warning: --max-logprobs -1")
+    assert f"serving up to {engine.max_logprobs}" in err and "\n" not in err
 
 
 # ---- 12: a schema-bound answer ends --------------------------------------------------------------
