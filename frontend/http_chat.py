@@ -197,8 +197,12 @@ class ChatCompletions:
         message: dict = {"role": voice.role}
         if c.splitter is not None:
             message["reasoning"] = message["reasoning_content"] = reasoning
+        made_to_call = c.tools is not None and forced(c.tools)
+        if made_to_call and content is None:
+            content = ""  # vLLM's (and OpenAI's) message beside a required or named call
         message["content"] = voice.echo + (content or "") if voice.echo else content
-        message["tool_calls"] = calls
+        # A required or named call that max_tokens cut before it ended: no tool_calls at all, as OpenAI answers.
+        message["tool_calls"] = None if made_to_call and not calls else calls
         message.update(refusal=None, annotations=None, audio=None, function_call=None)
         entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": _finish_reason(c, c.finish_reason)}
         if logprobs:  # asked for: an object even when no token is listed

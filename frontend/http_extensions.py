@@ -28,6 +28,9 @@ def refuse_unserved(body: SamplingFields) -> None:
                              ("include_stop_str_in_output", (None, False))):
             if getattr(body, name) not in unused:
                 raise ApiError(400, f"{name} applies only with use_beam_search", param=name, code="unsupported_value")
+    if body.logprob_token_ids is not None:
+        raise ApiError(400, "logprob_token_ids is not supported by this server (logprobs and top_logprobs are)",
+                       param="logprob_token_ids", code="unsupported_value")
     if body.prompt_logprobs is not None:
         if body.stream:  # vLLM's words (it takes 0 and then sends none; here nothing asked for is dropped)
             raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs",

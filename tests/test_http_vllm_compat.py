@@ -121,6 +121,12 @@ def test_max_logprobs_minus_one_serves_the_whole_vocabulary(api, tokenizer):
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
 
 
+def test_logprob_token_ids_is_refused_naming_it(server):
+    status, out = post(server, "v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                  "logprob_token_ids": [3, 4]})
+    assert status == 400 and out["error"]["param"] == "logprob_token_ids", out
+
+
 def test_prompt_logprobs_follow_max_logprobs_past_twenty(api, tokenizer):
     """prompt_logprobs above the default 20 (vLLM's tests ask for the vocabulary): the worker's plan check and the
     ring follow --max-logprobs, not a fixed 20."""
