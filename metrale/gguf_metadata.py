@@ -309,10 +309,27 @@ def _tensor(reader, name: str) -> np.ndarray:
     return np.asarray(tensor.data, dtype=np.float32).reshape(-1)
 
 
+# Token texts llama.cpp ends a generation at wherever its vocabulary has them (its special_eog_ids), beside the ids the
+# file names: a Gemma file without an eot key still stops at <end_of_turn>, as under llama.cpp.
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+))
+
+
 def eos_token_ids(reader) -> list[int]:
-    """The ids that end a generation: eos, and the end-of-turn / end-of-message ids the file names."""
+    """The ids that end a generation: eos, the end-of-turn / end-of-message ids the file names, then the tokens
+    llama.cpp treats as end of generation by their text."""
     ids = [field(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    return list(dict.fromkeys(int(i) for i in ids if isinstance(i, int)))
+    named = [int(i) for i in ids if isinstance(i, int)]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    by_text = []
+    if tokens is not None:
+        for i, index in enumerate(tokens.data):
+            part = tokens.parts[index]
+            if 3 <= len(part) <= 24 and bytes(part).decode("utf-8", errors="replace") in _EOG_TEXTS:
+                by_text.append(i)
+    return list(dict.fromkeys(named + by_text))
 
 
 def _rope_scaling(reader, arch: str) -> dict:

@@ -85,8 +85,9 @@ def test_a_folder_holding_one_gguf_resolves_to_it_and_two_are_refused(tiny_gguf,
 
 def test_smollm2_facts():
     facts = resolve_model(smollm2_path())
+    # eos <|im_end|> (2), and <|endoftext|> (0), which llama.cpp ends a generation at by its text
     assert (facts.architecture, facts.vocab_size, facts.max_model_len, facts.eos_token_ids) == (
-        "LlamaForCausalLM", 49152, 8192, (2,))
+        "LlamaForCausalLM", 49152, 8192, (2, 0))
     assert facts.config["tie_word_embeddings"] and facts.config["num_hidden_layers"] == 30
     assert facts.config["hidden_size"] == 576 and facts.config["gguf"]["file_type"] == "MOSTLY_Q4_1"
 
@@ -216,3 +217,21 @@ def test_a_non_finite_weight_is_an_error_naming_the_tensor(tiny_gguf, tmp_path):
     del reader
     with pytest.raises(GgufError, match=rf"tensor {victim.name}: holds values that are not finite"):
         load_model(resolve_model(bad), dtype="float32", show_progress=False)
+
+
+def test_end_of_generation_tokens_are_found_by_their_text_as_llama_cpp_finds_them(tmp_path):
+    """A file that names only its eos still stops at <end_of_turn> (Gemma files without an eot key)."""
+    import gguf
+
+    from metrale.gguf_metadata import eos_token_ids
+
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<pad>", "<eos>", "<bos>", "hello", "<end_of_turn>", "<start_of_turn>"])
+    writer.add_eos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert eos_token_ids(open_gguf(path)) == [1, 4]

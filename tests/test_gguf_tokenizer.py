@@ -145,7 +145,8 @@ def test_sentencepiece_stream_equals_the_full_decode():
 
 def test_special_tokens_and_template_come_from_the_file():
     tok = Tokenizer.from_dir(DATA / "gguf_tok_spm.gguf")
-    assert (tok.bos_token_id, tok.eos_token_ids, tok.unk_token_id) == (1, (2,), 0)
+    # eos </s>, then what llama.cpp ends a generation at by its text (<|endoftext|>, <|im_end|>)
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.unk_token_id) == (1, (2, 4, 6), 0)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
     ids = {tok.token_id(t) for t in ("<s>", "</s>", "<unk>", "<ctrl>")}
     assert ids <= tok.special_token_ids  # control and unknown tokens: skipped when decoding
