@@ -78,10 +78,9 @@ class HangWatch:
         """A new worker: its first steps get the warm-up allowance again. The fit stays: same model, same device."""
         self._seen = 0
 
-    def record(self, elapsed_ns: int, work: StepWork | int) -> None:
-        """A ticket of this work took elapsed_ns (an int work: that many decode positions). A ticket without
-        tokens (a logits read, a LoRA load) is no step: it neither counts toward warm-up nor feeds the fit."""
-        work = _as_work(work)
+    def record(self, elapsed_ns: int, work: StepWork) -> None:
+        """A ticket of this work took elapsed_ns. A ticket without tokens (a logits read, a LoRA load) is no step:
+        it neither counts toward warm-up nor feeds the fit."""
         if not (work.prefill_tokens or work.decode_positions):
             return
         self._seen += 1
@@ -92,15 +91,14 @@ class HangWatch:
         if self._rates is None or self._stale >= self.refit_every:
             self._refit()
 
-    def expected_s(self, work: StepWork | int) -> float | None:
+    def expected_s(self, work: StepWork) -> float | None:
         """The time a ticket of this work is expected to take; None while nothing steady has been measured."""
         if self._rates is None:
             return None
         a, b, c = self._rates
-        work = _as_work(work)
         return a * work.forwards + b * work.prefill_tokens + c * work.decode_positions
 
-    def limit_ns(self, work: StepWork | int = NO_WORK) -> int:
+    def limit_ns(self, work: StepWork = NO_WORK) -> int:
         """How long a ticket of this work may run before its worker counts as hung."""
         expected = self.expected_s(work)
         if self._seen < self.warmup or expected is None:
@@ -173,7 +171,3 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     for i in reversed(range(n)):
         x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
     return x
-
-
-def _as_work(work: StepWork | int) -> StepWork:
-    return work if isinstance(work, StepWork) else StepWork(decode_positions=max(1, int(work)))

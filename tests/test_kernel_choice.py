@@ -106,3 +106,14 @@ def test_a_layer_on_the_chosen_class_multiplies_as_the_process_class_does(measur
     codes, scales = pack_int8(*quantize_int8(w))
     own = cpu_kernels.ops().int8_linear(x, codes, scales, 48, False)
     torch.testing.assert_close(on_other, own, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["int8_linear", "int4_linear", "int5_linear", "kq8_linear"])
+def test_every_quantized_product_has_a_probe_its_op_runs(op):
+    """Each product the GGUF and quantized layers call is dispatched by speed: its probe builds a layer the op takes."""
+    if not cpu_kernels.has(op):
+        pytest.skip(f"{op} did not build here")
+    args = kernel_choice._PROBES[op]()
+    x = torch.randn(kernel_choice.ROWS, kernel_choice.IN).to(torch.bfloat16)
+    y = getattr(cpu_kernels.ops(), op).default(x, *args)
+    assert y.shape == (kernel_choice.ROWS, kernel_choice.OUT) and torch.isfinite(y.float()).all()

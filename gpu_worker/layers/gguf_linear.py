@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from metrale.gpu_worker.layers import gguf_quant_types as qt
-from metrale.gpu_worker.layers import kernel_choice
 from metrale.gpu_worker.layers.linear_method import LinearMethod, set_weight_attrs
 from metrale.gpu_worker.layers.quantization import _dense_product, _goes_wide, _kernel, _kernel_input, _wide, pack_int8
 
@@ -218,11 +217,3 @@ def tagged(values: np.ndarray, name: str) -> torch.Tensor:
     setattr(tensor, GGUF_TYPE, name)
     return tensor
 
-
-@kernel_choice.probe("int5_linear")
-def _int5_probe() -> tuple:
-    """A Q5_0 layer of the dispatch probe's size: kernel_choice runs int5_linear on the class it measures fastest."""
-    t, out, cols = qt.TYPES["Q5_0"], kernel_choice.OUT, kernel_choice.IN
-    raw = np.random.default_rng(1).integers(0, 256, size=(out, cols // t.block, t.nbytes), dtype=np.uint8)
-    raw[:, :, :2] = np.full(1, 1e-4, dtype=np.float16).view(np.uint8)  # small scales
-    return (*qt.pack_int5([("Q5_0", qt.decode("Q5_0", raw.reshape(out, -1)))]), out)

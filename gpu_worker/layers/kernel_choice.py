@@ -73,11 +73,6 @@ def class_for(op: str) -> str:
     return _chosen[op]
 
 
-def chosen() -> dict[str, str]:
-    """The ops dispatched so far and their classes (for the log and the worker's reported kernels)."""
-    return dict(_chosen)
-
-
 def describe() -> str:
     """The process's class, with the ops that run on another: "avx512_bf16 (int8_linear: avx2)"."""
     own = cpu_kernels.isa()
@@ -202,13 +197,28 @@ def _probe_weight() -> torch.Tensor:
     return torch.randn(OUT, IN, generator=torch.Generator().manual_seed(1)) * 0.02
 
 
+@probe("int5_linear")
+def _int5_probe() -> tuple:
+    from metrale.gpu_worker.layers import gguf_quant_types as qt
+
+    return (*qt.pack_int5([("Q5_0", _random_blocks("Q5_0", d_at=0))]), OUT)
+
+
 @probe("kq8_linear")
 def _kq8_probe() -> tuple:
+    from metrale.gpu_worker.layers import gguf_quant_types as qt
+
+    return (*qt.pack_kq8(_random_blocks("Q6_K", d_at=-2)), OUT)
+
+
+def _random_blocks(name: str, d_at: int):
+    """A probe layer of GGUF type `name`: random blocks whose fp16 scale d (at byte d_at of each block) is small."""
     import numpy as np
 
     from metrale.gpu_worker.layers import gguf_quant_types as qt
 
-    t = qt.TYPES["Q6_K"]
-    raw = np.random.default_rng(1).integers(0, 256, size=(OUT, IN // t.block * t.nbytes), dtype=np.uint8)
-    raw.reshape(OUT, -1, t.nbytes)[:, :, -2:] = np.full(2, 1e-4, dtype=np.float16).view(np.uint8)[:2]  # small d
-    return (*qt.pack_kq8(qt.decode("Q6_K", raw)), OUT)
+    t = qt.TYPES[name]
+    raw = np.random.default_rng(1).integers(0, 256, size=(OUT, IN // t.block, t.nbytes), dtype=np.uint8)
+    d = np.full(1, 1e-4, dtype=np.float16).view(np.uint8)
+    raw[:, :, d_at : d_at + 2 or None] = d
+    return qt.decode(name, raw.reshape(OUT, -1))
