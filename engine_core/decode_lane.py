@@ -30,7 +30,7 @@ from .host_sampler import repick
 from .pipeline import NO_MASK, Inflight, Pipeline, Settled, row_mask
 from .scheduler import ScheduledStep
 from .sequence import Sequence
-from .step_io import ReadLogits, Rollback, StepIo
+from .step_io import StepIo
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
         tokens = device_tokens
         if inf.host_logits:  # nothing is launched ahead of a host-logits step
             try:
-                logits = io.apply(ReadLogits(inf.ticket))
+                logits = io.device.read_logits(inf.ticket)
             except DeviceError as e:
                 fail_rows(inf.seqs, io, e)
                 return Settled.FAILED
@@ -158,7 +158,7 @@ def _commit_picks(inf: Inflight, results: list, io: StepIo) -> None:
     if inf.kind == StepKind.VERIFY:
         for s, d in zip(rows, inf.drafts):
             if d:
-                io.apply(Rollback(s))
+                io.pool.trim(s, s.num_computed)
         inf.kept = kept.tolist()
 
 
@@ -189,7 +189,7 @@ def validate_next(nxt: Inflight, prev_tokens: np.ndarray, io: StepIo) -> list[Se
             # The device still writes this row's KV, into the reserved slot: given back now, it can only
             # be reused by a later step, which the device runs after this one.
             _drop(nxt, i)
-            io.apply(Rollback(s))
+            io.pool.trim(s, s.num_computed)
     nxt.host_logits = stale
     return poisoned
 

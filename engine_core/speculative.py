@@ -8,7 +8,7 @@ last draft the bonus token) and returns them as the steps of a burst (`await_bur
 outputs equal decoding without drafts, for any batch. The verify step is a StepKind.VERIFY (step_kinds.py shapes
 it, reserving its drafts' KV); the lane commits the picks in order (a stop ends a row's share) with `num_computed`
 stepping one position per commit, and gives back the KV reserved for rejected drafts through the over-run effect
-(`Rollback`).
+(`KvBlockPool.trim`).
 
 Only plain rows are drafted (no penalties, masks or grammar, whose picks depend on the tokens before them on the
 host). Verify steps run synchronously (nothing is launched ahead of them: the next inputs are the accepted picks).

@@ -31,7 +31,7 @@ from metrale.ipc.plan import StepKind
 from .scheduler import ScheduledStep
 from .sequence import Sequence
 from .speculative import Speculator
-from .step_io import ReserveKv, StepIo
+from .step_io import StepIo
 
 
 def burst_length(active: list[Sequence], final_limit: int, stream_limit: int, max_model_len: int) -> int:
@@ -73,7 +73,7 @@ class StepShaper:
                 room -= len(d)
             pool = io.pool
             for s, d in zip(seqs, drafts):
-                if d and pool.blocks_needed(s, s.num_computed + 1 + len(d)) and not io.apply(ReserveKv(s, 1 + len(d))):
+                if d and not pool.allocate(s, s.num_computed + 1 + len(d)):
                     d.clear()
             if any(drafts):
                 step.kind, step.drafts, step.num_new = StepKind.VERIFY, drafts, [1 + len(d) for d in drafts]
@@ -84,8 +84,7 @@ class StepShaper:
         """step as a BURST when its rows allow one and the pool covers it; unchanged otherwise."""
         seqs = step.seqs
         steps = self.burst_length(seqs)
-        if steps > 1 and all(io.apply(ReserveKv(s, steps)) for s in seqs
-                             if io.pool.blocks_needed(s, s.num_computed + steps)):
+        if steps > 1 and all(io.pool.allocate(s, s.num_computed + steps) for s in seqs):
             step.kind, step.steps = StepKind.BURST, steps
         return step
 

@@ -128,13 +128,10 @@ class Ready:
 def launch_ticket(runner, plan, kind: StepKind, steps: int) -> list:
     """Queue one ticket's plan on the runner as its kind says: a BURST's decode steps, a VERIFY's picks, or one
     STEP; their pending results in order. A verify step (speculative decoding) runs to completion: nothing is fed
-    from it (the host commits its picks). A runner without launch() (a test's) runs each kind at once."""
+    from it (the host commits its picks)."""
     if kind == StepKind.VERIFY:
         return [Ready(r) for r in runner.execute_verify(plan)]
-    burst = kind == StepKind.BURST
-    if hasattr(runner, "launch"):
-        return runner.launch_burst(plan, steps) if burst else [runner.launch(plan)]
-    return [Ready(r) for r in (runner.execute_burst(plan, steps) if burst else [runner.execute(plan)])]
+    return runner.launch_burst(plan, steps) if kind == StepKind.BURST else [runner.launch(plan)]
 
 
 def run_ticket(runner, plan, kind: StepKind, steps: int) -> list[StepResult]:

@@ -55,6 +55,8 @@ from metrale.ipc.plan import (
     unpack_bitmask,
 )
 
+from .result_copy import Ready
+
 log = logging.getLogger("metrale.gpu_worker.sim")
 
 DEFAULT_KV_BLOCKS = 65536  # 1M tokens at 16 a block: more than 1,024 requests of 1,024 tokens need
@@ -128,7 +130,8 @@ def write_weightless_model(out_dir: str | Path, preset: str = "bench-small") -> 
 
 
 class SimRunner:
-    """The worker's runner for a simulated device (module docstring): `info`, `execute`, `execute_burst`."""
+    """The worker's runner for a simulated device (module docstring): `info`, `launch`, `launch_burst` (each step
+    runs to completion: its result is ready when launch returns)."""
 
     def __init__(self, model_dir: str, *, step_ms: str | None = None, num_kv_blocks: int | None = None,
                  block_size: int | None = None, max_model_len: int | None = None, swap_space: int = 0,
@@ -167,6 +170,12 @@ class SimRunner:
         """A decode burst: the plan, then the same plan moved on one position a step (each fed its own token)."""
         bs = self.info.block_size
         return [self.execute(moved_on(plan, k, bs) if k else plan) for k in range(steps)]
+
+    def launch(self, plan: StepPlan) -> Ready:
+        return Ready(self.execute(plan))
+
+    def launch_burst(self, plan: StepPlan, steps: int) -> list[Ready]:
+        return [Ready(r) for r in self.execute_burst(plan, steps)]
 
     def _wait_until(self, deadline: float) -> None:
         """Sleep (no CPU) until deadline; a step already past it is an overrun."""

@@ -6,13 +6,12 @@ says WorkerReady(info), and then loops: wait for plan seq k in slot k % N (spin 
 the doorbell), run it, write the result (or the error), publish, ring. It exits on Shutdown, when the
 engine core's end of the doorbell closes, or when its parent process dies.
 
-A runner is anything with `info: ModelInfo`, `execute(plan) -> StepResult` (and `execute_burst(plan, steps)`
-for tickets of several steps, `execute_verify(plan)` for a verify step's drafts). One that also has
-`launch(plan)` / `launch_burst(plan, steps)` (the model runner) queues a step and returns pending results
-(`ready()`, `result()`: result_copy.py): the worker then launches ticket t+1 as soon as it is published — fed on
-the device from t's tokens — before t's tokens have reached the host, and writes t's result when its copy has
-landed, so the device is never left waiting for the host's round trip (on a CPU a step's result is ready when
-launch returns, and the loop is the synchronous one). One that counts its steps
+A runner is anything with `info: ModelInfo`, `launch(plan)` / `launch_burst(plan, steps)` (queue a step, or a
+ticket's several, and return pending results: `ready()`, `result()`, result_copy.py) and `execute_verify(plan)`
+for a verify step's drafts. The worker launches ticket t+1 as soon as it is published — fed on the device from
+t's tokens — before t's tokens have reached the host, and writes t's result when its copy has landed, so the
+device is never left waiting for the host's round trip (on a CPU, or a runner that runs a step to completion, a
+step's result is ready when launch returns, and the loop is the synchronous one). One that counts its steps
 (`steps_executed`) and keeps their logits (`read_logits(step)`) also answers logits tickets: the engine asks for
 a settled ticket's logits (a RepickOnly repair), and the worker writes that step's logits into the ring's logits
 region. The plan's arrays are views into the shared slot: a runner copies what it keeps past execute().

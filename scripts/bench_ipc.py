@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from metrale.engine_core.worker_device import WorkerDevice
+from metrale.gpu_worker.result_copy import Ready
 from metrale.ipc.plan import ModelInfo, StepPlan, StepResult
 from metrale.ipc.tickets import RingGeometry
 
@@ -30,6 +31,9 @@ class EmptyRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._result
+
+    def launch(self, plan: StepPlan) -> Ready:
+        return Ready(self._result)
 
     def read_logits(self) -> np.ndarray:
         raise NotImplementedError

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from metrale.engine_core.engine import EngineCore, EngineOptions
 from metrale.testing.fake_device import FakeDevice, FakeFaults
 from metrale.engine_core.pipeline import SpecialTokens
-from metrale.engine_core.step_io import StepIo
+from metrale.engine_core.kv_blocks import KvBlockPool
 from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams
 
@@ -38,7 +38,7 @@ class Run:
     errors: dict[str, str] = field(default_factory=dict)
     error_codes: dict[str, str] = field(default_factory=dict)
     failures: int = 0  # ticks that raised and were contained
-    effects: Counter = field(default_factory=Counter)  # StepIo effects applied, by kind (count_effects=True)
+    effects: Counter = field(default_factory=Counter)  # calls of the lane's effects, by name (count_effects=True)
     ticks: int = 0
     recoveries: int = 0
     engine: EngineCore | None = None
@@ -159,15 +159,21 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
 
 @contextlib.contextmanager
 def _counting(effects: Counter):
-    """Count every StepIo effect applied meanwhile, by kind (the engine itself keeps no counters)."""
-    apply = StepIo.apply
+    """Count the lane's effects meanwhile, by name: KV reserved (`allocate`) and given back (`trim`), logits read
+    to the host (`read_logits`). The engine keeps no counters of its own: these wrap the product's methods."""
+    wrapped = [(KvBlockPool, "allocate"), (KvBlockPool, "trim"), (FakeDevice, "read_logits")]
+    originals = [getattr(cls, name) for cls, name in wrapped]
 
-    def counted(io, effect):
-        effects[type(effect).__name__] += 1
-        return apply(io, effect)
+    def counter(name, method):
+        def counted(*args, **kwargs):
+            effects[name] += 1
+            return method(*args, **kwargs)
+        return counted
 
-    StepIo.apply = counted
+    for (cls, name), method in zip(wrapped, originals):
+        setattr(cls, name, counter(name, method))
     try:
         yield
     finally:
-        StepIo.apply = apply
+        for (cls, name), method in zip(wrapped, originals):
+            setattr(cls, name, method)

@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 
+from metrale.gpu_worker.result_copy import Ready
 from metrale.ipc.plan import ModelInfo, StepPlan, StepResult
 
 FAIL_TOKEN = -7
@@ -70,6 +71,12 @@ class FakeRunner:
         """The logits of step (counted from 0); KeyError once they are no longer kept."""
         return self._logits[step]
 
+    def launch(self, plan: StepPlan) -> Ready:
+        return Ready(self.execute(plan))
+
+    def launch_burst(self, plan: StepPlan, steps: int) -> list:
+        return [self.launch(plan) for _ in range(steps)]
+
 
 class _Held:
     """A step's pending result; a held one (HOLD_TOKEN) lands only once a later step is launched, as on a device
@@ -92,9 +99,6 @@ class AheadRunner(FakeRunner):
     def launch(self, plan: StepPlan) -> _Held:
         hold = plan.num_tokens > 0 and int(plan.input_ids[0]) == HOLD_TOKEN
         return _Held(self, self.execute(plan), hold)
-
-    def launch_burst(self, plan: StepPlan, steps: int) -> list[_Held]:
-        return [self.launch(plan) for _ in range(steps)]
 
 
 def broken_runner(**kwargs) -> FakeRunner:

@@ -88,7 +88,7 @@ def test_drafts_are_accepted_and_rejected_kv_goes_back(pipeline):
     assert spec.streams == plain.streams
     stats = spec.engine.speculator.stats
     assert stats.accepted > stats.drafted // 3 > 0
-    assert spec.effects["Rollback"] > 0
+    assert spec.effects["trim"] > 0
     assert spec.device._launched < 0.75 * plain.device._launched
 
 

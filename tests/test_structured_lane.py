@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from metrale.engine_core import engine as engine_module
 from metrale.engine_core.engine import EngineCore
 from metrale.testing.fake_device import FakeDevice
-from metrale.engine_core.step_io import Rollback, StepIo
+from metrale.engine_core.kv_blocks import KvBlockPool
 from metrale.ipc.errors import Refused
 from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams, StructuredOutputs
@@ -107,7 +107,7 @@ def test_rewind_stale_grammar_mask_redoes_the_row(monkeypatch):
     reference = run_workload(reqs, pipeline=False, grammar_vocab=FAKE_GRAMMAR_VOCAB)
     feed_every_row(monkeypatch)
     forced = run_workload(reqs, pipeline=True, grammar_vocab=FAKE_GRAMMAR_VOCAB, count_effects=True)
-    assert forced.effects["Rollback"] > 0, "no stale bitmask was met: the test did not test"
+    assert forced.effects["trim"] > 0, "no stale bitmask was met: the test did not test"
     assert forced.streams == reference.streams
 
 
@@ -120,7 +120,7 @@ def test_repick_only_stale_grammar_mask_is_sampled_on_the_host(monkeypatch, num_
     reference = run_workload(reqs, pipeline=False, **kw)
     feed_every_row(monkeypatch)
     forced = run_workload(reqs, pipeline=True, count_effects=True, **kw)
-    assert forced.effects["ReadLogits"] > 0, "no stale bitmask was met: the test did not test"
+    assert forced.effects["read_logits"] > 0, "no stale bitmask was met: the test did not test"
     assert forced.streams == reference.streams
     assert forced.engine.io.host_repicks > 0
 
@@ -129,14 +129,13 @@ def test_grammar_rows_wait_for_their_commit_while_plain_rows_run_ahead(monkeypat
     """A grammar row is never fed from the device (its next bitmask needs the token in flight), so it is never
     discarded; the plain row beside it is fed (and over-runs only at its finish)."""
     rolled_back = []
-    apply = StepIo.apply
+    trim = KvBlockPool.trim
 
-    def recording(io, effect):
-        if isinstance(effect, Rollback):
-            rolled_back.append(effect.seq.request_id)
-        return apply(io, effect)
+    def recording(pool, seq, num_tokens):
+        rolled_back.append(seq.request_id)
+        return trim(pool, seq, num_tokens)
 
-    monkeypatch.setattr(StepIo, "apply", recording)
+    monkeypatch.setattr(KvBlockPool, "trim", recording)
     reqs = [_req(0, 2, 0.0), _req(1, -1, 0.0, max_tokens=30, ignore_eos=True)]
     run = run_workload(reqs, pipeline=True, grammar_vocab=FAKE_GRAMMAR_VOCAB)
     assert run.finish["0"] == "stop" and "0" not in rolled_back
