@@ -25,14 +25,14 @@ from torch import nn
 
 from metrale.gpu_worker.layers import gguf_quant_types as qt
 from metrale.gpu_worker.layers.linear_method import LinearMethod, set_weight_attrs
-from metrale.gpu_worker.layers.quantization import _dense_product, _goes_wide, _kernel, _kernel_input, _wide, pack_int8
+from metrale.gpu_worker.layers.quantization import NativeProduct, _dense_product, _goes_wide, _kernel, _kernel_input, _wide, pack_int8
 
 GGUF_TYPE = "gguf_type"  # the attribute naming a raw tensor's GGUF type (gguf_weights.py sets it)
 
 
 @dataclass(slots=True)
 class _Run:
-    """Consecutive output rows of one kernel: the op and its packed weight."""
+    """Consecutive output rows of one kernel: its product (a NativeProduct on a CPU, Triton's on CUDA)."""
 
     rows: int
     product: Callable[[torch.Tensor, bool], torch.Tensor]
@@ -91,6 +91,13 @@ class GgufLinearMethod(LinearMethod):
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def native_products(self, layer):
+        """Each run's native product, or None for the dense or Triton forms."""
+        runs = layer.gguf_runs
+        if runs is None or not all(isinstance(run.product, NativeProduct) for run in runs):
+            return None
+        return [run.product for run in runs], layer.wide
 
 
 def _stage(layer: nn.Module, weight_loader, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -177,16 +184,14 @@ def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], op) -> _Run:
     """One product over parts stacked by rows, packed for its kernel."""
     rows = sum(b.codes.shape[0] for _, b in parts)
     if kernel == "int8":
-        codes, scales = pack_int8(*(torch.cat(t) for t in zip(*(qt.as_int8(b) for _, b in parts))))
-        return _Run(rows, lambda x, wide: op(x, codes, scales, rows, wide))
-    if kernel == "int4":
-        codes, scales, zeros = qt.int4_pack(parts)
-        return _Run(rows, lambda x, wide: op(x, codes, scales, zeros, rows, wide))
-    if kernel == "int5":
+        packed = pack_int8(*(torch.cat(t) for t in zip(*(qt.as_int8(b) for _, b in parts))))
+    elif kernel == "int4":
+        packed = qt.int4_pack(parts)
+    elif kernel == "int5":
         packed = qt.pack_int5(parts)
-        return _Run(rows, lambda x, wide: op(x, *packed, rows))
-    packed = qt.pack_kq8(qt.merged([b for _, b in parts]))
-    return _Run(rows, lambda x, wide: op(x, *packed, rows))
+    else:
+        packed = qt.pack_kq8(qt.merged([b for _, b in parts]))
+    return _Run(rows, NativeProduct(op, tuple(packed), rows, kernel in ("int8", "int4")))
 
 
 def load_tied_head(head: nn.Module, raw: torch.Tensor, method: GgufLinearMethod) -> None:

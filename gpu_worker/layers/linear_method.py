@@ -70,6 +70,12 @@ class LinearMethod:
         """x @ W.T (+ bias) for x [..., in]: [..., out] in x's dtype."""
         raise NotImplementedError
 
+    def native_products(self, layer: nn.Module):
+        """(products, wide) when apply is a row-stacking of native products (quantization.NativeProduct) that the
+        fused decode step may call itself, with `wide` the layer's flag for the wide bf16 product; None when it
+        is not (the dense method, whose weight the step takes directly, answers None too)."""
+        return None
+
 
 class DenseLinearMethod(LinearMethod):
     """An unquantized [out, in] weight in the model's dtype, packed for oneDNN where that is faithful."""

@@ -30,6 +30,8 @@ table: it reads a few rows a step, the head reads all of them).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,24 @@ def _release(layer: nn.Module, name: str) -> None:
     setattr(layer, name, nn.Parameter(old.new_empty((0,) + tuple(old.shape[1:])), requires_grad=False))
 
 
+@dataclass(frozen=True, slots=True)
+class NativeProduct:
+    """One native product x @ W.T over `rows` output rows: op(x, *args, rows) (and the wide flag where the op
+    takes one). Held as data, not a closure, so the fused decode step (models/fused_decode.py) calls the same op
+    on the same packed weight without a Python frame."""
+
+    op: Any  # a torch OpOverload of a kernel class's namespace
+    args: tuple[torch.Tensor, ...]
+    rows: int
+    takes_wide: bool
+
+    def __call__(self, x: torch.Tensor, wide: bool) -> torch.Tensor:
+        """x [n, in] (contiguous, as _kernel_input makes it) times the weight: [n, rows] in x's dtype."""
+        if self.takes_wide:
+            return self.op(x, *self.args, self.rows, wide)
+        return self.op(x, *self.args, self.rows)
+
+
 class Int8LinearMethod(LinearMethod):
     """int8 weights with one fp16 scale per block of 32 inputs (Q8_0); cpu_quant.cpp's int8 product on a CPU."""
 
@@ -82,6 +102,7 @@ class Int8LinearMethod(LinearMethod):
         layer.wide = _goes_wide(q.device)
         if layer.int8_op is not None:
             layer.packed_codes, layer.packed_scales = pack_int8(q, d)
+            layer.native = NativeProduct(layer.int8_op, (layer.packed_codes, layer.packed_scales), layer.out_features, True)
         else:
             layer.dequantized = dequantize_int8(q, d).to(torch.float32 if self.reference else layer.act_dtype)
 
@@ -89,13 +110,16 @@ class Int8LinearMethod(LinearMethod):
         """x @ (q * d).T (+ bias) with x quantized per block (quantize_activations), in x's dtype."""
         flat = x.reshape(-1, x.shape[-1])
         if layer.int8_op is not None:
-            wide = layer.wide and _wide(flat)
-            y = layer.int8_op(_kernel_input(flat), layer.packed_codes, layer.packed_scales, layer.out_features, wide)
+            y = layer.native(_kernel_input(flat), layer.wide and _wide(flat))
         else:
             y = _dense_product(flat, layer.dequantized, layer.wide)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def native_products(self, layer):
+        """The one native product, or None for the dense reference."""
+        return ([layer.native], layer.wide) if layer.int8_op is not None else None
 
 
 class Int4LinearMethod(LinearMethod):
@@ -139,6 +163,8 @@ class Int4LinearMethod(LinearMethod):
         layer.wide = _goes_wide(q.device)
         if layer.int4_op is not None:
             layer.packed_codes, layer.packed_scales, layer.packed_zeros = pack_int4(q, s, z)
+            packed = (layer.packed_codes, layer.packed_scales, layer.packed_zeros)
+            layer.native = NativeProduct(layer.int4_op, packed, layer.out_features, True)
         else:
             layer.dequantized = dequantize_int4(q, s, z).to(torch.float32 if self.reference else layer.act_dtype)
 
@@ -146,13 +172,16 @@ class Int4LinearMethod(LinearMethod):
         """x @ W.T (+ bias) with W the groups' s * q + z and x quantized per block, in x's dtype."""
         flat = x.reshape(-1, x.shape[-1])
         if layer.int4_op is not None:
-            wide = layer.wide and _wide(flat)
-            y = layer.int4_op(_kernel_input(flat), layer.packed_codes, layer.packed_scales, layer.packed_zeros, layer.out_features, wide)
+            y = layer.native(_kernel_input(flat), layer.wide and _wide(flat))
         else:
             y = _dense_product(flat, layer.dequantized, layer.wide)
         if bias is not None:
             y = y.add_(bias)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def native_products(self, layer):
+        """The one native product, or None for the dense reference."""
+        return ([layer.native], layer.wide) if layer.int4_op is not None else None
 
 
 def _kernel(name: str, device: torch.device):

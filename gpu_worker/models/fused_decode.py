@@ -6,9 +6,13 @@ step. `FusedDecode` hands the layers' weights once (after loading) to a native `
 (layers/cpu_decode_step.cpp), which then runs every layer of a step in one call: the same kernels, the
 same oneDNN products on the same packed weights, in the same order, so the same bits as the module path.
 
+A quantized projection (GGUF blocks, `--quantization int8/int4`) whose method is a row-stacking of native
+products (`LinearMethod.native_products`) is handed over as those products, which the step calls through the
+dispatcher as the method does: at batch 1 a quantized model's Python per op is as large a share as a dense one's.
+
 It serves a step only when every row decodes one token (no prefill chunk) and the rotary is a plain table
 lookup; any other step, and any model with a layer outside the form (q/k norms, a mixture of experts, soft
-caps, a quantized linear method, tensor parallelism, the torch attention path), runs the modules.
+caps, a linear method with no native products, tensor parallelism, the torch attention path), runs the modules.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from metrale.gpu_worker.layers.attention_backends import NATIVE_CPU
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache, SlotIndex
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
+from metrale.gpu_worker.layers.quantization import WIDE_ROWS
 from metrale.gpu_worker.layers.rotary import StepRope
 
 _NO_BIAS = torch.empty(0)
@@ -51,7 +56,8 @@ class FusedDecode:
         windows: list = []
         window_of: list[int] = []
         shapes = set()
-        for layer in model.model.layers:
+        quantized: list[tuple[int, int, tuple]] = []  # (layer, projection, (products, wide))
+        for index, layer in enumerate(model.model.layers):
             if type(layer).forward is not LlamaDecoderLayer.forward:
                 return None
             attn, mlp = layer.self_attn, layer.mlp
@@ -63,8 +69,15 @@ class FusedDecode:
             if not all(n.native for n in norms):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(type(lin.quant_method) is not DenseLinearMethod for lin in linears) or any(lin.bias is not None for lin in linears[2:]):
+            if any(lin.bias is not None for lin in linears[2:]):
                 return None
+            for which, lin in enumerate(linears):
+                if type(lin.quant_method) is DenseLinearMethod:
+                    continue
+                native = lin.quant_method.native_products(lin)
+                if native is None:
+                    return None
+                quantized.append((index, which, native))
             qkv, o, gate_up, down = (_dense_weight(lin) for lin in linears)
             weights += [norms[0].scale, qkv, _bias(attn.qkv_proj), o, _bias(attn.o_proj), norms[1].scale, gate_up, down]
             window = attn.attn.window
@@ -78,6 +91,12 @@ class FusedDecode:
         if eps != post_eps:
             return None
         step = cpu_kernels.classes().DecodeStep(weights, window_of, heads, kv_heads, head_dim, eps, scale)
+        for index, which, (products, wide) in quantized:
+            step.set_products(
+                index, which, [p.op._schema.name for p in products], [len(p.args) for p in products],
+                [t for p in products for t in p.args], [p.rows for p in products],
+                [int(p.takes_wide) for p in products], bool(wide), WIDE_ROWS,
+            )
         return cls(step, windows)
 
     def serves(self, meta: AttentionMetadata, rope: StepRope) -> bool:
@@ -100,7 +119,10 @@ class FusedDecode:
 
 
 def _dense_weight(layer) -> torch.Tensor:
-    """What DenseLinearMethod multiplies by: the oneDNN-packed weight, else the plain one."""
+    """What DenseLinearMethod multiplies by: the oneDNN-packed weight, else the plain one; nothing for a
+    quantized layer (the step calls its products)."""
+    if type(layer.quant_method) is not DenseLinearMethod:
+        return _NO_BIAS
     return layer.packed.packed if layer.packed is not None else layer.weight
 
 
