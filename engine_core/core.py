@@ -32,6 +32,7 @@ from metrale.ipc.messages import (
     EngineOutput,
     EngineOutputs,
     EngineReady,
+    FrontendUp,
     GrammarVocab,
     RequestOutputDelta,
     LoraUpdate,
@@ -50,6 +51,7 @@ from metrale.ipc.tickets import RingGeometry
 
 from .engine import EngineCore, EngineOptions
 from .hang_watch import HangWatch
+from .output_ledger import OutputLedger
 from .pipeline import SpecialTokens
 from .step_builder import MAX_BAN_IDS
 from .worker_device import WorkerDevice
@@ -137,6 +139,7 @@ class EngineCoreProcess:
         self._unproven = True  # the current worker has not served a step yet
         self._sent_at = time.monotonic()  # the last frame to the frontend (outputs or a heartbeat)
         self.status = StatusSender(args.status_address, "engine_core") if args.status_address else None
+        self.ledger = OutputLedger()  # resumable requests' outputs, for a frontend that re-attaches after a restart
         device.on_hang = self._report_hang
         try:
             info = self.device.wait_ready(args.ready_timeout_s)
@@ -156,6 +159,8 @@ class EngineCoreProcess:
     def run(self) -> None:
         """The busy loop: inputs, one tick, outputs; block when idle."""
         while not self.stopping:
+            for rid in self.ledger.expire():  # a dead frontend's request nobody re-attached in time
+                self.engine.abort(rid)
             busy = self.engine.has_unfinished()
             self._take_inputs(block=not busy)
             if self._idle_loss is not None:  # the worker died between requests: replace it now
@@ -209,10 +214,15 @@ class EngineCoreProcess:
             log.error("dropping an undecodable frame from the frontend: %s", e)
             return
         if isinstance(msg, AddRequest):
+            if msg.reattach is not None and self._reattach(msg):
+                return
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
                                         cache_salt=msg.cache_salt, grammar=msg.grammar, pooling=msg.pooling,
                                         lora=msg.lora)
+                replaced = self.ledger.added(msg)
+                if replaced is not None:  # the client started the id afresh: the old run is nobody's
+                    self.engine.abort(replaced)
             except Refused as e:
                 self._refuse(msg.request_id, e.code, e.message)
             except Exception as e:  # noqa: BLE001 - a bug admitting one request fails that request only
@@ -222,6 +232,11 @@ class EngineCoreProcess:
             self.engine.set_grammar_vocab(msg)
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
+                rid = self.ledger.engine_id(rid)  # a re-attached request runs under its first id
+                self.ledger.aborted(rid)
+                self.engine.abort(rid)
+        elif isinstance(msg, FrontendUp):
+            for rid in self.ledger.frontend_up(msg.prefix):  # nobody can ask for these again
                 self.engine.abort(rid)
         elif isinstance(msg, LoraUpdate):
             self._update_lora(msg)
@@ -233,6 +248,19 @@ class EngineCoreProcess:
             stats.prefix_cache_hit_tokens, stats.prefix_cache_queried_tokens = cache.hit_tokens, cache.queried_tokens
             stats.worker_recoveries, stats.last_worker_recovery = self.recoveries, self.recovery
             self._send(StatsResponse(id=msg.id, stats=stats))
+
+    def _reattach(self, msg: AddRequest) -> bool:
+        """A restarted frontend re-attaches a request its predecessor submitted: its outputs so far go out at once
+        (engine_core/output_ledger.py). False when none is held under its key and it is to run as a new one."""
+        catch_up = self.ledger.attach(msg)
+        if catch_up is not None:
+            self._send(EngineOutputs(outputs=[catch_up]))
+            return True
+        if msg.reattach == "only":
+            self._refuse(msg.request_id, ErrorCode.RESUME_LOST, "the server no longer holds this request (it ended "
+                         f"more than {self.ledger.window_s:.0f} s ago, or its engine core restarted); start it again")
+            return True
+        return False
 
     def _update_lora(self, msg: LoraUpdate) -> None:
         """Load or unload an adapter (in order after the steps in flight) and say how it went."""
@@ -321,6 +349,8 @@ class EngineCoreProcess:
             self.status.send(WORKER_HUNG, why)
 
     def _send(self, msg: EngineOutput) -> None:
+        if isinstance(msg, EngineOutputs):
+            self.ledger.record(msg.outputs)
         self.outbox.send(self.encoder.encode(msg))
         self._sent_at = time.monotonic()
 

@@ -6,7 +6,9 @@ decode step was most of a streaming client's CPU. ZeroMQ's descriptor is edge-tr
 the client takes frames until the socket reports none left, and it looks again after each of its own sends
 (a send can consume the edge). Answers are routed to their request's queue by id. Every AsyncClient of a
 process shares one zmq context (one ZeroMQ I/O thread, however many clients): a client owns only its socket,
-which close() closes; the context lives as long as the process.
+which close() closes; the context lives as long as the process. A monitor of the socket tells when the connection
+broke and came back (the frontend was restarted): every live request is then re-attached where its stream was (a
+Resume per request, client_protocol.ResumeBook).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from .client_protocol import (
     ClientClosed,
     Completion,
     RequestError,
+    ResumeBook,
     abort_frame,
     check_new_id,
     decode_answer,
     keyed,
-    generate_frame,
+    encode,
+    generate_message,
     is_noise,
     log,
     new_id,
@@ -76,8 +80,13 @@ class AsyncClient:
         self.api_key = api_key  # sent in every message (docs/protocol.md §3); the server's --api-key
         self._sock = shared_context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
         self._fd = self._sock.getsockopt(zmq.FD)
+        self._monitor_fd = self._monitor.getsockopt(zmq.FD)
+        self._book = ResumeBook()
+        self._connection_lost = False  # the connection broke: re-attach once it is back
+        self._resuming: asyncio.Task | None = None  # sending the Resumes
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the descriptor
         self._waiters: dict[str, asyncio.Queue] = {}
         self._writers: list[asyncio.Future] = []  # sends waiting for room in the socket's queue
@@ -97,6 +106,8 @@ class AsyncClient:
         self._closed = True
         self._fail_all(ClientClosed("the client was closed"))
         self._waiters.clear()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
     async def generate(
@@ -110,11 +121,12 @@ class AsyncClient:
     ) -> AsyncIterator[Delta]:
         """Run a request, yielding its Deltas; leaving the loop early aborts it."""
         request_id = request_id or new_id()
-        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key, lora)
+        msg = generate_message(request_id, prompt, token_ids, params, self.api_key, lora, self._book.session)
         q = self._register(request_id)
+        self._book.started(msg)
         finished = False
         try:
-            await self._send(frame)
+            await self._send(encode(msg))
             while True:
                 msg = await self._wait(q, request_id)
                 if is_noise(msg):
@@ -128,6 +140,7 @@ class AsyncClient:
                     return
         finally:
             self._waiters.pop(request_id, None)
+            self._book.ended(request_id)
             if not finished and not self._closed:  # left early: the server should stop working on it
                 try:
                     self._sock.send(abort_frame(request_id, self.api_key), flags=zmq.DONTWAIT)
@@ -202,8 +215,11 @@ class AsyncClient:
         if self._loop is not loop:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
+                self._loop.remove_reader(self._monitor_fd)
             self._loop = loop
             loop.add_reader(self._fd, self._on_events)
+            loop.add_reader(self._monitor_fd, self._on_connection_events)
+            loop.call_soon(self._on_connection_events)  # edge-triggered: what came before would not wake it
 
     async def _send(self, frame: bytes) -> None:
         """Send one frame, waiting while the socket's queue is full (the high-water mark)."""
@@ -253,10 +269,41 @@ class AsyncClient:
                     break
                 self._route(frame)
 
+    def _on_connection_events(self) -> None:
+        """The monitor's events: after a break, once the connection is back, take every answer that came on the old
+        connection (so each request's count is what it received), then re-attach every live request."""
+        while not self._closed:
+            try:
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            event = int.from_bytes(frames[0][:2], "little")
+            if event == zmq.EVENT_DISCONNECTED:
+                self._connection_lost = True
+            elif self._connection_lost:
+                self._connection_lost = False
+                self._on_events()
+                frames = self._book.resume_frames()
+                if frames:
+                    log.info("metrale client: the connection to %s came back; re-attaching %d request(s)",
+                             self.address, len(frames))
+                if frames:  # in order, waiting for room when there are many (the high-water mark)
+                    self._resuming = self._loop.create_task(self._send_each(frames))
+
+    async def _send_each(self, frames: list[bytes]) -> None:
+        try:
+            for frame in frames:
+                await self._send(frame)
+        except ClientClosed:
+            pass
+
     def _fail_all(self, error: ClientClosed) -> None:
         """Stop watching the socket and hand error to every request and send still waiting."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
+            self._loop.remove_reader(self._monitor_fd)
         for q in self._waiters.values():
             q.put_nowait(error)
         for w in self._writers:
@@ -298,4 +345,5 @@ class AsyncClient:
             return
         q = self._waiters.get(msg.id)
         if q is not None:
+            self._book.received(msg)
             q.put_nowait(msg)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from metrale.ipc.messages import Abort, Delta, Error, Generate, Health, ServerMessage, Stats, TokenLogprob
+from metrale.ipc.messages import Abort, Delta, Error, Generate, Health, Resume, ServerMessage, Stats, TokenLogprob
 from metrale.ipc.sampling import SamplingParams
 
 log = logging.getLogger("metrale.frontend.client")
@@ -85,16 +85,57 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def generate_message(
+    request_id: str, prompt: str | None, token_ids: list[int] | None, params: SamplingParams | None,
+    api_key: str | None = None, lora: str | None = None, session: str | None = None,
+) -> Generate:
+    """The Generate for one request (lora: a LoRA adapter the server loaded; session: the client's, for a Resume)."""
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("give exactly one of prompt and token_ids")
+    return Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params or SamplingParams(),
+                    api_key=api_key, lora=lora, session=session)
+
+
 def generate_frame(
     request_id: str, prompt: str | None, token_ids: list[int] | None, params: SamplingParams | None,
     api_key: str | None = None, lora: str | None = None,
 ) -> bytes:
     """The Generate frame for one request (lora: a LoRA adapter the server loaded)."""
-    if (prompt is None) == (token_ids is None):
-        raise ValueError("give exactly one of prompt and token_ids")
-    msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params or SamplingParams(),
-                   api_key=api_key, lora=lora)
-    return _encoder.encode(msg)
+    return _encoder.encode(generate_message(request_id, prompt, token_ids, params, api_key, lora))
+
+
+class ResumeBook:
+    """A client's live requests and how many output tokens of each it received, so that after its connection to the
+    frontend broke (the frontend died and was restarted) it can re-attach to each one exactly where its stream was
+    (a Resume, docs/protocol.md §5.6). Not thread-safe: the sync client calls it under its lock."""
+
+    def __init__(self) -> None:
+        self.session = new_id()  # names this client's requests across connections
+        self._live: dict[str, tuple[Generate, list[int]]] = {}  # id -> (its Generate, [tokens received])
+
+    def started(self, msg: Generate) -> None:
+        self._live[msg.id] = (msg, [0])
+
+    def ended(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+
+    def received(self, msg) -> None:
+        """Count a routed answer's tokens; forget the request at its final message."""
+        entry = self._live.get(msg.id)
+        if entry is None:
+            return
+        if isinstance(msg, Error):
+            if msg.code != "unknown_id":  # that one only ever answers an Abort
+                del self._live[msg.id]
+        elif isinstance(msg, Delta):
+            entry[1][0] += len(msg.token_ids)
+            if msg.finish_reason is not None:
+                del self._live[msg.id]
+
+    def resume_frames(self) -> list[bytes]:
+        """One Resume per live request: its Generate, and the tokens the client has of it."""
+        return [_encoder.encode(Resume(**msgspec.structs.asdict(msg), offset=count[0]))
+                for msg, count in self._live.values()]
 
 
 def abort_frame(request_id: str, api_key: str | None = None) -> bytes:

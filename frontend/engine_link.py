@@ -31,8 +31,10 @@ What the engine core must do:
 5. When its worker dies, send ``WorkerLost`` (its requests are requeued and wait); when the new worker serves,
    ``WorkerBack``. Under data parallel (``EngineOutputs.load``) report its load with its outputs.
 
-The frontend answers outputs for request ids it does not know (a request it already finished, or one from
-before a frontend restart) with an AbortRequest, once. While it has seen no EngineReady it sends
+The frontend answers outputs for request ids of its own that it does not know (a request it already finished) with
+an AbortRequest, once. On each EngineReady (or adoption) it sends ``FrontendUp{prefix}``: the engine core then
+aborts the plain requests of earlier frontends and holds their resumable ones for a re-attach
+(engine_core/output_ledger.py: ``AddRequest.resume_key`` / ``reattach``). While it has seen no EngineReady it sends
 ``StatsRequest{id: "<prefix>-ready"}`` every ``ready_probe_s``; a StatsResponse to it means an engine core is
 already running (the frontend was restarted) and the frontend adopts it.
 
@@ -179,7 +181,10 @@ class EngineLink:
         self.send(AbortRequest(request_ids=engine_ids))
 
     def on_orphan(self, out: RequestOutputDelta, aborts: list[str]) -> None:
-        """Output for an engine id with no live request: abort it once (the engine core may not know it ended)."""
+        """Output for an engine id with no live request: abort it once (the engine core may not know it ended). One of
+        an earlier frontend's ids is the engine core's to hold for a re-attach, or to drop (FrontendUp)."""
+        if not out.request_id.startswith(self.prefix + "-"):
+            return
         if out.finish_reason is not None:
             self._recent_aborts.pop(out.request_id, None)
         elif out.request_id not in self._recent_aborts:

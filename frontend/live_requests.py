@@ -12,6 +12,10 @@ replica's engine core dies or loses its worker, its requests move at once to ano
 submitted there with the tokens already streamed and its compiled grammar (that replica is sent the grammar
 vocabulary first if it has not had it), exactly as after an engine-core restart, so nothing is lost and nobody
 waits for the dead replica to come back.
+
+A request with a resume key (a ZMQ client's session and id, an HTTP request id) is held by the engine core under it
+(engine_core/output_ledger.py). After a frontend restart its client re-attaches (a Resume, an HTTP retry): the engine
+core sends everything so far at once, and what the client already has (its offset) is detokenized but not sent.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from metrale.ipc.errors import ErrorCode
-from metrale.ipc.messages import AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta, TokenLogprob
+from metrale.ipc.messages import (
+    AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta, Resume, TokenLogprob,
+)
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams
 from metrale.pooling_config import PoolingConfig
@@ -85,6 +91,14 @@ class RequestState:
     grammar: GrammarBlob | None = None  # params.structured_outputs compiled (grammar_compiler.py)
     pooling: PoolingParams | None = None  # an embeddings request (Generate.pooling)
     lora: str | None = None  # its LoRA adapter (Generate.lora)
+    resume_key: str | None = None  # what the engine core holds it under for a re-attach (None: not resumable)
+    reattach: str | None = None  # AddRequest.reattach, until the engine core's first answer
+    skip: int = 0  # output tokens its client already has (a Resume's offset): detokenized, not sent
+
+
+def session_key(session: str, request_id: str) -> str:
+    """The resume key of a ZMQ client's request (its session and id; never equal to another pair's)."""
+    return f"z{len(session)}:{session}:{request_id}"
 
 
 @dataclass(slots=True)
@@ -145,6 +159,8 @@ class LiveRequests:
         if state is not None and msg.id in state.requests:
             raise Rejected("bad_request", f"duplicate id {msg.id!r}: a request with it is running")
         check_generate(msg, self.vocab_size, self.max_logprobs)
+        if isinstance(msg, Resume) and (not msg.session or msg.offset < 0):
+            raise Rejected("bad_request", "a resume needs the session its request was started under, and an offset >= 0")
         if msg.pooling is not None:
             self._check_pooling(msg)
         if self.refusing is not None:
@@ -155,9 +171,20 @@ class LiveRequests:
         req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock(),
                            cache_salt=msg.cache_salt, pooling=msg.pooling,
                            lora=msg.lora)
+        if msg.session is not None:
+            req.resume_key = session_key(msg.session, msg.id)
+        if isinstance(msg, Resume):
+            self.resume_from(req, msg.offset)
         state.requests[msg.id] = req
         self.idle.clear()
         return req
+
+    @staticmethod
+    def resume_from(req: RequestState, offset: int) -> None:
+        """Make req a re-attach to the request held under its key, whose client has its first offset tokens."""
+        req.reattach = "only" if offset > 0 else "or_start"  # a client with nothing lost nothing if it starts anew
+        req.skip = offset
+        req.sent_prompt_logprobs = offset > 0  # they came with the first tokens
 
     def _check_pooling(self, msg: Generate) -> None:
         """Rejected unless this model gives the embedding msg asks for (and msg asks nothing else of it)."""
@@ -294,6 +321,8 @@ class LiveRequests:
             grammar=req.grammar,
             pooling=req.pooling,
             lora=req.lora,
+            resume_key=req.resume_key,
+            reattach=req.reattach,
         )
         link.send(add)
 
@@ -368,6 +397,14 @@ class LiveRequests:
         if req is None:
             link.on_orphan(out, aborts)
             return
+        req.reattach = None  # the engine core has it: a resubmission carries its tokens
+        if req.skip:  # the client has these (a re-attach's catch-up): they only move the detokenizer on
+            head = out.new_token_ids[:req.skip]
+            req.skip -= len(head)
+            req.detok.push(head)
+            out.new_token_ids = out.new_token_ids[len(head):]
+            if out.logprobs is not None:
+                out.logprobs = out.logprobs[len(head):]
         if out.finish_reason == "error":
             code = out.error_code or ErrorCode.INTERNAL.value
             message = out.error or "the engine core failed the request"

@@ -48,12 +48,14 @@ from metrale.ipc.messages import (
     EngineReady,
     EngineStats,
     Error,
+    FrontendUp,
     Generate,
     Health,
     HealthQuery,
     ModelInfoQuery,
     ModelInfoReply,
     ProcessHealth,
+    Resume,
     Stats,
     StatsQuery,
     StatsResponse,
@@ -108,7 +110,7 @@ class FrontendConfig:
     client_send_hwm: int = 100_000  # frames queued to one client before it counts as gone
     heartbeat_s: float = 5.0  # ZMTP PINGs; a peer silent for 3 intervals is disconnected (0 disables)
     engine_reply_timeout_s: float = 10.0  # StatsQuery answered with Error "internal" after this
-    ready_probe_s: float = 2.0
+    ready_probe_s: float = 0.25  # a restarted frontend adopts the running engine core this soon
     http_host: str = DEFAULTS.host
     http_port: int | None = DEFAULTS.http_port  # serve the OpenAI-compatible HTTP API here too (0: any free port)
     # --served-model-name: the names /v1/models lists and requests must give (the first is the one replies
@@ -396,7 +398,9 @@ class FrontendServer:
         task.add_done_callback(self.requests.background.discard)
 
     def _on_generate(self, client: bytes, envelope: tuple[bytes, ...], fd: int | None, msg: Generate) -> None:
-        """Validate and register a request; tokenize it (off the loop when long) and admit it."""
+        """Validate and register a request (a Resume too); tokenize it (off the loop when long) and admit it."""
+        if isinstance(msg, Resume) and self.requests.find(client, msg.id) is not None:
+            return  # its Generate reached this frontend after all: it streams from the start on this connection
         try:
             req = self.requests.register(client, envelope, fd, msg)
         except Rejected as exc:
@@ -496,9 +500,13 @@ class FrontendServer:
         strict_length: bool = False,
         pooling: PoolingParams | None = None,
         lora: str | None = None,
+        resume_key: str | None = None,
+        resume_offset: int | None = None,
     ) -> None:
         """Start a request exactly as a Generate frame would (pooling: an embeddings request; lora: its adapter); its
-        Deltas (or its one Error) go to sink.
+        Deltas (or its one Error) go to sink. resume_key: the engine core holds it under this key; with resume_offset,
+        it re-attaches to the request held there (a retry after a frontend restart), skipping the first
+        resume_offset output tokens.
 
         sink is called on the event loop; the last message is a Delta with a finish_reason or an Error. A decoder
         replaces the tokenizer for detokenizing (e.g. one that keeps reasoning tags in the text).
@@ -511,6 +519,9 @@ class FrontendServer:
             sink(Error(id=request_id, code=exc.code.value, message=exc.message))
             return
         req.sink, req.decoder, req.strict_length = sink, decoder, strict_length
+        req.resume_key = resume_key
+        if resume_key is not None and resume_offset is not None:
+            self.requests.resume_from(req, resume_offset)
         self.requests.tokenize_then_admit(req, msg, add_special_tokens)
 
     def abort_local(self, key: bytes) -> None:
@@ -639,6 +650,7 @@ class FrontendServer:
         self._engine_heard_at = self.clock()
         self._rejections_logged.clear()
         self.engine_ready.set()
+        link.send(FrontendUp(prefix=link.prefix))  # the requests of a frontend before this one are ours to re-attach
         at_start = dict(lora_pairs(self.config.lora_modules))  # what every engine core loads by itself
         for name, path in self.adapters.items():  # before the requests that may name them
             if at_start.get(name) != path:

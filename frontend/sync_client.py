@@ -1,7 +1,9 @@
 """Client: the blocking reference client, safe to share between threads.
 
 One background thread does all socket I/O (ZMQ sockets are not thread-safe): callers hand it frames over an
-inproc pair and wait on a queue per request, which the thread fills with the server's answers.
+inproc pair and wait on a queue per request, which the thread fills with the server's answers. It also watches the
+connection: when it comes back after a break (the frontend was restarted), it re-attaches every live request where
+its stream was (a Resume per request, client_protocol.ResumeBook), so a frontend's death costs a stream nothing.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from .client_protocol import (
     ClientClosed,
     Completion,
     RequestError,
+    ResumeBook,
     abort_frame,
     check_new_id,
     decode_answer,
     keyed,
-    generate_frame,
+    encode,
+    generate_message,
     is_noise,
     log,
     new_id,
@@ -60,10 +64,13 @@ class Client:
         self._waiters: dict[str, queue.SimpleQueue] = {}
         self._closed = False
         self._heard = False  # a frame came from the server (so something listens there)
+        self._book = ResumeBook()  # under _lock
+        self._connection_lost = False  # (I/O thread) the connection broke: re-attach once it is back
         inbox_addr = f"inproc://metrale-client-{new_id()}"
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.setsockopt(zmq.SNDHWM, 0)  # while the server is down, requests queue (and time out)
+        self._monitor = self._dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._dealer.connect(self.address)
         # Callers hand frames to the I/O thread over an unbounded inproc pair, so a caller never blocks on it.
         self._inbox = self._ctx.socket(zmq.PAIR)  # read by the I/O thread
@@ -92,7 +99,8 @@ class Client:
         self._io.join()
         for q in waiters.values():
             q.put(ClientClosed("the client was closed"))
-        for sock in (self._outbox, self._inbox, self._dealer):
+        self._dealer.disable_monitor()
+        for sock in (self._outbox, self._inbox, self._monitor, self._dealer):
             sock.close(linger=0)
         self._ctx.term()
 
@@ -107,10 +115,12 @@ class Client:
     ) -> DeltaStream:
         """Start a request now; iterate the result for its Deltas (the last has a finish_reason)."""
         request_id = request_id or new_id()
-        frame = generate_frame(request_id, prompt, token_ids, params, self.api_key, lora)
+        msg = generate_message(request_id, prompt, token_ids, params, self.api_key, lora, self._book.session)
         q = self._register(request_id)
         try:
-            self._post(frame)
+            with self._lock:  # before the I/O thread can see an answer
+                self._book.started(msg)
+            self._post(encode(msg))
         except BaseException:
             self._unregister(request_id)
             raise
@@ -213,6 +223,7 @@ class Client:
         """Stop routing answers for request_id."""
         with self._lock:
             self._waiters.pop(request_id, None)
+            self._book.ended(request_id)
 
     def _post(self, frame: bytes) -> None:
         """Hand a frame to the I/O thread."""
@@ -226,6 +237,7 @@ class Client:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
             for sock, _ in poller.poll():
                 if sock is self._inbox:
@@ -233,8 +245,33 @@ class Client:
                     if frame == _STOP_IO:
                         return
                     self._dealer.send(frame)
+                elif sock is self._monitor:
+                    self._on_connection_event(self._monitor.recv_multipart())
                 else:
                     self._route(self._dealer.recv())
+
+    def _on_connection_event(self, frames: list[bytes]) -> None:
+        """A break of the connection, or its (re)establishment: after a break, first take every answer that came on
+        the old connection (so each request's count is what it received), then re-attach every live request."""
+        event = int.from_bytes(frames[0][:2], "little")
+        if event == zmq.EVENT_DISCONNECTED:
+            self._connection_lost = True
+            return
+        if not self._connection_lost:
+            return
+        self._connection_lost = False
+        while True:
+            try:
+                self._route(self._dealer.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        with self._lock:
+            frames = self._book.resume_frames()
+        if frames:
+            log.info("metrale client: the connection to %s came back; re-attaching %d request(s)", self.address,
+                     len(frames))
+        for frame in frames:
+            self._dealer.send(frame)
 
     def _route(self, data: bytes) -> None:
         """Put one server frame on its request's queue."""
@@ -244,6 +281,8 @@ class Client:
             return
         with self._lock:
             q = self._waiters.get(msg.id)
+            if q is not None:
+                self._book.received(msg)
         if q is not None:
             q.put(msg)
         elif isinstance(msg, Error):

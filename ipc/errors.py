@@ -21,6 +21,7 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_ID = "unknown_id"  # an abort for an id that is not running
     UNAUTHORIZED = "unauthorized"  # a missing or wrong API key (the server runs with --api-key)
     ADMIN_DISABLED = "admin_disabled"  # an admin request to a server without --enable-admin (or from afar)
+    RESUME_LOST = "resume_lost"  # a Resume of a request the server no longer holds (it ended long ago, or died)
 
     def __str__(self) -> str:
         return self.value

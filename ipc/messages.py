@@ -40,6 +40,16 @@ class Generate(_Keyed, tag="generate", kw_only=True):
     # An embeddings request: the prompt is pooled (sampling is ignored) and the one Delta carries its embedding.
     pooling: PoolingParams | None = None
     lora: str | None = None  # a LoRA adapter the server loaded (--lora-modules): the request runs with it
+    # A client that may re-attach after losing its frontend names its session (a random string kept for its life):
+    # the engine core then holds the request's outputs under (session, id) for a Resume (docs/protocol.md §5.6).
+    session: str | None = None
+
+
+class Resume(Generate, tag="resume", kw_only=True):
+    """Re-attach to a request of the same session after the connection to the frontend was lost: the Generate as
+    first sent, and how many of its output tokens the client has; the stream goes on from there."""
+
+    offset: int = 0
 
 
 class Abort(_Keyed, tag="abort", kw_only=True):
@@ -81,7 +91,7 @@ class Admin(_Keyed, tag="admin", kw_only=True):
     replica: int = 0
 
 
-ClientMessage = Generate | Abort | StatsQuery | HealthQuery | ModelInfoQuery | Admin
+ClientMessage = Generate | Resume | Abort | StatsQuery | HealthQuery | ModelInfoQuery | Admin
 
 
 class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
@@ -253,6 +263,11 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     grammar: GrammarBlob | None = None  # with params.structured_outputs
     pooling: PoolingParams | None = None  # an embeddings request: its prompt is pooled, nothing is generated
     lora: str | None = None  # the LoRA adapter its rows run with (EngineOptions.lora_modules' name)
+    # Held under this key for a frontend that re-attaches after a restart (engine_core/output_ledger.py).
+    resume_key: str | None = None
+    # Re-attach to the request held under resume_key (its outputs so far come at once): "or_start" runs this one
+    # when none is held, "only" refuses it (resume_lost); None: a new request.
+    reattach: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort_req", kw_only=True):
@@ -279,7 +294,14 @@ class LoraUpdated(msgspec.Struct, tag="lora_updated", kw_only=True):
     error: str | None = None
 
 
-EngineInput = AddRequest | AbortRequest | StatsRequest | GrammarVocab | LoraUpdate
+class FrontendUp(msgspec.Struct, tag="frontend_up", kw_only=True):
+    """A frontend took this engine core (sent on each EngineReady or adoption): its engine ids start with prefix + "-".
+    The requests of the frontends before it are aborted, or held for re-attachment when resumable."""
+
+    prefix: str
+
+
+EngineInput = AddRequest | AbortRequest | StatsRequest | GrammarVocab | LoraUpdate | FrontendUp
 
 
 class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
