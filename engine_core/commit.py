@@ -28,13 +28,14 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
         tok = token_list[r]
         if tok < 0 or (skip is not None and skip[r]):
             continue
-        seq.tokens.append(tok)
-        seq.pending.append(tok)
+        out = seq.out
+        out.tokens.append(tok)
+        out.pending.append(tok)
         seq.post()
         if logprobs and seq.params.logprobs is not None:
-            seq.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
+            out.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
         update_row_state(seq, tok, toks)
-        if seq.grammar is not None:  # structured outputs: the matcher follows the committed tokens
+        if seq.row_state.grammar is not None:  # structured outputs: the matcher follows the committed tokens
             ended = advance_grammar(seq, tok)
             if ended == "stop":
                 seq.finish("stop")
@@ -48,8 +49,8 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
 def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:
     """Finish seq if tok ends it: EOS, a stop id, max_tokens, or the model's context."""
     p = seq.params
-    num_tokens = len(seq.tokens)
-    num_output = num_tokens - seq.num_prompt
+    num_tokens = len(seq.out.tokens)
+    num_output = num_tokens - seq.req.num_prompt
     if num_output >= p.min_tokens and ((not p.ignore_eos and tok in io.eos_ids) or tok in p.stop_token_ids):
         seq.finish("stop")
     elif num_output >= p.max_tokens or num_tokens >= io.max_model_len:
@@ -78,13 +79,14 @@ def commit_prompt_logprobs(seqs: list[Sequence], starts: list[int], counts: np.n
         seq, start, count = seqs[r], starts[r], int(counts[r])
         if not skip[r]:
             n = seq.params.prompt_logprobs
-            for j in range(max(0, len(seq.prompt_entries) - 1 - start), count):
+            entries = seq.out.prompt_entries
+            for j in range(max(0, len(entries) - 1 - start), count):
                 i = at + j
                 token = seq.tokens[start + j + 1]
                 if n and ids is not None:
-                    seq.prompt_entries.append(TokenLogprob(token, lps[i], ids[i][:n], tops[i][:n]))
+                    entries.append(TokenLogprob(token, lps[i], ids[i][:n], tops[i][:n]))
                 else:
-                    seq.prompt_entries.append(TokenLogprob(token, lps[i]))
+                    entries.append(TokenLogprob(token, lps[i]))
         at += count
 
 
@@ -102,11 +104,11 @@ def commit_pooled(seqs: list[Sequence], starts: list[int], kinds: np.ndarray, re
         if pooled is None or q >= len(pooled):
             seq.finish("error", "the device returned no pooled vector for an embeddings request", ErrorCode.INTERNAL)
             continue
-        kind, start = kinds[r], starts[r]
+        kind, start, out = kinds[r], starts[r], seq.out
         if start == 0 or kind == POOL_LAST:
-            seq.pool_total = pooled[q].astype(np.float64)
+            out.pool_total = pooled[q].astype(np.float64)
         elif kind == POOL_SUM:
-            seq.pool_total += pooled[q]
+            out.pool_total += pooled[q]
         if seq.num_computed >= seq.num_tokens:
-            seq.embedding = finish_embedding(seq.pool_total, seq.pool_kind, seq.num_tokens, seq.pooling)
+            out.embedding = finish_embedding(out.pool_total, seq.req.pool_kind, seq.num_tokens, seq.req.pooling)
             seq.finish("stop")

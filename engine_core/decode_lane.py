@@ -180,7 +180,7 @@ def validate_next(nxt: Inflight, prev_tokens: np.ndarray, io: StepIo) -> list[Se
             nxt.discard[i] = True
             if repick_only and not s.finished:
                 poisoned.append(s)
-        elif not s.plain and row_mask(s, io.toks, io.eos_ids) != nxt.masks[i]:  # picked under a mask now stale
+        elif not s.req.plain and row_mask(s, io.toks, io.eos_ids) != nxt.masks[i]:  # picked under a mask now stale
             if repick_only:
                 stale = True  # the forward stands (its input was right); the host repicks every row
             else:

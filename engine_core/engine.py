@@ -25,6 +25,7 @@ from metrale.ipc.messages import EngineStats, GrammarBlob, GrammarVocab, Request
 from metrale.ipc.plan import FEED_HOST, POOL_KINDS, POOL_NONE, Device, DeviceError, StepKind
 from metrale.ipc.pooling import PoolingParams, with_model_default
 from metrale.ipc.sampling import SamplingParams, logprobs_cap
+from metrale.ipc.ticket_layout import prompt_logprob_rows
 
 from .decode_lane import abandon, discard_row, drain, forget, launch, settle
 from .grammar import GrammarBook
@@ -106,16 +107,19 @@ class EngineCore:
                 max_model_len=info.max_model_len,
                 max_waiting=options.max_waiting,
                 preemption_mode=options.preemption_mode,
+                max_prompt_logprob_rows=prompt_logprob_rows(  # the ring's bound at its width (core.geometry_for)
+                    max(options.max_num_batched_tokens, options.max_num_seqs),
+                    min(logprobs_cap(options.max_logprobs, info.vocab_size), info.vocab_size)),
             ),
             pool,
             swap,
             StateSlots(info.num_state_slots),
         )
         builder = StepBuilder(
+            pool,
             max_tokens=max(options.max_num_batched_tokens, options.max_num_seqs),
             max_rows=options.max_num_seqs,
             max_model_len=info.max_model_len,
-            block_size=info.block_size,
             swap=swap,
             vocab_size=info.vocab_size,
             state_slots=info.num_state_slots > 0,
@@ -199,26 +203,22 @@ class EngineCore:
                 served = ", ".join(sorted(self.lora_slots)) or "none"
                 raise Refused(ErrorCode.BAD_REQUEST, f"the LoRA adapter {lora!r} is not loaded (loaded: {served})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(
-            request_id=request_id,
-            params=params,
-            seed=seed,
-            tokens=list(prompt_token_ids) + list(output_token_ids),
-            num_prompt=len(prompt_token_ids),
-            arrival=self._arrivals,
+        row_grammar = None
+        if params.structured_outputs is not None:
+            if grammar is None:
+                raise Refused(ErrorCode.BAD_REQUEST, "structured_outputs comes with its compiled grammar (AddRequest.grammar)")
+            row_grammar = self.grammars.row_grammar(grammar, list(output_token_ids))
+        seq = Sequence.of(
+            request_id, params, seed, [*prompt_token_ids, *output_token_ids], len(prompt_token_ids), self._arrivals,
+            grammar=row_grammar,
+            outbox=self._outbox,
             stream=stream,
             cache_salt=cache_salt,
-            outbox=self._outbox,
-            prompt_entries=None if params.prompt_logprobs is None else [None],
             pooling=None if pooling is None else with_model_default(pooling, self.info.pooling_normalize),
             pool_kind=POOL_KINDS[self.info.pooling] if pooling is not None else POOL_NONE,
             lora_slot=lora_slot,
             lora_key=self.lora_keys[lora] if lora is not None else -1,
         )
-        if params.structured_outputs is not None:
-            if grammar is None:
-                raise Refused(ErrorCode.BAD_REQUEST, "structured_outputs comes with its compiled grammar (AddRequest.grammar)")
-            seq.grammar = self.grammars.row_grammar(grammar, list(output_token_ids))
         self.scheduler.check_admissible(seq)
         self._arrivals += 1
         init_row_state(seq, self.io.toks)
@@ -251,7 +251,7 @@ class EngineCore:
         slot = self.lora_slots.get(name)
         if slot is None:
             raise Refused(ErrorCode.BAD_REQUEST, f"the LoRA adapter {name!r} is not loaded")
-        users = sum(1 for s in self.requests.values() if s.lora_slot == slot and not s.finished)
+        users = sum(1 for s in self.requests.values() if s.req.lora_slot == slot and not s.finished)
         if users:
             raise Refused(ErrorCode.BAD_REQUEST, f"the LoRA adapter {name!r} runs {users} requests; unload it after")
         del self.lora_slots[name], self.lora_keys[name]
@@ -347,13 +347,10 @@ class EngineCore:
         MAX_ENGINE_FAILURES failures is failed with an internal error instead.
         """
         abandon(self.pipeline, self.io)
-        for seq in self.scheduler.running:
-            seq.failures += 1
-            seq.suspect_until = seq.num_tokens + 1
-            if seq.failures >= MAX_ENGINE_FAILURES:
-                log.error("request %s failed the engine %d times; failing it", seq.request_id, seq.failures)
-                seq.finish("error", f"the engine failed {seq.failures} times while running this request "
-                                    f"({type(exc).__name__}: {exc})", ErrorCode.INTERNAL)
+        for seq in self.scheduler.suspect_running(MAX_ENGINE_FAILURES):
+            log.error("request %s failed the engine %d times; failing it", seq.request_id, seq.failures)
+            seq.finish("error", f"the engine failed {seq.failures} times while running this request "
+                                f"({type(exc).__name__}: {exc})", ErrorCode.INTERNAL)
         self.scheduler.retire_finished()
         self.scheduler.requeue_all()  # KV written by the failed tick is not trusted: recompute, forget the cache
         self.io.device_lost = None
@@ -389,7 +386,7 @@ class EngineCore:
         """True when the running rows may go on decoding as they are: no arrival to admit, nothing to
         retire, no prefill (an embeddings request's last token is a prefill's)."""
         return not self.scheduler.has_admissible() and all(
-            not s.finished and s.num_tokens - s.num_computed <= 1 and not s.pool_kind for s in self.scheduler.running
+            not s.finished and s.num_tokens - s.num_computed <= 1 and not s.req.pool_kind for s in self.scheduler.running
         )
 
     def _fail_unschedulable(self) -> None:
@@ -411,35 +408,36 @@ class EngineCore:
         interval = self.options.stream_interval
         outbox = self._outbox
         for key, seq in list(outbox.items()):
-            rid = seq.request_id
-            finishing = seq.finished and not seq.reported_finish
-            pending = len(seq.pending)
+            rid, o = seq.request_id, seq.out
+            finished = o.finish_reason is not None
+            finishing = finished and not o.reported_finish
+            pending = len(o.pending)
             # Streamed tokens are due every `interval`; the first ones (nothing reported yet) at once.
-            due = pending and seq.stream and (pending >= interval or pending == seq.num_output)
+            due = pending and seq.req.stream and (pending >= interval or pending == seq.num_output)
             if finishing or due:
                 out.append(
                     RequestOutputDelta(
                         rid,
-                        seq.pending,
-                        seq.finish_reason if finishing else None,
-                        seq.pending_logprobs or None,
-                        seq.error if finishing else None,
-                        seq.error_code.value if finishing and seq.error_code is not None else None,
+                        o.pending,
+                        o.finish_reason if finishing else None,
+                        o.pending_logprobs or None,
+                        o.error if finishing else None,
+                        o.error_code.value if finishing and o.error_code is not None else None,
                         seq.num_cached_tokens if finishing or pending == seq.num_output else None,
-                        seq.prompt_entries if pending and pending == seq.num_output else None,
-                        seq.embedding if finishing else None,
+                        o.prompt_entries if pending and pending == seq.num_output else None,
+                        o.embedding if finishing else None,
                     )
                 )
-                self.generated_tokens += len(seq.pending)
-                seq.pending = []
-                seq.pending_logprobs = []
-                seq.reported_finish = seq.finished
-            if seq.finished:
-                if not seq.block_table:  # its blocks are freed: nothing more can come of it
+                self.generated_tokens += pending
+                o.pending = []
+                o.pending_logprobs = []
+                o.reported_finish = finished
+            if finished:
+                if not seq.kv.num_blocks:  # its blocks are freed: nothing more can come of it
                     del outbox[key]
                     if self.requests.get(rid) is seq:
                         del self.requests[rid]
-            elif not seq.pending:
+            elif not o.pending:
                 del outbox[key]
         return out
 

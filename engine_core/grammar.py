@@ -99,7 +99,7 @@ def advance(seq: Sequence, token: int) -> str | None:
     """The commit hook: move a grammar row's matcher past its committed token. Returns why the row ends, for
     the commit to finish it: an error for a token the grammar refuses (only a forced think-end can be one),
     "stop" for a finished grammar (its stop token taken); None while it goes on."""
-    grammar = seq.grammar
+    grammar = seq.row_state.grammar
     if not grammar.accept(token):
         return f"the output left its grammar at token {token}"
     return "stop" if grammar.terminated else None
@@ -110,7 +110,7 @@ def fill_bitmasks(seqs: list[Sequence], kinds: list[int], out: np.ndarray) -> in
     g = 0
     for seq, kind in zip(seqs, kinds):
         if kind & MASK_GRAMMAR:
-            xg.fill_bitmask(seq.grammar.matcher, out, g)
+            xg.fill_bitmask(seq.row_state.grammar.matcher, out, g)
             g += 1
     return g
 
@@ -118,8 +118,8 @@ def fill_bitmasks(seqs: list[Sequence], kinds: list[int], out: np.ndarray) -> in
 def allowed_tokens(seq: Sequence, vocab_size: int) -> np.ndarray:
     """bool [vocab_size]: the tokens seq's grammar allows next (host sampling); all of them once it has ended
     (the row finished: its pick is discarded)."""
-    if seq.grammar.terminated:
+    if seq.row_state.grammar.terminated:
         return np.ones(vocab_size, dtype=bool)
     words = np.zeros((1, xg.bitmask_words(vocab_size)), dtype=np.int32)
-    xg.fill_bitmask(seq.grammar.matcher, words, 0)
+    xg.fill_bitmask(seq.row_state.grammar.matcher, words, 0)
     return unpack_bitmask(words[0], vocab_size)

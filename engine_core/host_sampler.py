@@ -97,7 +97,7 @@ class SamplingRow:
         bias = p.logit_bias or {}
         return cls(
             f32(p.temperature), p.top_k if p.top_k > 0 else 0, f32(p.top_p), f32(p.min_p), f32(p.repetition_penalty),
-            f32(p.presence_penalty), f32(p.frequency_penalty), int(seq.seed), position, mask.kind, mask.force_token,
+            f32(p.presence_penalty), f32(p.frequency_penalty), int(seq.req.seed), position, mask.kind, mask.force_token,
             mask.ban, history, seq.num_prompt, allowed,
             np.fromiter(bias.keys(), np.int32, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)),
         )

@@ -8,6 +8,9 @@ A cached block is keyed by a 128-bit BLAKE2b digest of its parent's digest and i
 confirmed by comparing the stored parent and tokens: a digest collision (or a forged one) can never hand
 one request another's KV. The chain starts from the request's cache salt, so requests with different
 salts (tenants) never share a block.
+
+Every sequence's block table is one row of `tables` (int32, grown when a row or a table outgrows it): the only
+copy. The pool appends and trims it in place, and a plan gathers its rows from it (step_builder.py).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from .sequence import Sequence
+import numpy as np
+
+from .sequence import KvPlacement, Sequence
 
 BlockHash = bytes
 
 
-def block_hash(parent: BlockHash, tokens: list[int]) -> BlockHash:
+def block_hash(parent: BlockHash, tokens) -> BlockHash:
     """The digest of one full block: its parent's digest and its token ids."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
@@ -60,6 +65,8 @@ class KvBlockPool:
     _block_of: dict[BlockHash, int] = field(init=False)  # digest -> block
     _content: dict[int, tuple[BlockHash, tuple[int, ...]]] = field(init=False)  # block -> (parent, tokens)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    tables: np.ndarray = field(init=False)  # [rows, blocks]: row KvPlacement.row is a sequence's block table
+    _free_rows: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.refcount = [0] * self.num_blocks
@@ -68,6 +75,8 @@ class KvBlockPool:
         self._hash_of = {}
         self._block_of = {}
         self._content = {}
+        self.tables = np.zeros((0, 16), np.int32)
+        self._free_rows = []
 
     # ---- counts ---------------------------------------------------------------------
 
@@ -92,7 +101,12 @@ class KvBlockPool:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """How many more blocks seq needs so its table covers num_tokens tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return max(0, -(-num_tokens // self.block_size) - seq.kv.num_blocks)
+
+    def blocks(self, seq: Sequence) -> list[int]:
+        """seq's blocks, in order (a copy)."""
+        kv = seq.kv
+        return self.tables[kv.row, : kv.num_blocks].tolist() if kv.num_blocks else []
 
     def check_invariant(self) -> None:
         """Raise AssertionError unless free + used + cached == total and refcounts agree."""
@@ -108,24 +122,47 @@ class KvBlockPool:
         need = self.blocks_needed(seq, num_tokens)
         if need > self.num_available:
             return False
-        for _ in range(need):
-            seq.block_table.append(self._take())
+        if need:
+            self._append(seq.kv, [self._take() for _ in range(need)])
         return True
+
+    def _append(self, kv: KvPlacement, blocks: list[int]) -> None:
+        """Append blocks to kv's table, giving it a row first (the table grows when a row or a table outgrows it)."""
+        if kv.row < 0:
+            if not self._free_rows:
+                rows = len(self.tables)
+                self.tables = np.pad(self.tables, ((0, max(rows, 64)), (0, 0)))
+                self._free_rows = list(range(len(self.tables) - 1, rows - 1, -1))
+            kv.pool, kv.row = self, self._free_rows.pop()
+        n = kv.num_blocks + len(blocks)
+        width = self.tables.shape[1]
+        if n > width:
+            self.tables = np.pad(self.tables, ((0, 0), (0, max(n, 2 * width) - width)))
+        self.tables[kv.row, kv.num_blocks : n] = blocks
+        kv.num_blocks = n
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks of seq beyond those num_tokens tokens need (an over-run's reservation)."""
+        kv = seq.kv
         keep = -(-num_tokens // self.block_size)
-        assert keep >= seq.hashed_blocks, "trimming a settled block"
-        while len(seq.block_table) > keep:
-            self._release(seq.block_table.pop())
+        assert keep >= kv.hashed_blocks, "trimming a settled block"
+        if kv.num_blocks > keep:
+            row = self.tables[kv.row]
+            for block in row[keep : kv.num_blocks].tolist()[::-1]:
+                self._release(block)
+            row[keep : kv.num_blocks] = 0
+            kv.num_blocks = keep
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of seq; full settled blocks stay cached for reuse."""
-        for block in reversed(seq.block_table):  # tail first, so the shared head is evicted last
-            self._release(block)
-        seq.block_table.clear()
-        seq.hashed_blocks = 0
-        seq.prefix_hash = b""
+        """Release every block of seq (tail first, so the shared head is evicted last) and its table's row; full
+        settled blocks stay cached for reuse."""
+        kv = seq.kv
+        if kv.row >= 0:
+            for block in self.tables[kv.row, : kv.num_blocks].tolist()[::-1]:
+                self._release(block)
+            self.tables[kv.row, : kv.num_blocks] = 0
+            self._free_rows.append(kv.row)
+        kv.row, kv.num_blocks, kv.hashed_blocks, kv.prefix_hash = -1, 0, 0, b""
 
     def _take(self) -> int:
         if self._free:
@@ -154,13 +191,15 @@ class KvBlockPool:
 
         At least one token is always left to compute, so the step that follows can sample.
         """
-        assert not seq.block_table and seq.num_computed == 0
+        kv = seq.kv
+        assert not kv.num_blocks and seq.num_computed == 0
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
         full = (seq.num_tokens - 1) // bs
         self.stats.queried_tokens += seq.num_tokens
-        parent = root = chain_root(seq.cache_salt, seq.lora_key)
+        parent = root = chain_root(seq.req.cache_salt, seq.req.lora_key)
+        hits = []
         for i in range(full):
             chunk = seq.tokens[i * bs : (i + 1) * bs]
             h = block_hash(parent, chunk)
@@ -170,32 +209,35 @@ class KvBlockPool:
             if self.refcount[block] == 0:
                 del self._cached[block]
             self.refcount[block] += 1
-            seq.block_table.append(block)
+            hits.append(block)
             parent = h
-        seq.prefix_hash = parent if seq.block_table else root
-        seq.hashed_blocks = len(seq.block_table)
-        reused = len(seq.block_table) * bs
+        if hits:
+            self._append(kv, hits)
+        kv.prefix_hash = parent if hits else root
+        kv.hashed_blocks = len(hits)
+        reused = len(hits) * bs
         self.stats.hit_tokens += reused
         return reused
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key seq's full blocks whose KV is settled (below num_computed) by their prefix hash."""
-        bs = self.block_size
-        if not self.enable_prefix_caching or seq.num_computed < (seq.hashed_blocks + 1) * bs:
+        bs, kv = self.block_size, seq.kv
+        if not self.enable_prefix_caching or seq.num_computed < (kv.hashed_blocks + 1) * bs:
             return  # off, or no block filled since the last call
-        upto = min(seq.num_computed // bs, len(seq.block_table))
-        if seq.hashed_blocks == 0:
-            seq.prefix_hash = chain_root(seq.cache_salt, seq.lora_key)
-        for i in range(seq.hashed_blocks, upto):  # incremental: each block is hashed once
+        upto = min(seq.num_computed // bs, kv.num_blocks)
+        if kv.hashed_blocks == 0:
+            kv.prefix_hash = chain_root(seq.req.cache_salt, seq.req.lora_key)
+        table = self.tables[kv.row]
+        for i in range(kv.hashed_blocks, upto):  # incremental: each block is hashed once
             chunk = seq.tokens[i * bs : (i + 1) * bs]
-            h = block_hash(seq.prefix_hash, chunk)
-            block = seq.block_table[i]
+            h = block_hash(kv.prefix_hash, chunk)
+            block = int(table[i])
             if h not in self._block_of and block not in self._hash_of:
                 self._block_of[h] = block  # else another sequence holds the same content already
                 self._hash_of[block] = h
-                self._content[block] = (seq.prefix_hash, tuple(chunk))
-            seq.prefix_hash = h
-        seq.hashed_blocks = max(seq.hashed_blocks, upto)
+                self._content[block] = (kv.prefix_hash, tuple(chunk))
+            kv.prefix_hash = h
+        kv.hashed_blocks = max(kv.hashed_blocks, upto)
 
     def reset_cache(self) -> None:
         """Forget every cached block: the device's KV is gone (a worker restart)."""

@@ -81,14 +81,14 @@ class Pipeline:
 
 def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead: int = 0) -> RowMask:
     """The mask of seq's next pick; ahead=1 asks for the pick after that, assuming an ordinary token."""
-    if seq.plain:
+    if seq.req.plain:
         return NO_MASK
-    p = seq.params
+    p, st = seq.params, seq.row_state
     if (
         p.max_thinking_tokens is not None
         and toks.think_end is not None
-        and seq.in_think
-        and seq.think_tokens + ahead >= p.max_thinking_tokens
+        and st.in_think
+        and st.think_tokens + ahead >= p.max_thinking_tokens
     ):
         return RowMask(MASK_FORCE, toks.think_end)
     kind = MASK_NONE
@@ -96,21 +96,14 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
     if p.min_tokens and seq.num_output + ahead < p.min_tokens:
         kind |= MASK_BAN
         ban = tuple(dict.fromkeys((*eos_ids, *p.stop_token_ids)))
-    if p.adaptive_sampling and (seq.in_fence or seq.in_tool):
+    if p.adaptive_sampling and (st.in_fence or st.in_tool):
         kind |= MASK_GREEDY
     # A grammar's bitmask is made from the matcher as it is: one launched ahead is made a token early (stale).
     grammar_at = -1
-    if seq.grammar is not None:
+    if st.grammar is not None:
         kind |= MASK_GRAMMAR
-        grammar_at = seq.grammar.accepted
+        grammar_at = st.grammar.accepted
     return RowMask(kind, -1, ban, grammar_at) if kind else NO_MASK
-
-
-def is_plain(seq: Sequence) -> bool:
-    """True when seq's params make every mask NO_MASK, need no penalties and read no row state."""
-    p = seq.params
-    return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None
-                or p.structured_outputs is not None)
 
 
 def can_feed(seq: Sequence) -> bool:
@@ -118,36 +111,31 @@ def can_feed(seq: Sequence) -> bool:
     grammar row, whose bitmask is made by its matcher after that token (it waits for its commit). A penalised
     row's history ends with a slot the device fills with the fed token (step_builder._history); a mask that the
     token could change is predicted and validated, not waited for."""
-    return seq.grammar is None
+    return seq.row_state.grammar is None
 
 
 def update_row_state(seq: Sequence, token: int, toks: SpecialTokens) -> None:
     """Advance the per-row state behind the masks past a committed token (a plain row's is never read)."""
-    if seq.plain:
+    if seq.req.plain:
         return
+    st = seq.row_state
     if token == toks.think_start:
-        seq.in_think, seq.think_tokens = True, 0
+        st.in_think, st.think_tokens = True, 0
     elif token == toks.think_end:
-        seq.in_think = False
-    elif seq.in_think:
-        seq.think_tokens += 1
+        st.in_think = False
+    elif st.in_think:
+        st.think_tokens += 1
     if token == toks.code_fence:
-        seq.in_fence = not seq.in_fence
+        st.in_fence = not st.in_fence
     elif token == toks.tool_call_start:
-        seq.in_tool = True
+        st.in_tool = True
     elif token == toks.tool_call_end:
-        seq.in_tool = False
+        st.in_tool = False
 
 
 def init_row_state(seq: Sequence, toks: SpecialTokens) -> None:
     """Set the row state from the prompt (a template may open <think> or a fence for the model)."""
-    seq.plain = is_plain(seq)
-    seq.in_think = seq.in_fence = seq.in_tool = False
-    seq.think_tokens = 0
     for i, token in enumerate(seq.tokens):
         update_row_state(seq, token, toks)
         if i < seq.num_prompt:
-            seq.think_tokens = 0  # the budget counts generated thinking only
-
-
-
+            seq.row_state.think_tokens = 0  # the budget counts generated thinking only

@@ -32,6 +32,8 @@ class SchedulerConfig:
     max_waiting: int = DEFAULTS.max_waiting
     # or "swap": KV to host blocks, recompute when they run out
     preemption_mode: str = DEFAULTS.preemption_mode
+    # Prompt positions one step may ask prompt logprobs for (ipc.ticket_layout.prompt_logprob_rows: the ring's bound).
+    max_prompt_logprob_rows: int = 1 << 30
 
 
 @dataclass(slots=True)
@@ -46,8 +48,11 @@ class ScheduledStep:
     kind: StepKind = StepKind.STEP
     steps: int = 1  # a BURST's decode steps
     drafts: list[list[int]] | None = None  # a VERIFY's draft tokens per row (num_new = 1 + len(drafts[r]))
+    prompt_lp_rows: int = 0  # tokens of rows still in a prompt that asks prompt logprobs (bounded: lp_chunk)
 
     def add(self, seq: Sequence, k: int, src: int = FEED_HOST) -> None:
+        if _wants_prompt_logprobs(seq):
+            self.prompt_lp_rows += k
         self.seqs.append(seq)
         self.num_new.append(k)
         self.fed_from.append(src)
@@ -73,7 +78,6 @@ class Scheduler:
     swapped: list[Sequence] = field(default_factory=list)  # by (priority, arrival)
     _waiting: list[tuple[int, int, Sequence]] = field(default_factory=list)  # heap by (priority, arrival)
     num_preemptions: int = 0
-    _next_slot: int = 0
 
     @property
     def num_waiting(self) -> int:
@@ -85,7 +89,7 @@ class Scheduler:
     def check_admissible(self, seq: Sequence) -> None:
         """Raise Refused (too_long) or SchedulerBusy (queue full) before a request is queued."""
         limit = min(self.config.max_model_len, self.pool.num_blocks * self.pool.block_size)
-        if seq.num_tokens >= limit + bool(seq.pool_kind):  # an embeddings request needs no room for a new token
+        if seq.num_tokens >= limit + bool(seq.req.pool_kind):  # an embeddings request needs no room for a new token
             raise Refused(
                 ErrorCode.TOO_LONG,
                 f"prompt has {seq.num_tokens} tokens; this server accepts at most {limit - 1} "
@@ -97,7 +101,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new (or preempted) sequence."""
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.params.priority, seq.arrival, seq))
+        heapq.heappush(self._waiting, (seq.params.priority, seq.req.arrival, seq))
 
     def has_admissible(self) -> bool:
         """True when a swapped or waiting sequence could be admitted now (so the device should go quiet)."""
@@ -141,14 +145,14 @@ class Scheduler:
             self.running = [s for s in self.running if id(s) not in gone]
             for seq in done:
                 self.pool.free(seq)
-                self.state_slots.give_back(seq)  # state slot: no step in flight holds seq any more
+                self._give_slot(seq)  # no step in flight holds seq any more
         return done
 
     def preempt(self, seq: Sequence) -> None:
         """Take seq off the device: swap its KV to host blocks (swap mode, while they last) or free it
         and queue it again with all its tokens to recompute."""
         self.running.remove(seq)
-        self.state_slots.give_back(seq)  # state slot: recomputed from position 0 wherever it runs next
+        self._give_slot(seq)  # recomputed from position 0 wherever it runs next
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and seq.num_computed > 0 and self._swap_out(seq):
@@ -160,15 +164,15 @@ class Scheduler:
     def _swap_out(self, seq: Sequence) -> bool:
         """Queue the copy of seq's computed blocks to host; False when the swap space is full."""
         self.pool.trim(seq, seq.num_computed)
-        host = self.swap.take(len(seq.block_table))
+        host = self.swap.take(seq.kv.num_blocks)
         if host is None:
             return False
-        self.swap.queue_out(seq.block_table, host)
+        self.swap.queue_out(self.pool.blocks(seq), host)
         self.pool.free(seq)
         seq.host_blocks = host
         seq.status = SeqStatus.SWAPPED
         self.swapped.append(seq)
-        self.swapped.sort(key=lambda s: (s.params.priority, s.arrival))
+        self.swapped.sort(key=_order)
         return True
 
     def remove_swapped(self, seq: Sequence) -> None:
@@ -182,7 +186,7 @@ class Scheduler:
         for seq in list(self.running):
             self.running.remove(seq)
             self.pool.free(seq)
-            self.state_slots.give_back(seq)
+            self._give_slot(seq)
             seq.num_computed = 0
             self.add(seq)
         for seq in self.swapped:
@@ -197,7 +201,7 @@ class Scheduler:
         """Pick this step's work: every running decode, then prefill chunks up to the token budget."""
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=lambda s: (s.params.priority, s.arrival))
+        self.running.sort(key=_order)
         decodes = [s for s in self.running if s.is_decode]
         partial = [s for s in self.running if not s.is_decode]
         for seq in decodes + partial:
@@ -205,8 +209,8 @@ class Scheduler:
                 break
             if seq.status != SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
-            k = min(seq.num_tokens - seq.num_computed, budget)
-            if self._grow_or_preempt(seq, seq.num_computed + k, step):
+            k = self._lp_chunk(seq, min(seq.num_tokens - seq.num_computed, budget), step)
+            if k > 0 and self._grow_or_preempt(seq, seq.num_computed + k, step):
                 step.add(seq, k)
                 budget -= k
         self._fill(step, budget)
@@ -233,7 +237,7 @@ class Scheduler:
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
         feeds = {id(s): j for j, (s, smp, gone) in enumerate(zip(inflight, samples, discard)) if smp and not gone}
-        self.running.sort(key=lambda s: (s.params.priority, s.arrival))
+        self.running.sort(key=_order)
         for seq in self.running:
             if budget == 0:
                 break
@@ -245,10 +249,10 @@ class Scheduler:
                     continue
                 k = 1
             else:
-                k = min(seq.num_tokens - seq.num_launched, budget)
+                k = self._lp_chunk(seq, min(seq.num_tokens - seq.num_launched, budget), step)
                 if k <= 0:
                     continue
-            if seq.num_launched + k > len(seq.block_table) * self.pool.block_size and \
+            if seq.num_launched + k > seq.kv.num_blocks * self.pool.block_size and \
                     not self.pool.allocate(seq, seq.num_launched + k):
                 return None
             step.add(seq, k, src)
@@ -258,12 +262,12 @@ class Scheduler:
 
     def _swap_in(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:
         """Resume the head of the swapped queue into fresh device blocks; False if they do not fit."""
-        k = min(seq.num_tokens - seq.num_computed, budget)
-        if not (self._may_start(seq) and self._fits(seq, seq.num_computed + k)):
+        k = self._lp_chunk(seq, min(seq.num_tokens - seq.num_computed, budget), step)
+        if not (k > 0 and self._may_start(seq) and self._fits(seq, seq.num_computed + k)):
             return False
         self.swapped.pop(0)
         self.pool.allocate(seq, seq.num_computed + k)
-        self.swap.queue_in(seq.host_blocks, seq.block_table[: len(seq.host_blocks)])
+        self.swap.queue_in(seq.host_blocks, self.pool.blocks(seq)[: len(seq.host_blocks)])
         seq.host_blocks = []
         self._start(seq, k, step)
         return True
@@ -290,11 +294,11 @@ class Scheduler:
         if not self._may_start(seq):
             return False
         # Prompt logprobs, and a mean or first-token embedding, need every prompt position computed.
-        if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None \
-                and seq.pool_kind in (POOL_NONE, POOL_LAST):
+        if seq.num_computed == 0 and not seq.kv.num_blocks and seq.params.prompt_logprobs is None \
+                and seq.req.pool_kind in (POOL_NONE, POOL_LAST):
             seq.num_computed = self.pool.match_prefix(seq)
-        k = min(seq.num_tokens - seq.num_computed, budget)
-        if not self._fits(seq, seq.num_computed + k):
+        k = self._lp_chunk(seq, min(seq.num_tokens - seq.num_computed, budget), step)
+        if k <= 0 or not self._fits(seq, seq.num_computed + k):
             self.pool.free(seq)  # give back a prefix match; it is matched again next time
             seq.num_computed = 0
             return False
@@ -305,11 +309,38 @@ class Scheduler:
         self._start(seq, k, step)
         return True
 
+    def _lp_chunk(self, seq: Sequence, k: int, step: ScheduledStep) -> int:
+        """k, or the part of it that fits beside the step's other prompt-logprob positions (the ticket ring holds
+        max_prompt_logprob_rows of them per step: a whole-vocabulary prompt_logprobs prefill runs in chunks)."""
+        if not _wants_prompt_logprobs(seq):
+            return k
+        return min(k, self.config.max_prompt_logprob_rows - step.prompt_lp_rows)
+
     def _start(self, seq: Sequence, k: int, step: ScheduledStep) -> None:
         """Make seq running, in a new slot, with k tokens in this step."""
         seq.status = SeqStatus.RUNNING
-        seq.slot_idx = self._next_slot
-        self._next_slot += 1
-        self.state_slots.take(seq)  # state slot: its first step starts at position 0 and resets it
+        seq.state_slot = self.state_slots.take()  # its first step starts at position 0 and resets it
         self.running.append(seq)
         step.add(seq, k)
+
+    def _give_slot(self, seq: Sequence) -> None:
+        self.state_slots.give_back(seq.state_slot)
+        seq.state_slot = -1
+
+    def suspect_running(self, max_failures: int) -> list[Sequence]:
+        """A tick failed: every running sequence is suspect until it is past the failing point (it then runs alone:
+        _may_start); returns those that have now failed max_failures times."""
+        for seq in self.running:
+            seq.failures += 1
+            seq.suspect_until = seq.num_tokens + 1
+        return [seq for seq in self.running if seq.failures >= max_failures]
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    """Scheduling order: priority, then arrival."""
+    return seq.params.priority, seq.req.arrival
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    """True while seq's next tokens are prompt positions it asks prompt logprobs for."""
+    return seq.params.prompt_logprobs is not None and seq.num_launched < seq.num_prompt

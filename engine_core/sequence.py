@@ -1,8 +1,18 @@
-"""A request's state inside the engine core: its tokens, how many are in the KV cache, its blocks."""
+"""A request's state inside the engine core, as one type per owner.
+
+- `Request`: what was asked (ids, sampling params, prompt length, arrival); frozen once made.
+- `Sequence`: its row in the engine: progress (num_computed, num_inflight), queue status and KV placement
+  (`KvPlacement`: which row of the block pool's table holds its blocks). The scheduler and the lane write it.
+- `Output`: its tokens (the prompt, then each committed one: the only copy) and what is not reported yet.
+- `RowState`: what its next pick's mask depends on (pipeline.py).
+
+tests/test_state_owners.py holds the table of which module writes which type and checks every write.
+"""
 
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,38 +25,7 @@ from metrale.ipc.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from .grammar import RowGrammar
-
-
-# One owner per piece of a request's state: the engine_core modules that may write each field (or call the
-# method); a field not listed is set when the Sequence is made and never written again. tests/test_state_owners.py
-# reads every engine_core module and fails on a write from anywhere else.
-WRITERS: dict[str, frozenset[str]] = {
-    name: frozenset(mods.split())
-    for names, mods in (
-        # progress: committed tokens by the commit, settled KV positions by the settle (reset by the scheduler when
-        # a sequence leaves the device, set from a prefix hit when it joins), positions in flight by the lane
-        ("tokens prompt_entries pool_total embedding", "commit"),
-        ("num_computed", "decode_lane scheduler"),
-        ("num_inflight", "decode_lane"),
-        # the outbox: filled by the commit, taken by the engine
-        ("pending pending_logprobs", "commit engine"),
-        ("reported_finish", "engine"),
-        # KV placement: the block pool, the state slots, the scheduler's swap and queue bookkeeping
-        ("block_table hashed_blocks prefix_hash", "kv_blocks"),
-        ("state_slot", "state_slots"),
-        ("host_blocks status slot_idx num_preemptions num_cached_tokens", "scheduler"),
-        # the row state behind masks (pipeline.py), the plan's cached sampling row, failure containment
-        ("plain in_think think_tokens in_fence in_tool", "pipeline"),
-        ("sampling_row", "step_builder"),
-        ("failures suspect_until", "engine"),
-        ("grammar", "engine"),
-        # ending a request: a stop or a grammar's end (commit), a device error (the lane), an abort or a failure
-        # (engine), a request the KV cache cannot hold (scheduler)
-        ("finish()", "commit decode_lane engine scheduler"),
-        ("post()", "commit"),
-    )
-    for name in names.split()
-}
+    from .kv_blocks import KvBlockPool
 
 
 class SeqStatus(enum.IntEnum):
@@ -56,78 +35,137 @@ class SeqStatus(enum.IntEnum):
     SWAPPED = 3  # preempted by swap: its KV waits in host blocks
 
 
-@dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its field values
-class Sequence:
-    """One request. tokens = prompt + committed output; num_computed of them have KV in the cache.
-
-    A step runs tokens[num_launched:num_launched + k]; it samples a new token when that reaches the
-    end of tokens. So a fresh prompt is a prefill (k up to its length) and a running request is a
-    decode (k = 1): one rule serves both, and chunked prefill is just a smaller k.
-
-    num_computed counts settled KV positions and advances only when a step is settled (decode_lane.settle);
-    num_inflight counts the positions of launched steps not yet settled (decode_lane.launch takes them, settle or
-    a discard gives them back), so a step launched ahead starts where the one in flight ends.
-    """
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What was asked; made once by EngineCore.add_request (the prompt is Output.tokens[:num_prompt])."""
 
     request_id: str
     params: SamplingParams
     seed: int
-    tokens: list[int]
     num_prompt: int
     arrival: int  # admission order tie-breaker (FCFS)
-    status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0
-    num_inflight: int = 0
-    block_table: list[int] = field(default_factory=list)
-    host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
-    finished: bool = False  # set once, by finish() (read several times per row per tick: a field, not a property)
-    finish_reason: str | None = None
+    stream: bool = True  # report committed tokens every tick; False: once, with its finish (offline use)
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
+    # Embeddings: the prompt is run and pooled as pool_kind (POOL_*) says; nothing is sampled.
+    pooling: PoolingParams | None = None
+    pool_kind: int = 0
+    lora_slot: int = -1  # the device's LoRA slot of its adapter (-1: the base model)
+    lora_key: int = -1  # its adapter's prefix-cache key (EngineCore.lora_keys: one per load)
+    # No mask, penalty or row state can ever matter for it: the lane skips the per-row mask and row-state work.
+    plain: bool = False
+
+
+def is_plain(p: SamplingParams) -> bool:
+    """True when params make every mask NO_MASK, need no penalties and read no row state."""
+    return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None
+                or p.structured_outputs is not None)
+
+
+@dataclass(slots=True)
+class Output:
+    """The committed tokens and what the engine has not reported yet (commit.py fills it, EngineCore takes it)."""
+
+    tokens: array  # int32: the prompt, then every committed token; numpy reads it without a copy
+    pending: list[int] = field(default_factory=list)  # committed since the last delta
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # set once, by finish(); later commits for it are skipped
     error: str | None = None
     error_code: ErrorCode | None = None  # with finish_reason "error"
-    slot_idx: int = -1  # stable row order within a batch (the seed's slot index)
-    state_slot: int = -1  # the device's recurrent state slot while running (state_slots.py; -1: none)
-    # Committed since the last output was taken: what the next RequestOutputDelta carries.
-    pending: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     reported_finish: bool = False
-    stream: bool = True  # report committed tokens every tick; False: once, with its finish (offline use)
-    # Row-mask state (pipeline.row_mask): thinking budget and adaptive sampling.
+    # params.prompt_logprobs: entry i is prompt token i's (None for the first), appended as prefill chunks settle.
+    prompt_entries: list[TokenLogprob | None] | None = None
+    pool_total: np.ndarray | None = field(default=None, repr=False)  # an embeddings request's sum (or last) so far
+    embedding: list[float] | None = field(default=None, repr=False)  # and its finished vector
+    # The engine's outbox (id -> sequence): a sequence files itself there when it has tokens or a finish to
+    # report, so collecting a tick's outputs visits those only, not every request.
+    outbox: dict | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class RowState:
+    """The state behind a row's masks (pipeline.row_mask), advanced past each committed token."""
+
     in_think: bool = False
     think_tokens: int = 0
     in_fence: bool = False
     in_tool: bool = False
+    grammar: RowGrammar | None = None  # structured outputs: its matcher, past the committed output (grammar.py)
+
+
+@dataclass(slots=True)
+class KvPlacement:
+    """Where a sequence's KV lives: row `row` of its pool's block table (the table's only copy, kv_blocks.py), its
+    first `num_blocks` entries; how many leading blocks are hashed for prefix caching, and the last one's hash."""
+
+    pool: KvBlockPool | None = field(default=None, repr=False)
+    row: int = -1
+    num_blocks: int = 0
+    hashed_blocks: int = 0
+    prefix_hash: bytes = b""
+
+
+@dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its field values
+class Sequence:
+    """One request's row. tokens = prompt + committed output; num_computed of them have KV in the cache.
+
+    A step runs tokens[num_launched:num_launched + k]; it samples a new token when that reaches the end of
+    tokens. So a fresh prompt is a prefill (k up to its length) and a running request is a decode (k = 1).
+
+    num_computed counts settled KV positions and advances only when a step is settled (decode_lane.settle);
+    num_inflight counts the positions of launched steps not yet settled, so a step launched ahead starts where
+    the one in flight ends.
+    """
+
+    req: Request
+    out: Output
+    row_state: RowState = field(default_factory=RowState)
+    kv: KvPlacement = field(default_factory=KvPlacement)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_inflight: int = 0
+    host_blocks: list[int] = field(default_factory=list)  # where its KV waits while SWAPPED
+    state_slot: int = -1  # the device's recurrent state slot while running (state_slots.py; -1: none)
     num_preemptions: int = 0
+    # Prompt tokens its first admission found in the prefix cache (usage's cached_tokens); None until admitted.
+    num_cached_tokens: int | None = None
     # Engine failures while it ran (EngineCore.contain_failure); until it holds suspect_until tokens it runs alone.
     failures: int = 0
     suspect_until: int = 0
-    sampling_row: tuple = ()  # the step builder's cached layout of params (step_builder.sampling_row)
-    # No mask, penalty or row state can ever matter for it (pipeline.is_plain, set on admission): the
-    # decode lane skips the per-row mask and row-state work. False is always safe.
-    plain: bool = False
-    # Prefix caching (kv_blocks): how many leading blocks are hashed, and the last one's hash.
-    hashed_blocks: int = 0
-    prefix_hash: bytes = b""
-    # Prompt tokens its first admission found in the prefix cache (usage's cached_tokens); None until admitted.
-    num_cached_tokens: int | None = None
-    # The engine's outbox (id -> sequence): a sequence files itself there when it has tokens or a finish to
-    # report, so collecting a tick's outputs visits those only, not every request.
-    outbox: dict | None = field(default=None, repr=False)
-    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
-    grammar: RowGrammar | None = None  # structured outputs: its matcher, past the committed output (grammar.py)
-    # params.prompt_logprobs: entry i is prompt token i's (None for the first), appended as prefill chunks settle.
-    prompt_entries: list[TokenLogprob | None] | None = None
-    # Embeddings: an embeddings request runs its prompt and samples nothing; pool_kind (POOL_*) is what each of its
-    # rows gives back, pool_total the sum (or the last vector) so far, embedding the finished vector it reports.
-    pooling: PoolingParams | None = None
-    pool_kind: int = 0
-    pool_total: np.ndarray | None = field(default=None, repr=False)
-    embedding: list[float] | None = field(default=None, repr=False)
-    lora_slot: int = -1  # the device's LoRA slot of its adapter (-1: the base model)
-    lora_key: int = -1  # its adapter's prefix-cache key (EngineCore.lora_keys: one per load)
+
+    @classmethod
+    def of(cls, request_id: str, params: SamplingParams, seed: int, tokens, num_prompt: int, arrival: int, *,
+           grammar: RowGrammar | None = None, outbox: dict | None = None, **request) -> Sequence:
+        """A new waiting sequence of these tokens (prompt, then any output already made); `request`: the rest
+        of the Request's fields."""
+        req = Request(request_id, params, seed, num_prompt, arrival, plain=is_plain(params), **request)
+        out = Output(array("i", tokens), outbox=outbox,
+                     prompt_entries=None if params.prompt_logprobs is None else [None])
+        return cls(req, out, RowState(grammar=grammar))
+
+    # Read-only views, for brevity where they are read.
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.req.params
+
+    @property
+    def num_prompt(self) -> int:
+        return self.req.num_prompt
+
+    @property
+    def tokens(self) -> array:
+        return self.out.tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finish_reason is not None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.out.tokens)
 
     @property
     def num_launched(self) -> int:
@@ -136,33 +174,39 @@ class Sequence:
 
     @property
     def num_output(self) -> int:
-        return len(self.tokens) - self.num_prompt
+        return len(self.out.tokens) - self.req.num_prompt
 
     @property
     def last_token(self) -> int:
-        return self.tokens[-1]
+        return self.out.tokens[-1]
 
     @property
     def is_decode(self) -> bool:
         """True when the next step for this sequence is a single-token decode (never for an embeddings request,
         whose last token is the end of a prefill: no burst or verify step may take it)."""
-        return self.num_tokens - self.num_computed == 1 and not self.pool_kind
+        return len(self.out.tokens) - self.num_computed == 1 and not self.req.pool_kind
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
+        return self.out.tokens[self.req.num_prompt :].tolist()
+
+    @property
+    def block_table(self) -> list[int]:
+        """Its blocks, as a list (a copy: the block pool's table holds them)."""
+        kv = self.kv
+        return kv.pool.tables[kv.row, : kv.num_blocks].tolist() if kv.num_blocks else []
 
     def finish(self, reason: str, error: str | None = None, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         """Mark the sequence stopped (with reason "error": why, and its code); later commits for it are skipped."""
-        if not self.finished:
-            self.finished = True
+        out = self.out
+        if out.finish_reason is None:
             self.status = SeqStatus.FINISHED
-            self.finish_reason = reason
-            self.error = error
-            self.error_code = code if reason == "error" else None
+            out.finish_reason = reason
+            out.error = error
+            out.error_code = code if reason == "error" else None
             self.post()
 
     def post(self) -> None:
         """File this sequence in the engine's outbox: it has tokens or a finish to report."""
-        if self.outbox is not None:
-            self.outbox[id(self)] = self
+        if self.out.outbox is not None:
+            self.out.outbox[id(self)] = self

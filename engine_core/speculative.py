@@ -91,7 +91,7 @@ class Speculator:
 
     def _draft(self, seq: Sequence) -> list[int]:
         """A plain row's drafts, within its max_tokens and the model's length (a draft past either is waste)."""
-        if not seq.plain or seq.finished:
+        if not seq.req.plain or seq.finished:
             return []
         room = min(self.k, seq.params.max_tokens - seq.num_output - 1, self.max_model_len - seq.num_tokens - 1)
         return self.proposer.propose(seq, room) if room > 0 else []

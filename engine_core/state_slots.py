@@ -1,9 +1,9 @@
 """The recurrent state slots: which running sequence holds which of the device's state slots.
 
 A model with recurrent layers (ModelInfo.num_state_slots > 0) keeps each sequence's conv and SSM state in a
-preallocated slot on the device. The scheduler takes a slot when a sequence starts running and gives it back
-when the sequence leaves the running batch (retired, preempted, requeued); the step builder writes each row's
-slot into the plan. The device resets a slot whenever a row starts at position 0, so a slot given back needs no
+preallocated slot on the device. The scheduler takes a slot (Sequence.state_slot) when a sequence starts running
+and gives it back when it leaves the running batch (retired, preempted, requeued); the step builder writes each
+row's slot into the plan. The device resets a slot whenever a row starts at position 0, so a slot given back needs no
 clearing, and a preempted sequence simply recomputes from position 0 in whatever slot it gets next. A slot is
 given back only once no step in flight holds its sequence (retirement waits for them), so the device never runs
 two sequences in one slot.
@@ -38,19 +38,18 @@ class StateSlots:
     def num_free(self) -> int:
         return len(self._free)
 
-    def take(self, seq: Sequence) -> None:
-        """Give seq a slot as it starts running (a no-op without recurrent state, or if it holds one)."""
-        if not self.num_slots or seq.state_slot >= 0:
-            return
+    def take(self) -> int:
+        """A free slot for a sequence that starts running (-1 without recurrent state)."""
+        if not self.num_slots:
+            return -1
         if not self._free:
             raise StateSlotsExhausted(f"all {self.num_slots} state slots are held by running sequences")
-        seq.state_slot = self._free.pop()
+        return self._free.pop()
 
-    def give_back(self, seq: Sequence) -> None:
-        """Take seq's slot back as it leaves the running batch (a no-op if it holds none)."""
-        if seq.state_slot >= 0:
-            self._free.append(seq.state_slot)
-            seq.state_slot = -1
+    def give_back(self, slot: int) -> None:
+        """A slot a sequence held as it leaves the running batch (-1: none)."""
+        if slot >= 0:
+            self._free.append(slot)
 
     def check_invariant(self, running: list[Sequence]) -> None:
         """Every slot is free or held by exactly one running sequence (tests call this)."""

@@ -1,9 +1,10 @@
 """Turns a scheduled step (sequences, token counts, masks) into a StepPlan in reused numpy buffers.
 
-Most of a plan's cost is converting Python ints to numpy: a decode step at 32 rows carries ~1,000 block
-table entries that change once every block_size tokens. So each sequence's block table and sampling values
-live in a numpy mirror (converted when they change), and a plan gathers its rows from it with a few
-`take`s; a step whose rows are all decodes computes its token arrays with whole-batch numpy.
+Most of a plan's cost would be converting Python ints to numpy. So each sequence's block table is a row of the
+block pool's numpy table (its only copy, written in place as blocks come and go), its sampling values sit in the
+same row of numpy arrays here (written once), its tokens are an int32 array numpy reads without a copy, and a plan
+gathers its rows with a few `take`s; a step whose rows are all decodes computes its token arrays with whole-batch
+numpy.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import numpy as np
 from metrale.ipc.plan import FEED_HOST, MASK_GRAMMAR, POOL_NONE, StepPlan
 
 from .grammar import fill_bitmasks
+from .kv_blocks import KvBlockPool
 from .pipeline import NO_MASK, RowMask
 from .sequence import Sequence
 from .swap import SwapSpace
 
 MAX_BAN_IDS = 64
 _NO_STATE = np.zeros(0, np.int32)  # the plans of a model without recurrent state carry no state slots
-_NUM_FLOATS = 6  # temperature, top_p, min_p, repetition, presence, frequency penalty (sampling_row[0])
+_NUM_FLOATS = 6  # temperature, top_p, min_p, repetition, presence, frequency penalty
 
 
 @dataclass(slots=True)
@@ -30,7 +32,7 @@ class _Buffers:
     """One set of step arrays at full capacity; a plan is views of their first T / R entries.
 
     The float sampling fields are the rows of one [6, R] array and top_k / num_logprobs of one [2, R]
-    array, so one gather from the mirror fills them all.
+    array, so one gather from the rows fills them all.
     """
 
     input_ids: np.ndarray
@@ -111,105 +113,59 @@ class _Buffers:
         )
 
 
-@dataclass(slots=True)
-class _Entry:
-    """A sequence's row in the mirror, the block table that row holds now, and (for a penalised row) its
-    token history as numpy, extended by the tokens committed since the last plan."""
+class _Rows:
+    """The sampling values of each row of the block pool's table (a sequence's row in the batch), as numpy, written
+    once when a sequence is first built in that row (its params never change), so a plan gathers them with a few
+    `take`s; grown with the pool's table."""
 
-    row: int
-    table: list[int]
-    hist: np.ndarray | None = None
-    hist_len: int = 0
-    bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as (int32 ids, float32 values); None: none
+    def __init__(self) -> None:
+        self.owner: list[Sequence | None] = []
+        self.floats = np.zeros((_NUM_FLOATS, 0), np.float32)  # temperature, top_p, min_p, the three penalties
+        self.int32s = np.zeros((2, 0), np.int32)  # top_k, num_logprobs
+        self.seeds = np.zeros(0, np.int64)
+        self.penalties = np.zeros(0, np.bool_)
+        self.prompt_lp = np.zeros(0, np.int32)  # prompt_logprobs asked (-1: none)
+        self.pool = np.zeros(0, np.int32)  # an embeddings request's POOL_* (0: a generating request)
+        self.lora = np.zeros(0, np.int32)  # the request's LoRA slot (-1: the base model)
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = []  # logit_bias as (int32 ids, float32 values)
 
-    def history(self, seq: Sequence) -> np.ndarray:
-        """seq's tokens as int32, converting only those added since the last call (tokens only grow)."""
-        n = seq.num_tokens
-        if self.hist is None or len(self.hist) < n:
-            grown = np.empty(max(2 * n, 256), np.int32)
-            if self.hist is not None:
-                grown[: self.hist_len] = self.hist[: self.hist_len]
-            self.hist = grown
-        if n > self.hist_len:
-            self.hist[self.hist_len : n] = seq.tokens[self.hist_len : n]
-            self.hist_len = n
-        return self.hist[:n]
+    def rows(self, seqs: list[Sequence], num_rows: int) -> np.ndarray:
+        """Each sequence's row (intp[R]), its sampling values written if the row was another's."""
+        rows = [s.kv.row for s in seqs]
+        owner = self.owner
+        if len(owner) < num_rows:
+            self._grow(num_rows)
+            owner = self.owner
+        for seq, row in zip(seqs, rows):
+            if owner[row] is not seq:
+                self._write(seq, row)
+        return np.array(rows, np.intp)
 
+    def _grow(self, n: int) -> None:
+        extra = n - len(self.owner)
+        self.owner += [None] * extra
+        self.bias += [None] * extra
+        for name in ("floats", "int32s", "seeds", "penalties", "prompt_lp", "pool", "lora"):
+            a = getattr(self, name)
+            setattr(self, name, np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)]))
 
-class _Mirror:
-    """Numpy copies of recent sequences' block tables and sampling values, one row per sequence.
-
-    A table row is rewritten only when the sequence's block_table differs from the copy it was made
-    from (compared as lists: appends, rollbacks, frees and swaps all show); sampling values are written
-    once, when a sequence gets its row — like Sequence.sampling_row, they assume params never change.
-    Capacity is twice the rows of a step: when it runs out, the rows of sequences absent from the step
-    being built are reclaimed (finished sequences are held at most until then).
-    """
-
-    def __init__(self, capacity: int, max_blocks: int):
-        self.tables = np.zeros((capacity, max_blocks), np.int32)
-        self.floats = np.zeros((_NUM_FLOATS, capacity), np.float32)
-        self.int32s = np.zeros((2, capacity), np.int32)  # top_k, num_logprobs
-        self.seeds = np.zeros(capacity, np.int64)
-        self.penalties = np.zeros(capacity, np.bool_)
-        self.biased = np.zeros(capacity, np.bool_)
-        self.prompt_lp = np.full(capacity, -1, np.int32)  # prompt_logprobs asked (-1: none)
-        self.pool = np.zeros(capacity, np.int32)  # an embeddings request's POOL_* (0: a generating request)
-        self.lora = np.full(capacity, -1, np.int32)  # the request's LoRA slot (-1: the base model)
-        self._entries: dict[Sequence, _Entry] = {}
-        self._free = list(range(capacity - 1, -1, -1))
-
-    def entry(self, seq: Sequence) -> _Entry:
-        """seq's entry (rows() has given it one this step)."""
-        return self._entries[seq]
-
-    def rows(self, seqs: list[Sequence]) -> np.ndarray:
-        """Each sequence's mirror row (intp[R]), its block table brought up to date."""
-        entries = self._entries
-        out = []
-        for seq in seqs:
-            e = entries.get(seq)
-            if e is None:
-                e = self._admit(seq, seqs)
-            if e.table != seq.block_table:
-                self._write_table(e, seq.block_table)
-            out.append(e.row)
-        return np.array(out, np.intp)
-
-    def _admit(self, seq: Sequence, step: list[Sequence]) -> _Entry:
-        """Give a sequence a row and write its sampling values; reclaim absent sequences' rows when full."""
-        if not self._free:
-            live = set(step)
-            for gone in [s for s in self._entries if s not in live]:
-                e = self._entries.pop(gone)
-                self._free.append(e.row)
-                self.tables[e.row, : len(e.table)] = 0
-        e = _Entry(self._free.pop(), [])
-        self._entries[seq] = e
-        if not seq.sampling_row:
-            seq.sampling_row = sampling_row(seq)
-        floats, ints = seq.sampling_row
+    def _write(self, seq: Sequence, row: int) -> None:
+        p = seq.params
+        self.owner[row] = seq
         # Through float32 / int64 arrays first, as the per-step conversion did, so rounding and casts match.
-        self.floats[:, e.row] = np.array(floats, dtype=np.float32)
-        top_k, seed, num_logprobs = np.array(ints, dtype=np.int64)
-        self.int32s[:, e.row] = top_k, num_logprobs
-        self.seeds[e.row] = seed
-        self.penalties[e.row] = seq.params.has_penalties
-        self.prompt_lp[e.row] = -1 if seq.params.prompt_logprobs is None else seq.params.prompt_logprobs
-        self.pool[e.row] = seq.pool_kind
-        self.lora[e.row] = seq.lora_slot
-        bias = seq.params.logit_bias
-        self.biased[e.row] = bool(bias)
-        if bias:
-            e.bias = np.fromiter(bias.keys(), np.int32, len(bias)), np.fromiter(bias.values(), np.float32, len(bias))
-        return e
-
-    def _write_table(self, e: _Entry, table: list[int]) -> None:
-        """Rewrite a row's block table from the sequence's list."""
-        row = self.tables[e.row]
-        row[len(table) : len(e.table)] = 0
-        row[: len(table)] = table
-        e.table = list(table)
+        self.floats[:, row] = np.array((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                                        p.frequency_penalty), dtype=np.float32)
+        top_k, seed, num_logprobs = np.array((max(p.top_k, 0), seq.req.seed, -1 if p.logprobs is None else p.logprobs),
+                                             dtype=np.int64)
+        self.int32s[:, row] = top_k, num_logprobs
+        self.seeds[row] = seed
+        self.penalties[row] = p.has_penalties
+        self.prompt_lp[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.pool[row] = seq.req.pool_kind
+        self.lora[row] = seq.req.lora_slot
+        bias = p.logit_bias
+        self.bias[row] = (np.fromiter(bias.keys(), np.int32, len(bias)),
+                          np.fromiter(bias.values(), np.float32, len(bias))) if bias else None
 
 
 class StepBuilder:
@@ -217,12 +173,12 @@ class StepBuilder:
     (a device may read a launched plan while the next is launched ahead of it)."""
 
     def __init__(
-        self, *, max_tokens: int, max_rows: int, max_model_len: int, block_size: int, swap: SwapSpace | None = None, depth: int = 3,
-        vocab_size: int = 0, state_slots: bool = False,
+        self, pool: KvBlockPool, *, max_tokens: int, max_rows: int, max_model_len: int, swap: SwapSpace | None = None,
+        depth: int = 3, vocab_size: int = 0, state_slots: bool = False,
     ):
         """vocab_size: the model's, for grammar rows' bitmasks (0: a builder that never meets one); state_slots:
         the model keeps recurrent state, so every plan carries each row's state slot."""
-        self.block_size = block_size
+        self.block_size = block_size = pool.block_size
         self.state_slots = state_slots
         self.swap = swap or SwapSpace(0)
         self.max_blocks = -(-max_model_len // block_size) + 1
@@ -233,7 +189,8 @@ class StepBuilder:
             _Buffers.allocate(max_tokens, max_rows, self.max_blocks, self._hist_cap, -(-vocab_size // 32)) for _ in range(depth)
         ]
         self._turn = 0
-        self._mirror = _Mirror(2 * max_rows, self.max_blocks)
+        self.pool = pool
+        self._rows = _Rows()
         self._arange = np.arange(max_rows + 1, dtype=np.int32)
 
     def build(
@@ -256,18 +213,21 @@ class StepBuilder:
         assert R <= self.max_rows and T <= self.max_tokens, "step larger than the builder's capacity"
         starts = [s.num_launched for s in seqs]
         width = max(1, -(-(max(map(add, starts, num_new)) + lookahead) // self.block_size))
-        rows = self._mirror.rows(seqs)
+        src = self.pool.tables
+        rows = self._rows.rows(seqs, len(src))
         tables = b.block_tables[: R * width].reshape(R, width)
-        tables[...] = self._mirror.tables[rows, :width]
+        w = min(width, src.shape[1])  # a row's entries past its blocks are 0
+        tables[:, :w] = src[rows, :w]
+        tables[:, w:] = 0
         if num_new.count(1) == R:
-            self._decode_tokens(b, seqs, starts, rows, feed)
+            self._decode_tokens(b, seqs, starts, tables, feed)
         else:
             self._mixed_tokens(b, seqs, starts, num_new, tables, feed, drafts)
         g = self._sampling(b, seqs, rows, masks)
         if drafts is not None:
             b.num_drafts[:R] = [len(d) for d in drafts]
         h = self._history(b, seqs, rows, feed)
-        n_bias = self._bias(b, seqs, rows)
+        n_bias = self._bias(b, rows)
         prompt_lp = self._prompt_logprobs(b, seqs, rows, starts, num_new, feed)
         pool = self._pool(b, rows)
         swap_out, swap_in = self.swap.take_copies()
@@ -311,17 +271,17 @@ class StepBuilder:
             prompt_lp_count=prompt_lp[1],
             prompt_lp_next=prompt_lp[2],
             pool=pool,
-            lora_slots=self._mirror.lora.take(rows, out=b.lora_slots[:R]),
+            lora_slots=self._rows.lora.take(rows, out=b.lora_slots[:R]),
         )
 
-    def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], rows: np.ndarray,
+    def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], tables: np.ndarray,
                        feed: list[int] | None) -> None:
         """Token and per-row arrays of a step whose every row runs one token, with whole-batch numpy."""
         R, bs = len(seqs), self.block_size
         pos = b.positions[:R]
         pos[:] = starts
         slots = b.slot_mapping[:R]
-        np.multiply(self._mirror.tables[rows, pos // bs], bs, out=slots, dtype=np.int64)
+        np.multiply(tables[self._arange[:R], pos // bs], bs, out=slots, dtype=np.int64)
         slots += pos % bs
         np.add(pos, 1, out=b.seq_lens[:R])
         b.query_start[: R + 1] = self._arange[: R + 1]
@@ -347,13 +307,15 @@ class StepBuilder:
         for r, (seq, start, k) in enumerate(zip(seqs, starts, num_new)):
             if k == 1:  # a decode: scalars, no temporary arrays
                 b.positions[t] = start
-                b.slot_mapping[t] = seq.block_table[start // bs] * bs + start % bs
+                b.slot_mapping[t] = int(tables[r, start // bs]) * bs + start % bs
                 b.input_ids[t] = 0 if feed[r] != FEED_HOST else seq.tokens[start]
             else:
                 pos = np.arange(start, start + k, dtype=np.int32)
                 b.positions[t : t + k] = pos
                 b.slot_mapping[t : t + k] = tables[r, pos // bs].astype(np.int64) * bs + pos % bs
-                b.input_ids[t : t + k] = seq.tokens[start : start + k] + (drafts[r] if extra[r] else [])
+                n = k - extra[r]  # committed tokens, then the drafts
+                b.input_ids[t : t + n] = seq.tokens[start : start + n]
+                b.input_ids[t + n : t + k] = drafts[r] if extra[r] else ()
             t += k
         b.seq_lens[:R] = ends = list(map(add, starts, num_new))
         b.sample[:R] = [src != FEED_HOST or end - x == len(s.tokens) for s, end, src, x in zip(seqs, ends, feed, extra)]
@@ -363,7 +325,7 @@ class StepBuilder:
 
     def _sampling(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, masks: list[RowMask]) -> int:
         """Each row's sampling values (from the mirror) and mask; returns the grammar rows (their bitmasks filled)."""
-        R, m = len(rows), self._mirror
+        R, m = len(rows), self._rows
         m.floats.take(rows, axis=1, out=b.floats[:, :R])
         m.int32s.take(rows, axis=1, out=b.int32s[:, :R])
         m.seeds.take(rows, out=b.seeds[:R])
@@ -391,7 +353,7 @@ class StepBuilder:
         which the host has not committed yet: the device writes that token there before it samples, so the
         row's penalties count it as a plain step's would (and a device that did not would skip the -1)."""
         R = len(seqs)
-        pen = self._mirror.penalties[rows]
+        pen = self._rows.penalties[rows]
         if not pen.any():
             b.hist_start[: R + 1] = 0
             b.hist_prompt_len[:R] = 0
@@ -405,7 +367,7 @@ class StepBuilder:
         for r, (seq, p) in enumerate(zip(seqs, pen)):
             if p:
                 n = seq.num_tokens
-                b.hist_tokens[h : h + n] = self._mirror.entry(seq).history(seq)  # a copy in C, no per-token Python
+                b.hist_tokens[h : h + n] = np.frombuffer(seq.tokens, np.int32, n)  # a copy in C, no per-token Python
                 b.hist_prompt_len[r] = seq.num_prompt
                 h += n
                 if fed[r]:
@@ -425,10 +387,10 @@ class StepBuilder:
         R = len(seqs)
         out = b.prompt_lp[:, :R]
         out[0], out[1], out[2] = -1, 0, -1
-        for r in np.flatnonzero(self._mirror.prompt_lp[rows] >= 0):
+        for r in np.flatnonzero(self._rows.prompt_lp[rows] >= 0):
             seq, start, k = seqs[r], starts[r], num_new[r]
             count = min(start + k, seq.num_prompt - 1) - start
-            if count <= 0 or start + count < len(seq.prompt_entries) or (feed is not None and feed[r] != FEED_HOST):
+            if count <= 0 or start + count < len(seq.out.prompt_entries) or (feed is not None and feed[r] != FEED_HOST):
                 continue
             out[0, r], out[1, r] = seq.params.prompt_logprobs, count
             out[2, r] = seq.tokens[start + k] if count == k else -1
@@ -439,19 +401,18 @@ class StepBuilder:
         commit keeps what its kind needs: the sum, the last chunk's, the first chunk's)."""
         R = len(rows)
         out = b.pool[:R]
-        self._mirror.pool.take(rows, out=out)
+        self._rows.pool.take(rows, out=out)
         if out.any():
             b.sample[:R][out != POOL_NONE] = False
         return out
 
-    def _bias(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray) -> int:
+    def _bias(self, b: _Buffers, rows: np.ndarray) -> int:
         """The biased rows' logit_bias, end to end; returns the entries' count (0: no row biased)."""
-        R = len(seqs)
-        biased = self._mirror.biased[rows]
+        R = len(rows)
         b.bias_start[: R + 1] = 0
-        if not biased.any():
+        entries = [self._rows.bias[r] for r in rows.tolist()]
+        if entries.count(None) == R:
             return 0
-        entries = [self._mirror.entry(seq).bias if p else None for seq, p in zip(seqs, biased)]
         need = sum(len(e[0]) for e in entries if e is not None)
         if need > len(b.bias_ids):  # rare: grow, and keep the larger size from now on
             b.bias_ids, b.bias_values = np.zeros(need * 2, np.int32), np.zeros(need * 2, np.float32)
@@ -465,10 +426,3 @@ class StepBuilder:
             b.bias_start[r + 1] = n
         return n
 
-
-def sampling_row(seq: Sequence) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """A sequence's per-row sampling values, as the builder lays them out (computed once per sequence)."""
-    p = seq.params
-    floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-    ints = (p.top_k if p.top_k > 0 else 0, seq.seed, -1 if p.logprobs is None else p.logprobs)
-    return floats, ints

@@ -27,6 +27,7 @@ the lane's steps it is never a guess).
 from __future__ import annotations
 
 from metrale.ipc.plan import StepKind
+from metrale.ipc.sampling import MAX_LOGPROBS
 
 from .scheduler import ScheduledStep
 from .sequence import Sequence
@@ -40,9 +41,11 @@ def burst_length(active: list[Sequence], final_limit: int, stream_limit: int, ma
     after every token."""
     steps = max(final_limit, stream_limit)
     for s in active:
-        if not s.plain or s.finished:
+        if (s.params.logprobs or 0) > MAX_LOGPROBS:  # wide alternatives: the ticket ring holds one step of them
             return 1
-        steps = min(steps, stream_limit if s.stream else final_limit, s.params.max_tokens - s.num_output,
+        if not s.req.plain or s.finished:
+            return 1
+        steps = min(steps, stream_limit if s.req.stream else final_limit, s.params.max_tokens - s.num_output,
                     max_model_len - s.num_tokens)
         if steps <= 1:
             return 1

@@ -68,9 +68,8 @@ def test_a_streamed_request_keeps_the_batch_at_one_token_per_tick(tiny_model_dir
 
 
 def _seq(max_tokens=50, *, out=0, stream=False, plain=True, prompt=10) -> Sequence:
-    s = Sequence("r", SamplingParams(max_tokens=max_tokens), 0, list(range(prompt + out)), prompt, 0, stream=stream)
-    s.plain = plain
-    return s
+    params = SamplingParams(max_tokens=max_tokens, presence_penalty=0.0 if plain else 0.5)
+    return Sequence.of("r", params, 0, list(range(prompt + out)), prompt, 0, stream=stream)
 
 
 @pytest.mark.parametrize(

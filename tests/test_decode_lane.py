@@ -266,9 +266,9 @@ def test_rewind_host_rewrite_is_an_overrun_and_is_redone(monkeypatch):
 )
 def test_only_rows_whose_masks_and_state_never_matter_are_plain(params, plain):
     """The lane skips masks and row state for plain rows: a row that needs either must not be plain."""
-    seq = Sequence("r", params, 0, [5, 6], 2, 0)
+    seq = Sequence.of("r", params, 0, [5, 6], 2, 0)
     init_row_state(seq, SpecialTokens(think_start=THINK_START, think_end=THINK_START + 1))
-    assert seq.plain is plain
+    assert seq.req.plain is plain
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

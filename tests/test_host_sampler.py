@@ -8,6 +8,7 @@ import torch
 
 from metrale.engine_core.host_sampler import SamplingRow, exp_weights, gumbel_noise, host_sample, log32, sample_row
 from metrale.engine_core.pipeline import RowMask
+from metrale.engine_core.kv_blocks import KvBlockPool
 from metrale.engine_core.sequence import Sequence
 from metrale.gpu_worker import sampler as device_sampler
 from metrale.gpu_worker.layers import cpu_kernels
@@ -165,14 +166,15 @@ def test_native_noise_keys_are_the_samplers_row_keys(kernel_isa):
     assert np.array_equal(out[0].numpy(), gumbel_noise(5, 9, 300))
 
 
-def _decoding_sequences(rng: np.random.Generator, params: list[SamplingParams]) -> list[Sequence]:
-    """One decoding sequence per params (random tokens, all but the last computed, block i), as a repair sees them."""
+def _decoding_sequences(rng: np.random.Generator, params: list[SamplingParams], pool) -> list[Sequence]:
+    """One decoding sequence per params (random tokens, all but the last computed, one block), as a repair sees
+    them."""
     seqs = []
     for i, p in enumerate(params):
         tokens = rng.integers(0, VOCAB, size=6 + i).tolist()
-        seq = Sequence(str(i), p, p.seed or 0, tokens, 4, i)
+        seq = Sequence.of(str(i), p, p.seed or 0, tokens, 4, i)
         seq.num_computed = len(tokens) - 1
-        seq.block_table = [i]
+        assert pool.allocate(seq, len(tokens))
         seqs.append(seq)
     return seqs
 
@@ -190,9 +192,10 @@ def test_host_sample_reads_each_sequence_as_the_step_builder_lays_it_out():
         SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, seed=5),
         SamplingParams(temperature=0.8, seed=6, min_tokens=5),
     ]
-    seqs = _decoding_sequences(rng, params)
+    pool = KvBlockPool(16, 16)
+    seqs = _decoding_sequences(rng, params, pool)
     masks = [RowMask(), RowMask(), RowMask(MASK_GREEDY), RowMask(), RowMask(MASK_BAN, -1, (2, 9, 11))]
-    builder = StepBuilder(max_tokens=8, max_rows=8, max_model_len=64, block_size=16)
+    builder = StepBuilder(pool, max_tokens=8, max_rows=8, max_model_len=64)
     plan = builder.build(seqs, [1] * len(seqs), masks)
     logits = _random_logits(rng, len(seqs), VOCAB)
     device = Sampler(VOCAB, torch.device("cpu"))(logits, plan, torch.arange(len(seqs))).tokens.numpy()
@@ -238,8 +241,9 @@ def test_host_sample_reads_a_sequences_logit_bias_as_the_step_builder_lays_it_ou
         SamplingParams(temperature=1.1, top_p=0.8, seed=4, logit_bias={7: -100.0, 8: 2.5, 300: 9.0}),
         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=5, logit_bias={1: 4.0}),
     ]
-    seqs = _decoding_sequences(rng, params)
-    builder = StepBuilder(max_tokens=8, max_rows=8, max_model_len=64, block_size=16)
+    pool = KvBlockPool(16, 16)
+    seqs = _decoding_sequences(rng, params, pool)
+    builder = StepBuilder(pool, max_tokens=8, max_rows=8, max_model_len=64)
     masks = [RowMask()] * len(seqs)
     plan = builder.build(seqs, [1] * len(seqs), masks)
     assert plan.bias_start.tolist() == [0, 1, 1, 4, 5]

@@ -7,8 +7,8 @@ from metrale.engine_core.sequence import Sequence
 from metrale.ipc.sampling import SamplingParams
 
 
-def seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(rid, SamplingParams(), 0, list(tokens), len(tokens), 0)
+def seq(tokens: list[int], rid: str = "r", cache_salt: str | None = None) -> Sequence:
+    return Sequence.of(rid, SamplingParams(), 0, list(tokens), len(tokens), 0, cache_salt=cache_salt)
 
 
 def test_allocate_covers_tokens_and_free_returns_every_block():
@@ -133,12 +133,10 @@ def test_a_digest_collision_never_shares_a_block(monkeypatch):
 
 def test_requests_with_different_cache_salts_never_share_blocks():
     pool = KvBlockPool(16, 4)
-    tenant_a = seq(range(13), "a")
-    tenant_a.cache_salt = "tenant-a"
+    tenant_a = seq(range(13), "a", "tenant-a")
     _cache(pool, tenant_a)
     for salt, reused in ((None, 0), ("tenant-b", 0), ("tenant-a", 12)):
-        s = seq(range(13), f"probe-{salt}")
-        s.cache_salt = salt
+        s = seq(range(13), f"probe-{salt}", salt)
         assert pool.match_prefix(s) == reused, salt
         pool.free(s)
     pool.check_invariant()

@@ -263,14 +263,14 @@ def test_engine_load_and_unload_name_what_they_refuse():
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4), lora="a")
     with pytest.raises(Refused, match="runs 1 requests"):
         engine.unload_lora("a")
-    key_a = engine.requests["r"].lora_key
+    key_a = engine.requests["r"].req.lora_key
     while engine.has_unfinished():
         engine.step()
     engine.unload_lora("a")
     assert device.loras == {1: "/b"}
     assert engine.load_lora("c", "/c") == 0 and device.loras == {0: "/c", 1: "/b"}
     engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=4), lora="c")
-    assert engine.requests["s"].lora_slot == 0 and engine.requests["s"].lora_key != key_a
+    assert engine.requests["s"].req.lora_slot == 0 and engine.requests["s"].req.lora_key != key_a
     with pytest.raises(Refused, match="is not loaded"):
         engine.add_request("t", [5], SamplingParams(), lora="a")
     with pytest.raises(Refused, match="serves no LoRA"):

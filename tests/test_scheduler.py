@@ -161,11 +161,11 @@ def test_has_admissible_applies_the_watermark_admission_applies():
 
     pool = KvBlockPool(4, 4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), pool)
-    running = Sequence("run", greedy(4), 0, [1, 2, 3], 3, 0)
+    running = Sequence.of("run", greedy(4), 0, [1, 2, 3], 3, 0)
     sched.add(running)
     sched.schedule()
     assert sched.running == [running] and pool.num_available == 3
-    head = Sequence("head", greedy(4), 0, list(range(12)), 12, 1)  # 3 blocks: exactly what is free
+    head = Sequence.of("head", greedy(4), 0, list(range(12)), 12, 1)  # 3 blocks: exactly what is free
     sched.add(head)
     assert not sched.has_admissible()
     assert head not in sched.schedule().seqs
@@ -182,16 +182,18 @@ def test_preemption_takes_the_lowest_priority_latest_arrival():
 
     pool = KvBlockPool(6, 4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), pool)
-    seqs = [Sequence(name, SamplingParams(max_tokens=9, priority=prio), 0, [1, 2, 3, 4], 4, arrival)
+    seqs = [Sequence.of(name, SamplingParams(max_tokens=9, priority=prio), 0, [1, 2, 3, 4], 4, arrival)
             for arrival, (name, prio) in enumerate([("urgent-early", 0), ("lazy", 1), ("urgent-late", 0)])]
     for s in seqs:
         sched.add(s)
     sched.schedule()  # three prompts of one block each
     for s in seqs:
-        s.num_computed, s.tokens = 4, s.tokens + [5]  # each decodes next: a second block each, 6 in all
+        s.num_computed = 4
+        s.tokens.append(5)  # each decodes next: a second block each, 6 in all
     sched.schedule()
     for s in seqs:
-        s.num_computed, s.tokens = 5, s.tokens + [6, 7, 8, 9]
+        s.num_computed = 5
+        s.tokens.extend([6, 7, 8, 9])
     step = sched.schedule()  # positions 5..8 need a third block each: none is left, so one must go
     assert [s.request_id for s in sched.running] == ["urgent-early", "urgent-late"]
     assert sched.num_preemptions == 1 and seqs[1].num_preemptions == 1
@@ -205,7 +207,7 @@ def test_min_tokens_bans_stops_until_exactly_min_tokens_exist():
 
     from engine_harness import TOKS
 
-    seq = Sequence("m", SamplingParams(min_tokens=3, stop_token_ids=[9]), 0, [5, 6], 2, 0)
+    seq = Sequence.of("m", SamplingParams(min_tokens=3, stop_token_ids=[9]), 0, [5, 6], 2, 0)
     init_row_state(seq, TOKS)
     for n in range(3):  # 0, 1, 2 outputs so far: the next pick may not stop
         assert row_mask(seq, TOKS, (1,)).kind & MASK_BAN and set(row_mask(seq, TOKS, (1,)).ban) == {1, 9}
@@ -223,7 +225,7 @@ def test_the_thinking_budget_counts_generated_thinking_only():
     from engine_harness import THINK_END, THINK_START, TOKS
 
     prompt = [5, THINK_START, 9, 9, 9]
-    seq = Sequence("t", SamplingParams(max_thinking_tokens=2), 0, list(prompt), len(prompt), 0)
+    seq = Sequence.of("t", SamplingParams(max_thinking_tokens=2), 0, list(prompt), len(prompt), 0)
     init_row_state(seq, TOKS)
     for _ in range(2):
         assert not row_mask(seq, TOKS, (1,)).kind & MASK_FORCE

@@ -144,12 +144,12 @@ def test_a_wrong_verification_is_caught(monkeypatch):
 
 def test_ngram_proposer_finds_the_latest_match():
     """The longest suffix n-gram (3, then 2, then 1) at its latest earlier occurrence, and what followed it."""
-    seq = Sequence("r", SamplingParams(), 0, [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3], 3, 0)
-    assert NgramProposer().propose(seq, 3) == [7, 8, 5]
-    seq.tokens = [4, 6, 4, 5, 6]
-    assert NgramProposer().propose(seq, 2) == [4, 5]  # "6" was followed by 4 (no longer match exists)
-    seq.tokens = [1, 2, 3]
-    assert NgramProposer().propose(seq, 2) == []
+    def seq(tokens):
+        return Sequence.of("r", SamplingParams(), 0, tokens, 3, 0)
+
+    assert NgramProposer().propose(seq([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]), 3) == [7, 8, 5]
+    assert NgramProposer().propose(seq([4, 6, 4, 5, 6]), 2) == [4, 5]  # "6" was followed by 4 (no longer match exists)
+    assert NgramProposer().propose(seq([1, 2, 3]), 2) == []
 
 
 def test_rows_without_drafts_keep_their_masks_in_a_verify_step():

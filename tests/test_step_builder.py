@@ -1,9 +1,10 @@
 """StepBuilder: its plans are byte for byte those of the straightforward row-by-row builder it replaced.
 
-The reference below is the builder as it was before the numpy mirror (engine_core/step_builder.py at
+The reference below is the builder as it was before the numpy rows (engine_core/step_builder.py at
 commit bf7bc63), kept verbatim in logic; the tests drive both with the same random steps — decodes,
-prefill chunks, launch-ahead (fed) steps, masks, penalties, and block tables that grow, roll back, are
-freed and reallocated between steps, with more sequences than the mirror holds — and compare every field.
+prefill chunks, launch-ahead (fed) steps, masks, penalties, and block tables (rows of the block pool's table)
+that grow, roll back, are freed and reallocated between steps, rows passing from one sequence to another — and
+compare every field.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import random
 import numpy as np
 import pytest
 
+from metrale.engine_core.kv_blocks import KvBlockPool
 from metrale.engine_core.pipeline import NO_MASK, RowMask
 from metrale.engine_core.sequence import Sequence
-from metrale.engine_core.step_builder import MAX_BAN_IDS, StepBuilder, sampling_row
+from metrale.engine_core.step_builder import MAX_BAN_IDS, StepBuilder
 from metrale.engine_core.swap import SwapSpace
 from metrale.ipc.plan import FEED_HOST, MASK_BAN, MASK_FORCE, MASK_GREEDY, StepPlan
 from metrale.ipc.sampling import SamplingParams
@@ -67,9 +69,10 @@ class ReferenceBuilder:
             t += k
             seq_lens.append(start + k)
             samples.append(fed or start + k == seq.num_tokens)
-            row = seq.sampling_row or sampling_row(seq)
-            floats.append(row[0])
-            ints.append(row[1])
+            p = seq.params
+            floats.append((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                           p.frequency_penalty))
+            ints.append((p.top_k if p.top_k > 0 else 0, seq.req.seed, -1 if p.logprobs is None else p.logprobs))
             kinds.append(mask.kind)
             forces.append(mask.force_token)
             if mask.ban:
@@ -131,13 +134,8 @@ class World:
 
     rng: random.Random
     seqs: list[Sequence]
-    next_block: int = 1
-
-    def blocks(self, n: int) -> list[int]:
-        """n fresh block ids (never reused, so a reallocated table differs from the old one)."""
-        out = list(range(self.next_block, self.next_block + n))
-        self.next_block += n
-        return out
+    # Blocks enough that a freed one is not handed out again soon (a reallocated table differs from the old one).
+    pool: KvBlockPool = dataclasses.field(default_factory=lambda: KvBlockPool(1 << 17, BLOCK, False))
 
     def step(self, max_rows: int, fed: bool) -> tuple[list[Sequence], list[int], list[RowMask]]:
         """A random step: a subset of sequences in random order, each a decode or a prefill chunk."""
@@ -155,10 +153,8 @@ class World:
         """Give each row the blocks its tokens need (as the block manager does before a step)."""
         width = max(-(-(s.num_computed + k) // BLOCK) for s, k in zip(chosen, num_new))
         for seq, k in zip(chosen, num_new):
-            need = -(-(seq.num_computed + k) // BLOCK)
-            if len(seq.block_table) < need:
-                seq.block_table.extend(self.blocks(need - len(seq.block_table)))
-            del seq.block_table[width:]  # a longer table than any row needs never reaches a plan
+            assert self.pool.allocate(seq, seq.num_computed + k)
+            self.pool.trim(seq, width * BLOCK)  # a longer table than any row needs never reaches a plan
 
     def feed(self, rows: int) -> list[int]:
         """A launch-ahead step's feeds: most rows from some row of the step before, some host-fed (churn)."""
@@ -188,13 +184,11 @@ class World:
             roll = rng.random()
             if roll < 0.05:  # rollback: the last block goes back
                 seq.num_computed = max(0, seq.num_computed - BLOCK)
-                del seq.block_table[-(-max(seq.num_computed, 1) // BLOCK) :]
-            elif roll < 0.1:  # preempted and readmitted: a new table of the same length
-                n = len(seq.block_table)
-                seq.block_table.clear()
-                seq.block_table.extend(self.blocks(n))
-            elif roll < 0.12:  # swapped in: a different list object
-                seq.block_table = self.blocks(len(seq.block_table))
+                self.pool.trim(seq, max(seq.num_computed, 1))
+            elif roll < 0.12:  # preempted and readmitted, or swapped in: new blocks, maybe another table row
+                n = seq.kv.num_blocks
+                self.pool.free(seq)
+                self.pool.allocate(seq, n * BLOCK)
 
 
 def random_params(rng: random.Random, i: int) -> SamplingParams:
@@ -213,27 +207,28 @@ def random_params(rng: random.Random, i: int) -> SamplingParams:
     )
 
 
-def make_world(seed: int, num_seqs: int, long_prompts: bool = False) -> World:
+def make_world(seed: int, num_seqs: int, long_prompts: bool = False, params: SamplingParams | None = None) -> World:
     rng = random.Random(seed)
     seqs = []
     for i in range(num_seqs):
         n = rng.randint(1, 3000 if long_prompts else 200)
-        seq = Sequence(f"r{i}", random_params(rng, i), rng.randrange(0, 2**62), [rng.randrange(3, 5000) for _ in range(n)], n, i)
+        p = random_params(rng, i)
+        seq = Sequence.of(f"r{i}", params or p, rng.randrange(0, 2**62), [rng.randrange(3, 5000) for _ in range(n)], n, i)
         seq.num_computed = rng.randint(0, n - 1)
         seqs.append(seq)
     return World(rng, seqs)
 
 
-def builders(max_rows: int) -> tuple[StepBuilder, ReferenceBuilder]:
-    kw = dict(max_rows=max_rows, max_model_len=MAX_LEN, block_size=BLOCK, max_tokens=8192)
-    return StepBuilder(swap=SwapSpace(0), **kw), ReferenceBuilder(**kw)
+def builders(world: World, max_rows: int) -> tuple[StepBuilder, ReferenceBuilder]:
+    kw = dict(max_rows=max_rows, max_model_len=MAX_LEN, max_tokens=8192)
+    return StepBuilder(world.pool, swap=SwapSpace(0), **kw), ReferenceBuilder(block_size=BLOCK, **kw)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_plans_equal_the_row_by_row_builder(seed):
-    """Random mixed and launch-ahead steps over 40 sequences, 8 rows at most (the mirror holds 16)."""
+    """Random mixed and launch-ahead steps over 40 sequences, 8 rows at most."""
     world = make_world(seed, 40)
-    new, ref = builders(max_rows=8)
+    new, ref = builders(world, max_rows=8)
     for step in range(150):
         fed = step % 3 == 2
         if fed:  # a launch-ahead step: every row a decode
@@ -249,7 +244,7 @@ def test_plans_equal_the_row_by_row_builder(seed):
 def test_all_decode_plans_equal_the_row_by_row_builder(rows):
     """Steps of decodes only (the fast path), synchronous and fed, the same batch for many steps."""
     world = make_world(100 + rows, rows)
-    new, ref = builders(max_rows=64)
+    new, ref = builders(world, max_rows=64)
     for seq in world.seqs:
         seq.num_computed = seq.num_tokens - 1
     for step in range(40):
@@ -266,11 +261,10 @@ def test_all_decode_plans_equal_the_row_by_row_builder(rows):
 
 def test_penalty_history_larger_than_the_buffer_grows_it():
     """Rows whose token histories exceed the 4,096-entry history buffer: the buffer grows, contents match."""
-    world = make_world(7, 12, long_prompts=True)
+    world = make_world(7, 12, long_prompts=True, params=SamplingParams(repetition_penalty=1.2, seed=1))
     for seq in world.seqs:
-        seq.params = SamplingParams(repetition_penalty=1.2, seed=1)
         seq.num_computed = seq.num_tokens - 1
-    new, ref = builders(max_rows=12)
+    new, ref = builders(world, max_rows=12)
     for _ in range(3):
         seqs, num_new, masks = world.step(12, fed=True)
         plan = new.build(seqs, num_new, masks)
@@ -281,7 +275,7 @@ def test_penalty_history_larger_than_the_buffer_grows_it():
 def test_a_launched_plan_is_untouched_by_the_next_builds():
     """The buffers rotate: a plan keeps its values while the next two are built."""
     world = make_world(3, 20)
-    new, ref = builders(max_rows=8)
+    new, ref = builders(world, max_rows=8)
     kept = []
     for _ in range(3):
         seqs, num_new, masks = world.step(8, fed=False)
