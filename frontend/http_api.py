@@ -36,6 +36,7 @@ from .http_models import Models
 from .http_params import ServedModel
 from .http_reply import TokenTexts
 from .http_responses import Responses
+from .http_resume import request_ids
 from .http_sagemaker import SageMaker
 from .http_tokenize import Tokenization
 from .metrics import CONTENT_TYPE
@@ -71,7 +72,8 @@ class HttpApi:
         tokenization = Tokenization(server, self.model, self.chat)
         sagemaker = SageMaker(self)
         middlewares = [access_log] if cfg.log_requests else []  # outermost: it sees the status errors_as_json sends
-        self.app = web.Application(middlewares=[*middlewares, errors_as_json, self._require_key, self._body_in_time],
+        self.app = web.Application(middlewares=[*middlewares, errors_as_json, self._require_key, self._body_in_time,
+                                                request_ids],
                                    client_max_size=cfg.max_frame_bytes)
         self.app.add_routes([
             web.post("/v1/completions", self.completions.handle),

@@ -17,6 +17,7 @@ from metrale.ipc.sampling import SamplingParams
 
 from .chat import ReasoningSplitter
 from .http_errors import ApiError
+from .http_resume import REQUEST_ID, resume_key
 
 if TYPE_CHECKING:
     from .server import FrontendServer
@@ -86,6 +87,7 @@ class Run:
         self.queue: asyncio.Queue[Delta | Error] = asyncio.Queue()
         self.live: set[str] = set()
         self._buffered: list[Delta | Error] = []
+        self.request_id = REQUEST_ID.get()  # X-Request-Id or the body's request_id: a retry re-attaches (http_resume.py)
 
     def start(self, index: int, params: SamplingParams, *, prompt: str | None = None,
               token_ids: list[int] | None = None, add_special_tokens: bool = True, decoder=None,
@@ -96,7 +98,13 @@ class Run:
         self.server.generate_local(self.key, str(index), self.queue.put_nowait, params, prompt=prompt,
                                    token_ids=token_ids, add_special_tokens=add_special_tokens, decoder=decoder,
                                    cache_salt=cache_salt, strict_length=strict_length, pooling=pooling,
-                                   lora=lora)
+                                   lora=lora, **self._resumable(index))
+
+    def _resumable(self, index: int) -> dict:
+        """generate_local's arguments that hold a named request's choice for a retry (none for an unnamed one)."""
+        if self.request_id is None:
+            return {}
+        return {"resume_key": resume_key(self.request_id, index), "resume_offset": 0}
 
     async def wait_first(self, param: str | None) -> None:
         """Wait for every choice's first message; ApiError (and the others aborted) when one is an Error."""

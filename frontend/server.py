@@ -78,6 +78,7 @@ from .chat import chat_template_source
 from .detokenizer import Decoder
 from .engine_link import EngineLink
 from .replicas import ReplicaSet
+from .served_state import ServedState, load_state, save_state
 from .frame_checks import Rejected, read_client_frame, source_fd
 from .live_requests import LiveRequests, LocalSink
 from .metrics import Metrics
@@ -128,6 +129,7 @@ class FrontendConfig:
     max_logprobs: int = DEFAULTS.max_logprobs  # the most alternatives a token's logprobs list (-1: the vocabulary)
     stream_interval: int = DEFAULTS.stream_interval  # a request's tokens go out every this many (first, last at once)
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
+    state_path: str | None = None  # the supervisor's file for what a restarted frontend must know (served_state.py)
     shutdown_timeout_s: float = DEFAULTS.shutdown_timeout_s  # on SIGTERM, live requests get this long to finish
     stall_s: float = 30.0  # /health is unhealthy when requests are live and the engine was silent this long
     grammar_timeout_s: float = DEFAULTS.grammar_timeout_s  # grammars that take longer to compile are refused
@@ -181,6 +183,10 @@ class FrontendServer:
         # The LoRA adapters served, by name (their folders): --lora-modules', then those loaded or unloaded at run
         # time (update_lora). An engine core that starts later loads the run-time ones too (_engine_came_up).
         self.adapters: dict[str, str] = dict(lora_pairs(config.lora_modules))
+        earlier = load_state(config.state_path)  # a frontend restarted: what its predecessor served
+        if earlier is not None:
+            self.adapters.clear()
+            self.adapters.update(earlier.adapters)
         self.requests = LiveRequests(self.tokenizer, self.replicas, self.metrics, clock, self._send,
                                      self.tokenizer.vocab_size, max_model_len, config.stream_interval,
                                      config.grammar_timeout_s, self.facts.pooling, self.facts.hidden_size,
@@ -580,6 +586,7 @@ class FrontendServer:
             self.adapters[name] = path
         else:
             self.adapters.pop(name, None)
+        save_state(self.config.state_path, ServedState(adapters=dict(self.adapters)))
 
     def health(self) -> Health:
         """Each process's health, as a HealthQuery is answered."""
@@ -655,6 +662,8 @@ class FrontendServer:
         for name, path in self.adapters.items():  # before the requests that may name them
             if at_start.get(name) != path:
                 link.send(LoraUpdate(id=f"{link.prefix}-reload-{name}", name=name, path=path))
+        for name in at_start.keys() - self.adapters.keys():  # unloaded at run time
+            link.send(LoraUpdate(id=f"{link.prefix}-unload-{name}", name=name, path=""))
         self.requests.resubmit(link.index)
         self._report_serving()
 

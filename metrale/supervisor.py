@@ -229,6 +229,7 @@ class Supervisor:
             "http_port": self.config.http_port,
             "stream_interval": self.config.stream_interval,
             "status_address": self._ipc("status"),
+            "state_path": str(self.run_dir / "frontend-state.json"),  # run-time adapters, for a restarted frontend
             "shutdown_timeout_s": self.config.shutdown_timeout_s,
             "grammar_timeout_s": self.config.grammar_timeout_s,
             "tool_call_parser": self.config.tool_call_parser,
