@@ -20,13 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import StepPlan, StepResult
-from .sampling import MAX_LOGIT_BIAS
+from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 10  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
+VERSION = 11  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
 # 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND);
 # 8: prompt logprobs (StepPlan.prompt_lp_*, StepResult.prompt_*); 9: embeddings (StepPlan.pool, StepResult.pooled,
 # RingGeometry.max_pool_dim; the worker's counters moved to H_WORKER 24; StepPlan.lora_slots); 10: LoRA tickets (C_KIND LORA, C_LORA_SLOT, the request text region)
+# 11: the alternatives regions (RNS, PN) hold a bounded number of rows (RingGeometry.sample_logprob_rows / prompt_logprob_rows)
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -51,6 +52,10 @@ C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_R
 C_RES_P, C_RES_PN = 24, 25  # prompt logprobs: positions, and alternatives per position
 C_RES_Q, C_RES_QD = 26, 27  # pooled vectors: rows, and their width
 HAS_LOGPROBS, HAS_TOP, HAS_PROMPT, HAS_POOLED = 1, 2, 4, 8
+# Alternatives (an id and a log-probability each) one slot's sample region, and again its prompt region, holds at
+# most: a --max-logprobs of the whole vocabulary would otherwise size them for every token of a step (GiBs). Rows
+# past this bound are the scheduler's to keep out of one step (prompt positions) or the step shaper's (bursts).
+LOGPROB_ALTERNATIVES = 1 << 22
 
 # Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
 # RB rows × block-table width, RK rows × ban width, H history tokens, SO / SI swap pairs × 2,
@@ -145,7 +150,7 @@ class RingGeometry:
             "RK": self.max_rows * self.max_ban_ids,
             "H": self.max_hist_tokens,
             "RS": self.max_rows * self.max_burst,
-            "RNS": self.max_rows * self.max_logprobs * self.max_burst,
+            "RNS": self.sample_logprob_rows * self.max_logprobs,
             "E": self.error_msg_bytes,
             "SO": 2 * self.max_swaps,
             "SI": 2 * self.max_swaps,
@@ -153,14 +158,32 @@ class RingGeometry:
             "S": self.max_rows,
             "BI": self.max_rows * MAX_LOGIT_BIAS,
             "P": self.max_tokens,
-            "PN": self.max_tokens * self.max_logprobs,
+            "PN": self.prompt_logprob_rows * self.max_logprobs,
             "QD": self.max_rows * self.max_pool_dim,
         }[kind]
+
+    @property
+    def sample_logprob_rows(self) -> int:
+        """Rows of max_logprobs alternatives a ticket's results hold (rows x burst steps): every row of one step
+        always fits, a burst of wide rows may not (the step shaper runs a row wanting more than MAX_LOGPROBS alone)."""
+        return max(self.max_rows, min(self.max_rows * self.max_burst, LOGPROB_ALTERNATIVES // self.max_logprobs))
+
+    @property
+    def prompt_logprob_rows(self) -> int:
+        """Prompt positions with max_logprobs alternatives one step's result holds (prompt_logprob_rows(), which
+        the scheduler chunks a prompt_logprobs prefill to)."""
+        return prompt_logprob_rows(self.max_tokens, self.max_logprobs)
 
     @property
     def logits_bytes(self) -> int:
         """Size of the logits region (after the slots): one step's [max_rows, max_logits_vocab] float32."""
         return -(-self.max_rows * self.max_logits_vocab * 4 // 4096) * 4096
+
+
+def prompt_logprob_rows(max_tokens: int, max_logprobs: int) -> int:
+    """Prompt positions whose alternatives (max_logprobs each: the ring's width) one step may report: every token of a
+    step at the default width, fewer for a wide --max-logprobs (at least one)."""
+    return max(1, min(max_tokens, LOGPROB_ALTERNATIVES // max(max_logprobs, MAX_LOGPROBS)))
 
 
 def check_geometry(g: RingGeometry) -> None:
@@ -243,6 +266,10 @@ def result_counts(results: list[StepResult], g: RingGeometry) -> tuple[int, int,
     counts = {_counts(result, g) for result in results}
     if len(counts) > 1:
         raise ValueError("the steps of a burst must have results of one shape")
+    (r, n, _), = counts
+    if len(results) * r * n > g.capacity("RNS"):
+        raise ValueError(f"{len(results)} steps of {r} rows x {n} top logprobs, the ticket ring holds "
+                         f"{g.sample_logprob_rows} rows of {g.max_logprobs}")
     if any(r.prompt_logprobs is not None or r.pooled is not None for r in results[1:]):
         raise ValueError("only a ticket's first result carries prompt logprobs and pooled vectors")
     return counts.pop()
@@ -256,9 +283,9 @@ def prompt_counts(result: StepResult, g: RingGeometry) -> tuple[int, int]:
     n = 0 if result.prompt_top_ids is None else _width(result.prompt_top_ids, p, "prompt_top_ids")
     if n and (result.prompt_top_logprobs is None or result.prompt_top_logprobs.shape != result.prompt_top_ids.shape):
         raise ValueError("result.prompt_top_logprobs must have the shape of result.prompt_top_ids")
-    if p > g.max_tokens or n > g.max_logprobs:
+    if p > g.max_tokens or n > g.max_logprobs or p * n > g.capacity("PN"):
         raise ValueError(f"result has prompt logprobs for {p} positions x {n}, the ticket ring holds "
-                         f"{g.max_tokens} x {g.max_logprobs}")
+                         f"{g.max_tokens} positions, {g.prompt_logprob_rows} with {g.max_logprobs} alternatives")
     return p, n
 
 

@@ -327,17 +327,15 @@ def test_a_field_of_the_wrong_type_is_a_sentence(server):
     assert out["error"]["message"] == "n must be an integer, not a string"
 
 
-def test_a_max_logprobs_whose_ring_does_not_fit_is_lowered_to_what_fits():
-    """-1 on a 49,152-token vocabulary (SmolLM2's) with 2,048 tokens a step: a 6 GiB ticket ring; the server serves
-    the largest count that fits (a request for more is a 400) and says why in one line; the default fits as it is."""
+def test_a_whole_vocabulary_max_logprobs_is_served_as_given():
+    """-1, or the vocabulary's size, on SmolLM2's 49,152 tokens with the defaults (2,048 tokens, 64 rows a step):
+    the ring's alternatives regions hold a bounded number of rows, so it fits and is not lowered (it was, to ~32,700)."""
     from metrale.cli import max_logprobs_that_fit
     from metrale.config import EngineArgs
 
     assert max_logprobs_that_fit(EngineArgs(), 49152, 8192) == (20, None)
-    fitted, why = max_logprobs_that_fit(EngineArgs(max_logprobs=-1), 49152, 8192)
-    assert 20 < fitted < 49152
-    assert "\n" not in why and why.startswith("--max-logprobs -1: 49152 alternatives") and f"at most {fitted}" in why
-    assert max_logprobs_that_fit(EngineArgs(max_logprobs=fitted), 49152, 8192) == (fitted, None)
+    assert max_logprobs_that_fit(EngineArgs(max_logprobs=-1), 49152, 8192) == (-1, None)
+    assert max_logprobs_that_fit(EngineArgs(max_logprobs=151936, max_model_len=4080), 49152, 4080) == (151936, None)
 
 
 def test_metrale_serve_lowers_a_max_logprobs_that_does_not_fit(tiny_model_dir, capsys, monkeypatch):
