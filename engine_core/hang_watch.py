@@ -147,8 +147,7 @@ def _nonnegative_fit(gram: np.ndarray, xty: np.ndarray, columns: list[int]) -> l
         norms = np.sqrt(np.diag(g))
         norms[norms == 0] = 1.0
         scaled = g / np.outer(norms, norms) + 1e-9 * np.eye(len(active))
-        coef = _solve(scaled.tolist(), (xty[active] / norms).tolist())
-        coef = [c / n for c, n in zip(coef, norms.tolist())]
+        coef = (np.linalg.solve(scaled, xty[active] / norms) / norms).tolist()
         if min(coef) >= 0:
             for j, c in zip(active, coef):
                 rates[j] = c
@@ -156,18 +155,3 @@ def _nonnegative_fit(gram: np.ndarray, xty: np.ndarray, columns: list[int]) -> l
         active = [j for j, c in zip(active, coef) if c >= 0]
     return rates
 
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a·x = b for a small symmetric positive definite a (Gaussian elimination; no LAPACK call, whose
-    overhead is most of the cost at this size)."""
-    n = len(b)
-    for k in range(n):
-        for i in range(k + 1, n):
-            f = a[i][k] / a[k][k]
-            for j in range(k, n):
-                a[i][j] -= f * a[k][j]
-            b[i] -= f * b[k]
-    x = [0.0] * n
-    for i in reversed(range(n)):
-        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
-    return x

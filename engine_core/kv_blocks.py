@@ -108,12 +108,6 @@ class KvBlockPool:
         kv = seq.kv
         return self.tables[kv.row, : kv.num_blocks].tolist() if kv.num_blocks else []
 
-    def check_invariant(self) -> None:
-        """Raise AssertionError unless free + used + cached == total and refcounts agree."""
-        assert self.num_free + self.num_cached + self.num_used == self.num_blocks
-        assert sum(1 for r in self.refcount if r > 0) == self.num_used, "refcounts disagree with the free lists"
-        assert all(self.refcount[b] == 0 for b in self._free)
-        assert all(self.refcount[b] == 0 for b in self._cached)
 
     # ---- allocation -----------------------------------------------------------------
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sequence import Sequence
 
 
 class StateSlotsExhausted(RuntimeError):
@@ -50,12 +49,3 @@ class StateSlots:
         """A slot a sequence held as it leaves the running batch (-1: none)."""
         if slot >= 0:
             self._free.append(slot)
-
-    def check_invariant(self, running: list[Sequence]) -> None:
-        """Every slot is free or held by exactly one running sequence (tests call this)."""
-        if not self.num_slots:
-            return
-        held = [s.state_slot for s in running]
-        assert -1 not in held, "a running sequence holds no state slot"
-        assert len(set(held)) == len(held), "two running sequences share a state slot"
-        assert sorted(held + self._free) == list(range(self.num_slots)), "a state slot leaked"

@@ -9,12 +9,12 @@ numpy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from operator import add
 
 import numpy as np
 
 from metrale.ipc.plan import FEED_HOST, MASK_GRAMMAR, POOL_NONE, StepPlan
+from metrale.ipc.ticket_layout import PLAN_FIELDS
 
 from .grammar import fill_bitmasks
 from .kv_blocks import KvBlockPool
@@ -24,93 +24,30 @@ from .swap import SwapSpace
 
 MAX_BAN_IDS = 64
 _NO_STATE = np.zeros(0, np.int32)  # the plans of a model without recurrent state carry no state slots
-_NUM_FLOATS = 6  # temperature, top_p, min_p, repetition, presence, frequency penalty
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BY_LENGTH = [(name, kind) for name, _, kind in PLAN_FIELDS if kind in ("T", "R", "R1")]  # plain views of a buffer
 
 
-@dataclass(slots=True)
 class _Buffers:
-    """One set of step arrays at full capacity; a plan is views of their first T / R entries.
+    """One set of plan arrays at full capacity, as ipc's PLAN_FIELDS lays a plan out; a plan is views of their first
+    T / R entries. The float sampling fields are the rows of one [6, R] array, top_k / num_logprobs of one [2, R] and
+    the prompt logprob fields of one [3, R], so one gather (or one write) fills each group."""
 
-    The float sampling fields are the rows of one [6, R] array and top_k / num_logprobs of one [2, R]
-    array, so one gather from the rows fills them all.
-    """
+    GROUPS = {"floats": FLOAT_FIELDS, "int32s": ("top_k", "num_logprobs"),
+              "prompt_lp": ("prompt_lp_n", "prompt_lp_count", "prompt_lp_next")}
 
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray  # flat; viewed as [R, B]
-    sample: np.ndarray
-    feed_from_row: np.ndarray
-    floats: np.ndarray  # [6, max_rows]: the rows below
-    temperature: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    repetition_penalty: np.ndarray
-    presence_penalty: np.ndarray
-    frequency_penalty: np.ndarray
-    int32s: np.ndarray  # [2, max_rows]: top_k, num_logprobs
-    top_k: np.ndarray
-    num_logprobs: np.ndarray
-    seeds: np.ndarray
-    mask_kind: np.ndarray
-    force_token: np.ndarray
-    ban_ids: np.ndarray
-    hist_tokens: np.ndarray
-    hist_start: np.ndarray
-    hist_prompt_len: np.ndarray
-    grammar_bitmask: np.ndarray  # [max_rows, W]: the grammar rows' bitmasks, first rows first
-    num_drafts: np.ndarray
-    state_slots: np.ndarray
-    bias_start: np.ndarray
-    bias_ids: np.ndarray  # grown when a step's logit_bias entries exceed it
-    bias_values: np.ndarray
-    prompt_lp: np.ndarray  # [3, max_rows]: prompt_lp_n, prompt_lp_count, prompt_lp_next
-    pool: np.ndarray
-    lora_slots: np.ndarray
-
-    @classmethod
-    def allocate(cls, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> "_Buffers":
-        i32 = np.int32
-        floats = np.zeros((_NUM_FLOATS, max_rows), np.float32)
-        int32s = np.zeros((2, max_rows), i32)
-        return cls(
-            input_ids=np.zeros(max_tokens, i32),
-            positions=np.zeros(max_tokens, i32),
-            slot_mapping=np.zeros(max_tokens, np.int64),
-            query_start=np.zeros(max_rows + 1, i32),
-            seq_lens=np.zeros(max_rows, i32),
-            block_tables=np.zeros(max_rows * max_blocks, i32),
-            sample=np.zeros(max_rows, np.bool_),
-            feed_from_row=np.zeros(max_rows, i32),
-            floats=floats,
-            temperature=floats[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            repetition_penalty=floats[3],
-            presence_penalty=floats[4],
-            frequency_penalty=floats[5],
-            int32s=int32s,
-            top_k=int32s[0],
-            num_logprobs=int32s[1],
-            seeds=np.zeros(max_rows, np.int64),
-            mask_kind=np.zeros(max_rows, np.uint8),
-            force_token=np.zeros(max_rows, i32),
-            ban_ids=np.zeros((max_rows, MAX_BAN_IDS), i32),
-            hist_tokens=np.zeros(max_hist, i32),
-            hist_start=np.zeros(max_rows + 1, i32),
-            hist_prompt_len=np.zeros(max_rows, i32),
-            grammar_bitmask=np.zeros((max_rows, words), i32),
-            num_drafts=np.zeros(max_rows, i32),
-            state_slots=np.zeros(max_rows, i32),
-            bias_start=np.zeros(max_rows + 1, i32),
-            bias_ids=np.zeros(1024, i32),
-            bias_values=np.zeros(1024, np.float32),
-            prompt_lp=np.zeros((3, max_rows), i32),
-            pool=np.zeros(max_rows, i32),
-            lora_slots=np.zeros(max_rows, i32),
-        )
+    def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> None:
+        shape = {"T": max_tokens, "R": max_rows, "R1": max_rows + 1, "RB": max_rows * max_blocks,  # RB: flat
+                 "RK": (max_rows, MAX_BAN_IDS), "H": max_hist, "GW": (max_rows, words), "S": max_rows, "BI": 1024}
+        dtypes = {name: dtype for name, dtype, _ in PLAN_FIELDS}
+        for group, names in self.GROUPS.items():
+            rows = np.zeros((len(names), max_rows), dtypes[names[0]])
+            setattr(self, group, rows)
+            for name, row in zip(names, rows):
+                setattr(self, name, row)
+        for name, dtype, kind in PLAN_FIELDS:
+            if kind in shape and not hasattr(self, name):
+                setattr(self, name, np.zeros(shape[kind], dtype))
 
 
 class _Rows:
@@ -120,7 +57,7 @@ class _Rows:
 
     def __init__(self) -> None:
         self.owner: list[Sequence | None] = []
-        self.floats = np.zeros((_NUM_FLOATS, 0), np.float32)  # temperature, top_p, min_p, the three penalties
+        self.floats = np.zeros((len(FLOAT_FIELDS), 0), np.float32)
         self.int32s = np.zeros((2, 0), np.int32)  # top_k, num_logprobs
         self.seeds = np.zeros(0, np.int64)
         self.penalties = np.zeros(0, np.bool_)
@@ -153,8 +90,7 @@ class _Rows:
         p = seq.params
         self.owner[row] = seq
         # Through float32 / int64 arrays first, as the per-step conversion did, so rounding and casts match.
-        self.floats[:, row] = np.array((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                                        p.frequency_penalty), dtype=np.float32)
+        self.floats[:, row] = np.array([getattr(p, name) for name in FLOAT_FIELDS], dtype=np.float32)
         top_k, seed, num_logprobs = np.array((max(p.top_k, 0), seq.req.seed, -1 if p.logprobs is None else p.logprobs),
                                              dtype=np.int64)
         self.int32s[:, row] = top_k, num_logprobs
@@ -186,7 +122,7 @@ class StepBuilder:
         self.max_rows = max_rows
         self._hist_cap = max(4096, max_tokens)
         self._sets = [
-            _Buffers.allocate(max_tokens, max_rows, self.max_blocks, self._hist_cap, -(-vocab_size // 32)) for _ in range(depth)
+            _Buffers(max_tokens, max_rows, self.max_blocks, self._hist_cap, -(-vocab_size // 32)) for _ in range(depth)
         ]
         self._turn = 0
         self.pool = pool
@@ -228,50 +164,26 @@ class StepBuilder:
             b.num_drafts[:R] = [len(d) for d in drafts]
         h = self._history(b, seqs, rows, feed)
         n_bias = self._bias(b, rows)
-        prompt_lp = self._prompt_logprobs(b, seqs, rows, starts, num_new, feed)
-        pool = self._pool(b, rows)
+        self._prompt_logprobs(b, seqs, rows, starts, num_new, feed)
+        self._pool(b, rows)
         swap_out, swap_in = self.swap.take_copies()
         state_slots = _NO_STATE
         if self.state_slots:  # state slot (recurrent models)
             state_slots = b.state_slots[:R]
             state_slots[:] = [s.state_slot for s in seqs]
+        b.lora_slots[:R] = self._rows.lora[rows]
+        length = {"T": T, "R": R, "R1": R + 1}
         return StepPlan(
-            input_ids=b.input_ids[:T],
-            positions=b.positions[:T],
-            slot_mapping=b.slot_mapping[:T],
-            query_start=b.query_start[: R + 1],
-            seq_lens=b.seq_lens[:R],
+            **{name: getattr(b, name)[: length[kind]] for name, kind in _BY_LENGTH},
             block_tables=tables,
-            sample=b.sample[:R],
-            feed_from_row=b.feed_from_row[:R],
-            temperature=b.temperature[:R],
-            top_k=b.top_k[:R],
-            top_p=b.top_p[:R],
-            min_p=b.min_p[:R],
-            repetition_penalty=b.repetition_penalty[:R],
-            presence_penalty=b.presence_penalty[:R],
-            frequency_penalty=b.frequency_penalty[:R],
-            seeds=b.seeds[:R],
-            mask_kind=b.mask_kind[:R],
-            force_token=b.force_token[:R],
             ban_ids=b.ban_ids[:R],
-            num_logprobs=b.num_logprobs[:R],
             hist_tokens=b.hist_tokens[:h],
-            hist_start=b.hist_start[: R + 1],
-            hist_prompt_len=b.hist_prompt_len[:R],
             swap_out=swap_out,
             swap_in=swap_in,
             grammar_bitmask=b.grammar_bitmask[:g] if g else b.grammar_bitmask[:0, :0],
-            num_drafts=b.num_drafts[:R],
             state_slots=state_slots,
-            bias_start=b.bias_start[: R + 1],
             bias_ids=b.bias_ids[:n_bias],
             bias_values=b.bias_values[:n_bias],
-            prompt_lp_n=prompt_lp[0],
-            prompt_lp_count=prompt_lp[1],
-            prompt_lp_next=prompt_lp[2],
-            pool=pool,
-            lora_slots=self._rows.lora.take(rows, out=b.lora_slots[:R]),
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], tables: np.ndarray,
@@ -380,8 +292,8 @@ class StepBuilder:
 
 
     def _prompt_logprobs(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, starts: list[int],
-                         num_new: list[int], feed: list[int] | None) -> np.ndarray:
-        """[3, R] prompt_lp_n, prompt_lp_count, prompt_lp_next: a host-fed row of a request with prompt_logprobs
+                         num_new: list[int], feed: list[int] | None) -> None:
+        """prompt_lp_n, prompt_lp_count, prompt_lp_next per row: a host-fed row of a request with prompt_logprobs
         asks for its positions up to the prompt's second-to-last (the last predicts the output) while any of the
         prompt tokens they predict has no entry yet (a recompute after preemption asks again only past those)."""
         R = len(seqs)
@@ -394,17 +306,15 @@ class StepBuilder:
                 continue
             out[0, r], out[1, r] = seq.params.prompt_logprobs, count
             out[2, r] = seq.tokens[start + k] if count == k else -1
-        return out
 
-    def _pool(self, b: _Buffers, rows: np.ndarray) -> np.ndarray:
-        """int32[R] POOL_* per row: an embeddings request's row never samples, and every chunk of it pools (the
+    def _pool(self, b: _Buffers, rows: np.ndarray) -> None:
+        """POOL_* per row: an embeddings request's row never samples, and every chunk of it pools (the
         commit keeps what its kind needs: the sum, the last chunk's, the first chunk's)."""
         R = len(rows)
         out = b.pool[:R]
         self._rows.pool.take(rows, out=out)
         if out.any():
             b.sample[:R][out != POOL_NONE] = False
-        return out
 
     def _bias(self, b: _Buffers, rows: np.ndarray) -> int:
         """The biased rows' logit_bias, end to end; returns the entries' count (0: no row biased)."""

@@ -12,6 +12,7 @@ from metrale.engine_core.pipeline import SpecialTokens
 from metrale.engine_core.kv_blocks import KvBlockPool
 from metrale.ipc.plan import FedAheadPolicy
 from metrale.ipc.sampling import SamplingParams
+from metrale.testing.invariants import check_pool, check_state_slots
 
 THINK_START, THINK_END = 2, 3
 CODE_FENCE, TOOL_START, TOOL_END = 46, 45, 44  # ordinary ids the toy model also picks: adaptive masks change
@@ -142,7 +143,7 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
                 if d.error:
                     run.errors[d.request_id] = d.error
                     run.error_codes[d.request_id] = d.error_code
-        eng.scheduler.state_slots.check_invariant(eng.scheduler.running)
+        check_state_slots(eng.scheduler.state_slots, eng.scheduler.running)
         if eng.device_lost:
             run.recoveries += 1
             dev.revive()  # the supervisor's new worker: empty KV
@@ -150,7 +151,7 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
         tick += 1
         assert tick < max_ticks, "the engine did not finish the workload"
     run.ticks = tick
-    eng.pool.check_invariant()
+    check_pool(eng.pool)
     assert eng.pool.num_used == 0, "blocks still referenced after every request finished"
     assert dev.in_flight == 0, "a launched step was never awaited"
     assert eng.scheduler.swap.num_free == eng.scheduler.swap.num_blocks, "host swap blocks leaked"

@@ -16,6 +16,7 @@ import pytest
 
 from metrale import LLM, BeamSearchParams, SamplingParams
 from metrale.beam_search import BeamSearch
+from metrale.testing.invariants import check_pool
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,7 +33,7 @@ def _close(engine: LLM) -> None:
     """Close engine after checking that beam search left nothing behind: no request, no used block."""
     assert not engine.engine.has_unfinished()
     pool = engine.engine.pool
-    pool.check_invariant()
+    check_pool(pool)
     assert pool.num_used == 0
     engine.close()
 

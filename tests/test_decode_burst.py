@@ -10,6 +10,7 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.engine_core.step_kinds import burst_length
 from metrale.engine_core.sequence import Sequence
+from metrale.testing.invariants import check_pool
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -36,7 +37,7 @@ def _run(model_dir, prompts, params, burst: int):
         outs = llm.generate(prompts, params)
         launches = llm.device._next_seq  # tickets: one per step, or per burst
         pool = llm.engine.pool
-        pool.check_invariant()
+        check_pool(pool)
         assert pool.num_used == 0, "a burst's reserved blocks outlived its requests"
     return [(o.token_ids, o.finish_reason, o.logprobs) for o in outs], launches
 

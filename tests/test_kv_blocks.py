@@ -5,6 +5,7 @@ from __future__ import annotations
 from metrale.engine_core.kv_blocks import KvBlockPool
 from metrale.engine_core.sequence import Sequence
 from metrale.ipc.sampling import SamplingParams
+from metrale.testing.invariants import check_pool
 
 
 def seq(tokens: list[int], rid: str = "r", cache_salt: str | None = None) -> Sequence:
@@ -17,10 +18,10 @@ def test_allocate_covers_tokens_and_free_returns_every_block():
     assert pool.allocate(s, 10) and len(s.block_table) == 3
     assert pool.allocate(s, 12) and len(s.block_table) == 3
     assert pool.allocate(s, 13) and len(s.block_table) == 4
-    pool.check_invariant()
+    check_pool(pool)
     pool.free(s)
     assert pool.num_free == 8 and not s.block_table
-    pool.check_invariant()
+    check_pool(pool)
 
 
 def test_dry_pool_takes_nothing():
@@ -36,7 +37,7 @@ def test_trim_gives_back_only_blocks_beyond_the_kept_tokens():
     pool.allocate(s, 9)
     pool.trim(s, 8)
     assert len(s.block_table) == 2 and pool.num_free == 2
-    pool.check_invariant()
+    check_pool(pool)
 
 
 def test_prefix_cache_reuses_settled_full_blocks_and_counts_hits():
@@ -50,7 +51,7 @@ def test_prefix_cache_reuses_settled_full_blocks_and_counts_hits():
     b = seq([1, 2, 3, 4, 5, 6, 7, 8, 42, 43], "b")
     assert pool.match_prefix(b) == 8
     assert len(b.block_table) == 2 and pool.num_cached == 0 and pool.num_used == 2
-    pool.check_invariant()
+    check_pool(pool)
     assert pool.stats.hit_tokens == 8
 
 
@@ -77,7 +78,7 @@ def test_shared_blocks_are_reference_counted():
     pool.free(a)
     assert pool.num_used == 2  # b still holds the shared head
     pool.free(b)
-    pool.check_invariant()
+    check_pool(pool)
     assert pool.num_used == 0
 
 
@@ -91,7 +92,7 @@ def test_cached_blocks_are_evicted_lru_when_free_memory_is_needed():
     big = seq(range(100, 112), "big")
     assert pool.allocate(big, 12)
     assert pool.num_cached == 0
-    pool.check_invariant()
+    check_pool(pool)
     c = seq(range(9), "c")
     pool.free(big)
     assert pool.match_prefix(c) == 0
@@ -128,7 +129,7 @@ def test_a_digest_collision_never_shares_a_block(monkeypatch):
     again = seq(range(9), "a2")
     assert pool.match_prefix(again) == 4  # the first block only: the second collides with the first's digest
     pool.free(again)
-    pool.check_invariant()
+    check_pool(pool)
 
 
 def test_requests_with_different_cache_salts_never_share_blocks():
@@ -139,4 +140,4 @@ def test_requests_with_different_cache_salts_never_share_blocks():
         s = seq(range(13), f"probe-{salt}", salt)
         assert pool.match_prefix(s) == reused, salt
         pool.free(s)
-    pool.check_invariant()
+    check_pool(pool)

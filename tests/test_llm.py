@@ -9,6 +9,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.frontend.detokenizer import IncrementalDetokenizer
+from metrale.testing.invariants import check_pool
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,7 @@ def llm(tiny_model_dir):
     with LLM(str(tiny_model_dir("llama")), show_progress=False, max_num_seqs=32) as engine:
         yield engine
         pool = engine.engine.pool
-        pool.check_invariant()
+        check_pool(pool)
         assert pool.num_used == 0
 
 

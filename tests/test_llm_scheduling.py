@@ -7,6 +7,7 @@ import random
 import pytest
 
 from metrale import LLM, SamplingParams
+from metrale.testing.invariants import check_pool
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def _run(model: str, prompts, params, **kw):
     with LLM(model, show_progress=False, **kw) as llm:
         outs = llm.generate(prompts, params)
         stats = llm.stats()
-        llm.engine.pool.check_invariant()
+        check_pool(llm.engine.pool)
         assert llm.engine.pool.num_used == 0
     return [o.token_ids for o in outs], stats
 
@@ -64,7 +65,7 @@ def test_reset_prefix_cache_forgets_every_cached_block(model):
         assert pool.stats.hit_tokens > hits
         assert llm.reset_prefix_cache()
         assert pool.num_cached == 0
-        pool.check_invariant()
+        check_pool(pool)
         hits = pool.stats.hit_tokens
         assert llm.generate([prompt], params)[0].token_ids == first
         assert pool.stats.hit_tokens == hits

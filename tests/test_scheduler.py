@@ -8,6 +8,7 @@ from metrale.engine_core.engine import EngineCore, EngineOptions
 from metrale.testing.fake_device import FakeDevice
 from metrale.engine_core.scheduler import SchedulerBusy
 from metrale.ipc.sampling import SamplingParams
+from metrale.testing.invariants import check_pool
 
 from engine_harness import Req, run_workload
 
@@ -132,7 +133,7 @@ def test_abort_frees_blocks_within_one_tick():
     assert [(d.request_id, d.finish_reason) for d in outs] == [("a", "abort")]
     eng.step()
     assert eng.pool.num_used == 0
-    eng.pool.check_invariant()
+    check_pool(eng.pool)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
