@@ -159,7 +159,9 @@ class LiveRequests:
         if state is not None and msg.id in state.requests:
             raise Rejected("bad_request", f"duplicate id {msg.id!r}: a request with it is running")
         check_generate(msg, self.vocab_size, self.max_logprobs)
-        if isinstance(msg, Resume) and (not msg.session or msg.offset < 0):
+        if msg.session is not None and not 0 < len(msg.session) <= 256:
+            raise Rejected("bad_request", "session must have 1 to 256 characters")
+        if isinstance(msg, Resume) and (msg.session is None or msg.offset < 0):
             raise Rejected("bad_request", "a resume needs the session its request was started under, and an offset >= 0")
         if msg.pooling is not None:
             self._check_pooling(msg)

@@ -293,6 +293,33 @@ def test_frontend_sigkill_under_streaming_clients_loses_nothing(server, expected
     wait_idle(server)
 
 
+def test_a_resume_of_a_request_the_server_does_not_hold(server, expected):
+    """docs/protocol.md §5.6, from the document alone: a resume with offset > 0 of a request nobody holds is error
+    resume_lost; with offset 0 it runs, as a generate would."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    try:
+        base = {"type": "resume", "session": "s-" + os.urandom(8).hex(), "prompt": PROMPTS[1], "sampling": sampling}
+        sock.send(msgspec.msgpack.encode({**base, "id": "lost", "offset": 3}))
+        reply = msgspec.msgpack.decode(sock.recv())
+        assert (reply["type"], reply["id"], reply["code"]) == ("error", "lost", "resume_lost"), reply
+        sock.send(msgspec.msgpack.encode({**base, "id": "fresh", "offset": 0}))
+        ids = []
+        while (reply := msgspec.msgpack.decode(sock.recv())).get("finish_reason") is None:
+            ids += reply.get("token_ids", [])
+        assert ids + reply.get("token_ids", []) == expected[1]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 def test_fail_mode_gives_each_inflight_request_one_worker_fault(model_dir, expected):
     """--on-worker-fault fail: every in-flight request ends with one worker_fault error; new ones then succeed."""
     with running_server(model_dir, "--on-worker-fault", "fail") as s:
