@@ -98,7 +98,7 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
     nxt = pipeline.next
     try:
         try:
-            results = io.device.await_burst(inf.ticket) if inf.kind != StepKind.STEP else [io.device.await_result(inf.ticket)]
+            results = _await(io, inf)
         except DeviceError as e:
             # Every row is told, as the synchronous step does. A step launched ahead is awaited so its
             # slot is released, and dropped with the rows.
@@ -201,19 +201,13 @@ def drain(pipeline: Pipeline, io: StepIo) -> None:
             break
 
 
-def abandon(pipeline: Pipeline, io: StepIo) -> None:
-    """Await (and drop) every step in flight, so the device's slots are free again; nothing is committed."""
+def abandon(pipeline: Pipeline, io: StepIo | None) -> None:
+    """Drop every step in flight, nothing committed: awaited first, so the device's slots are free again (io None:
+    the device is gone with what it ran, nothing to await)."""
     for inf in (pipeline.inflight, pipeline.next):
         if inf is not None:
-            _await_quietly(io, inf)
-            _release(inf)
-    pipeline.inflight = pipeline.next = None
-
-
-def forget(pipeline: Pipeline) -> None:
-    """The device is gone with what it ran: drop every step in flight without awaiting it."""
-    for inf in (pipeline.inflight, pipeline.next):
-        if inf is not None:
+            if io is not None:
+                _await_quietly(io, inf)
             _release(inf)
     pipeline.inflight = pipeline.next = None
 
@@ -264,12 +258,14 @@ def _live(seqs: list[Sequence], nxt: Inflight | None) -> list[Sequence]:
     return seqs + [s for s in nxt.seqs if id(s) not in seen]
 
 
+def _await(io: StepIo, inf: Inflight) -> list:
+    """inf's results: one for a STEP, one per step for a BURST or a VERIFY."""
+    return [io.device.await_result(inf.ticket)] if inf.kind == StepKind.STEP else io.device.await_burst(inf.ticket)
+
+
 def _await_quietly(io: StepIo, inf: Inflight) -> None:
     """Await a step whose outcome no longer matters (its slot is free again); whatever it raises is dropped."""
     try:
-        if inf.kind == StepKind.STEP:
-            io.device.await_result(inf.ticket)
-        else:
-            io.device.await_burst(inf.ticket)
+        _await(io, inf)
     except Exception:  # noqa: BLE001 - the step is dropped either way
         pass

@@ -1,14 +1,10 @@
 """EngineCore: requests in, one batch of token deltas out per tick. No sockets here (see core.py).
 
-A tick is schedule → launch → settle, through one launch and one settle for every kind of step (decode_lane.py).
-With a step in flight: when it is a STEP the lane may run ahead of, schedule the next one and launch it ahead
-(arrivals admitted, finished rows dropped, prefills going on), then settle the one in flight; after a settled
-BURST, launch the next burst at once when the batch may go on as it is. With nothing in flight: retire what
-finished, schedule, give the step its kind (step_kinds.py: a VERIFY when rows have drafts, a BURST when no row is
-watched token by token) and launch it; a VERIFY, and every STEP without the pipeline, is settled in the same tick
-(depth 0), a BURST and a pipelined STEP in the next. Every tick commits at most one token per request in either
-loop; a burst commits up to decode_burst tokens of requests that report only at their finish, or up to
-stream_interval tokens of streamed ones.
+A tick is schedule → launch → settle, through one launch and one settle for every kind of step (decode_lane.py):
+with a STEP in flight the lane may schedule and launch the next one ahead of it, then settle it; after a settled
+BURST the next burst goes out at once when the batch goes on as it is; with nothing in flight the scheduler's step
+gets its kind (step_kinds.py) and is launched, and a VERIFY or a synchronous STEP is settled in the same tick.
+Every tick commits at most one token per request in either loop (a burst: up to its steps).
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from metrale.ipc.pooling import PoolingParams, with_model_default
 from metrale.ipc.sampling import SamplingParams, logprobs_cap
 from metrale.ipc.ticket_layout import prompt_logprob_rows
 
-from .decode_lane import abandon, discard_row, drain, forget, launch, settle
+from .decode_lane import abandon, discard_row, drain, launch, settle
 from .grammar import GrammarBook
 from .speculative import NgramProposer, Speculator
 from .kv_blocks import KvBlockPool
@@ -328,7 +324,7 @@ class EngineCore:
         Their KV is recomputed from prompt + output; with greedy or seeded sampling the streams then
         continue exactly as if nothing happened.
         """
-        forget(self.pipeline)
+        abandon(self.pipeline, None)
         self.scheduler.retire_finished()
         self.scheduler.requeue_all()
         self.io.device_lost = None

@@ -127,7 +127,7 @@ class KvBlockPool:
                 rows = len(self.tables)
                 self.tables = np.pad(self.tables, ((0, max(rows, 64)), (0, 0)))
                 self._free_rows = list(range(len(self.tables) - 1, rows - 1, -1))
-            kv.pool, kv.row = self, self._free_rows.pop()
+            kv.row = self._free_rows.pop()
         n = kv.num_blocks + len(blocks)
         width = self.tables.shape[1]
         if n > width:

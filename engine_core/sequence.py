@@ -25,7 +25,6 @@ from metrale.ipc.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from .grammar import RowGrammar
-    from .kv_blocks import KvBlockPool
 
 
 class SeqStatus(enum.IntEnum):
@@ -97,7 +96,6 @@ class KvPlacement:
     """Where a sequence's KV lives: row `row` of its pool's block table (the table's only copy, kv_blocks.py), its
     first `num_blocks` entries; how many leading blocks are hashed for prefix caching, and the last one's hash."""
 
-    pool: KvBlockPool | None = field(default=None, repr=False)
     row: int = -1
     num_blocks: int = 0
     hashed_blocks: int = 0
@@ -142,30 +140,16 @@ class Sequence:
                      prompt_entries=None if params.prompt_logprobs is None else [None])
         return cls(req, out, RowState(grammar=grammar))
 
-    # Read-only views, for brevity where they are read.
-    @property
-    def request_id(self) -> str:
-        return self.req.request_id
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.req.params
-
-    @property
-    def num_prompt(self) -> int:
-        return self.req.num_prompt
-
-    @property
-    def tokens(self) -> array:
-        return self.out.tokens
-
-    @property
-    def finished(self) -> bool:
-        return self.out.finish_reason is not None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.out.tokens)
+    # Read-only views of the parts, for brevity where they are read.
+    request_id = property(lambda self: self.req.request_id)
+    params = property(lambda self: self.req.params)
+    num_prompt = property(lambda self: self.req.num_prompt)
+    tokens = property(lambda self: self.out.tokens)
+    finished = property(lambda self: self.out.finish_reason is not None)
+    num_tokens = property(lambda self: len(self.out.tokens))
+    num_output = property(lambda self: len(self.out.tokens) - self.req.num_prompt)
+    last_token = property(lambda self: self.out.tokens[-1])
+    output_ids = property(lambda self: self.out.tokens[self.req.num_prompt :].tolist())
 
     @property
     def num_launched(self) -> int:
@@ -173,28 +157,10 @@ class Sequence:
         return self.num_computed + self.num_inflight
 
     @property
-    def num_output(self) -> int:
-        return len(self.out.tokens) - self.req.num_prompt
-
-    @property
-    def last_token(self) -> int:
-        return self.out.tokens[-1]
-
-    @property
     def is_decode(self) -> bool:
         """True when the next step for this sequence is a single-token decode (never for an embeddings request,
         whose last token is the end of a prefill: no burst or verify step may take it)."""
         return len(self.out.tokens) - self.num_computed == 1 and not self.req.pool_kind
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.out.tokens[self.req.num_prompt :].tolist()
-
-    @property
-    def block_table(self) -> list[int]:
-        """Its blocks, as a list (a copy: the block pool's table holds them)."""
-        kv = self.kv
-        return kv.pool.tables[kv.row, : kv.num_blocks].tolist() if kv.num_blocks else []
 
     def finish(self, reason: str, error: str | None = None, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         """Mark the sequence stopped (with reason "error": why, and its code); later commits for it are skipped."""

@@ -1,19 +1,8 @@
-"""Speculative decoding: draft tokens proposed on the host, verified by the model in one step.
-
-A verify step runs each drafted row's last committed token and its d draft tokens (d + 1 positions) and samples at
-every one of them with the row's own rule, noise keyed by (seed, position) as always (gpu_worker/sampler.py): pick j
-is exactly what plain decoding would pick at that position if drafts 1..j were the committed tokens. The device
-keeps the picks up to the first that differs from the next draft (that one included: the correction, or after the
-last draft the bonus token) and returns them as the steps of a burst (`await_burst`), so greedy and seeded
-outputs equal decoding without drafts, for any batch. The verify step is a StepKind.VERIFY (step_kinds.py shapes
-it, reserving its drafts' KV); the lane commits the picks in order (a stop ends a row's share) with `num_computed`
-stepping one position per commit, and gives back the KV reserved for rejected drafts through the over-run effect
-(`KvBlockPool.trim`).
-
-Only plain rows are drafted (no penalties, masks or grammar, whose picks depend on the tokens before them on the
-host). Verify steps run synchronously (nothing is launched ahead of them: the next inputs are the accepted picks).
-Drafts come from a `Proposer`; `NgramProposer` is prompt lookup (the last n tokens found earlier in the prompt
-or output, and what followed them). A draft model (EAGLE-style) is another Proposer.
+"""Speculative decoding: draft tokens proposed on the host, verified by the model in one step (a StepKind.VERIFY,
+shaped by step_kinds.py). The device samples each drafted position with the row's own rule and keeps the picks up to
+the first that differs from the next draft, so greedy and seeded outputs equal decoding without drafts; the lane
+commits them in order and gives back the rejected drafts' KV. Only plain rows are drafted. Drafts come from a
+`Proposer`; `NgramProposer` is prompt lookup. docs/architecture.md, "Speculative decoding".
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ def seq(tokens: list[int], rid: str = "r", cache_salt: str | None = None) -> Seq
 def test_allocate_covers_tokens_and_free_returns_every_block():
     pool = KvBlockPool(8, 4)
     s = seq(range(10))
-    assert pool.allocate(s, 10) and len(s.block_table) == 3
-    assert pool.allocate(s, 12) and len(s.block_table) == 3
-    assert pool.allocate(s, 13) and len(s.block_table) == 4
+    assert pool.allocate(s, 10) and len(pool.blocks(s)) == 3
+    assert pool.allocate(s, 12) and len(pool.blocks(s)) == 3
+    assert pool.allocate(s, 13) and len(pool.blocks(s)) == 4
     check_pool(pool)
     pool.free(s)
-    assert pool.num_free == 8 and not s.block_table
+    assert pool.num_free == 8 and not pool.blocks(s)
     check_pool(pool)
 
 
@@ -28,7 +28,7 @@ def test_dry_pool_takes_nothing():
     pool = KvBlockPool(2, 4)
     s = seq(range(12))
     assert not pool.allocate(s, 12)
-    assert s.block_table == [] and pool.num_free == 2
+    assert pool.blocks(s) == [] and pool.num_free == 2
 
 
 def test_trim_gives_back_only_blocks_beyond_the_kept_tokens():
@@ -36,7 +36,7 @@ def test_trim_gives_back_only_blocks_beyond_the_kept_tokens():
     s = seq(range(8))
     pool.allocate(s, 9)
     pool.trim(s, 8)
-    assert len(s.block_table) == 2 and pool.num_free == 2
+    assert len(pool.blocks(s)) == 2 and pool.num_free == 2
     check_pool(pool)
 
 
@@ -50,7 +50,7 @@ def test_prefix_cache_reuses_settled_full_blocks_and_counts_hits():
     assert pool.num_cached == 2 and pool.num_used == 0
     b = seq([1, 2, 3, 4, 5, 6, 7, 8, 42, 43], "b")
     assert pool.match_prefix(b) == 8
-    assert len(b.block_table) == 2 and pool.num_cached == 0 and pool.num_used == 2
+    assert len(pool.blocks(b)) == 2 and pool.num_cached == 0 and pool.num_used == 2
     check_pool(pool)
     assert pool.stats.hit_tokens == 8
 
@@ -74,7 +74,7 @@ def test_shared_blocks_are_reference_counted():
     pool.cache_full_blocks(a)
     b = seq(list(range(8)) + [99], "b")
     assert pool.match_prefix(b) == 8
-    assert pool.refcount[a.block_table[0]] == 2
+    assert pool.refcount[pool.blocks(a)[0]] == 2
     pool.free(a)
     assert pool.num_used == 2  # b still holds the shared head
     pool.free(b)
@@ -125,7 +125,7 @@ def test_a_digest_collision_never_shares_a_block(monkeypatch):
     pool = KvBlockPool(16, 4)
     _cache(pool, seq(range(9), "a"))
     other = seq([100 + t for t in range(9)], "b")
-    assert pool.match_prefix(other) == 0 and other.block_table == []
+    assert pool.match_prefix(other) == 0 and pool.blocks(other) == []
     again = seq(range(9), "a2")
     assert pool.match_prefix(again) == 4  # the first block only: the second collides with the first's digest
     pool.free(again)

@@ -30,8 +30,9 @@ MAX_LEN = 6000
 class ReferenceBuilder:
     """The previous StepBuilder.build, row by row, into fresh arrays (its buffers' rotation does not matter)."""
 
-    def __init__(self, *, max_rows: int, max_model_len: int, block_size: int, max_tokens: int):
-        self.block_size = block_size
+    def __init__(self, pool: KvBlockPool, *, max_rows: int, max_model_len: int, max_tokens: int):
+        self.pool = pool
+        self.block_size = block_size = pool.block_size
         self.max_blocks = -(-max_model_len // block_size) + 1
         self.max_rows = max_rows
         self.max_tokens = max_tokens
@@ -55,7 +56,7 @@ class ReferenceBuilder:
         for r, (seq, k, mask) in enumerate(zip(seqs, num_new, masks)):
             fed = feed[r] != FEED_HOST
             start = seq.num_computed
-            bt = seq.block_table
+            bt = self.pool.blocks(seq)
             tables[r, : len(bt)] = bt
             if k == 1:
                 positions[t] = start
@@ -221,7 +222,7 @@ def make_world(seed: int, num_seqs: int, long_prompts: bool = False, params: Sam
 
 def builders(world: World, max_rows: int) -> tuple[StepBuilder, ReferenceBuilder]:
     kw = dict(max_rows=max_rows, max_model_len=MAX_LEN, max_tokens=8192)
-    return StepBuilder(world.pool, swap=SwapSpace(0), **kw), ReferenceBuilder(block_size=BLOCK, **kw)
+    return StepBuilder(world.pool, swap=SwapSpace(0), **kw), ReferenceBuilder(world.pool, **kw)
 
 
 @pytest.mark.parametrize("seed", range(6))
