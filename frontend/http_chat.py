@@ -17,7 +17,8 @@ from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningT
 from .http_errors import ApiError, json_response
 from .http_access_log import CHOICES
 from .http_beam import beam_search
-from .http_extensions import needs_prompt_ids, prompt_ids, prompt_logprob_dicts, refuse_unserved, token_label
+from .http_extensions import (needs_prompt_ids, pin, pinned_logprobs, prompt_ids, prompt_logprob_dicts, refuse_unserved,
+                              token_label)
 from .http_params import (SamplingFields, ServedModel, check_count, check_stream_options, decode_body, sampling_params,
                           seeded)
 from .http_reply import Reply, TokenTexts, stream
@@ -74,12 +75,13 @@ class ChatCompletions:
             reply = Reply("chatcmpl", "chat.completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage)
             label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
             return_ids = bool(body.return_token_ids)
+            pinned = body.logprob_token_ids  # the alternatives listed, when asked for by id
             if body.stream:
                 reply.prompt_token_ids = ids if return_ids else None
                 return await stream(request, run, choices, reply,
-                                    lambda c, msg: self._chunk(c, msg, label, return_ids, voice))
+                                    lambda c, msg: self._chunk(c, msg, label, return_ids, voice, pinned))
             await run.collect(choices)
-            answer = reply.completion(choices, [self._choice(c, label, return_ids, logprobs is not None, voice)
+            answer = reply.completion(choices, [self._choice(c, label, return_ids, logprobs is not None, voice, pinned)
                                                 for c in choices])
             # vLLM's fields, null when not asked for (clients read them as attributes); prompt_logprobs: the
             # prompt's, once for every choice (each ran it)
@@ -110,6 +112,10 @@ class ChatCompletions:
             raise ApiError(400, "top_logprobs must be a positive value or -1, with logprobs true", param="top_logprobs",
                            code="invalid_value")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.logprob_token_ids is not None and body.use_beam_search:
+            raise ApiError(400, "logprob_token_ids cannot be used with use_beam_search", param="logprob_token_ids",
+                           code="unsupported_value")
+        logprobs = pinned_logprobs(body, logprobs, self.server.vocab_size, self.server.max_logprobs)
         self.model.adapter(body.model, body.use_beam_search)
         if body.use_beam_search:
             return await self._beam_search(request, body, prompt, max_tokens if explicit_max else None, logprobs)
@@ -166,11 +172,12 @@ class ChatCompletions:
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
 
-    def _chunk(self, c: Choice, msg: Delta, label, return_token_ids: bool, voice: Voice) -> list[dict]:
+    def _chunk(self, c: Choice, msg: Delta, label, return_token_ids: bool, voice: Voice,
+               pinned: list[int] | None = None) -> list[dict]:
         """A chat stream's choice entry for one Delta (the first one carries the role, and the echo; none when it
         says nothing). A delta without reasoning or tool calls always has its content, "" when there is no text, so
         clients that concatenate contents never meet a null."""
-        logprobs = [item for item, _ in c.kept_logprobs(msg, self.texts)]
+        logprobs = pin([item for item, _ in c.kept_logprobs(msg, self.texts)], pinned)
         reasoning, content, calls = delta_parts(c, msg)
         first = not c.started
         if not (first or reasoning or content or calls or msg.finish_reason is not None or logprobs
@@ -191,7 +198,8 @@ class ChatCompletions:
             entry["token_ids"] = msg.token_ids
         return [entry]
 
-    def _choice(self, c: Choice, label, return_token_ids: bool, logprobs: bool, voice: Voice) -> dict:
+    def _choice(self, c: Choice, label, return_token_ids: bool, logprobs: bool, voice: Voice,
+                pinned: list[int] | None = None) -> dict:
         """One choice of a whole chat completion (its message with every field OpenAI's client declares)."""
         reasoning, content, calls = whole_parts(c)
         message: dict = {"role": voice.role}
@@ -206,7 +214,7 @@ class ChatCompletions:
         message.update(refusal=None, annotations=None, audio=None, function_call=None)
         entry = {"index": c.index, "message": message, "logprobs": None, "finish_reason": _finish_reason(c, c.finish_reason)}
         if logprobs:  # asked for: an object even when no token is listed
-            entry["logprobs"] = {"content": token_logprobs(c.logprobs, label)}
+            entry["logprobs"] = {"content": token_logprobs(pin(c.logprobs, pinned), label)}
         entry["token_ids"] = c.token_ids if return_token_ids else None
         return entry
 

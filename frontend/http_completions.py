@@ -296,5 +296,8 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
                        param="echo", code="unsupported_value")
     if body.logprobs is not None and body.logprobs < 0:
         raise ApiError(400, "`logprobs` must be a positive value.", param="logprobs", code="invalid_value")
+    if body.logprob_token_ids is not None:
+        raise ApiError(400, "logprob_token_ids is served on /v1/chat/completions only", param="logprob_token_ids",
+                       code="unsupported_value")
     check_stream_options(body)
     refuse_unserved(body)

@@ -1,8 +1,9 @@
 """vLLM's request extensions on both endpoints: honoured (return_token_ids, return_tokens_as_token_ids,
 truncate_prompt_tokens with truncation_side, prompt_logprobs in whole answers, use_beam_search with its length_penalty,
-early_stopping and include_stop_str_in_output: the search is http_beam.py's), or refused with a 400 that names them
-(prompt_logprobs with stream, the beam search fields without use_beam_search) — never silently ignored, since a
-client that sends one relies on it.
+early_stopping and include_stop_str_in_output: the search is http_beam.py's; logprob_token_ids on chat), or refused
+with a 400 that names them (prompt_logprobs with stream, the beam search fields without use_beam_search,
+logprob_token_ids on completions or where --max-logprobs does not cover the vocabulary) — never silently ignored,
+since a client that sends one relies on it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ def refuse_unserved(body: SamplingFields) -> None:
                              ("include_stop_str_in_output", (None, False))):
             if getattr(body, name) not in unused:
                 raise ApiError(400, f"{name} applies only with use_beam_search", param=name, code="unsupported_value")
-    if body.logprob_token_ids is not None:
-        raise ApiError(400, "logprob_token_ids is not supported by this server (logprobs and top_logprobs are)",
-                       param="logprob_token_ids", code="unsupported_value")
     if body.prompt_logprobs is not None:
         if body.stream:  # vLLM's words (it takes 0 and then sends none; here nothing asked for is dropped)
             raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs",
@@ -66,6 +64,41 @@ async def prompt_ids(server: FrontendServer, body: SamplingFields, text: str | N
         raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len ({limit})] (got "
                        f"{body.truncate_prompt_tokens})", param="truncate_prompt_tokens", code="invalid_value")
     return list(ids[:k]) if body.truncation_side == "right" else list(ids[-k:])
+
+
+def pinned_logprobs(body: SamplingFields, logprobs: int | None, vocab_size: int, max_logprobs: int) -> int | None:
+    """The logprobs count to ask the engine for: logprobs, or with logprob_token_ids (vLLM's: the alternatives listed
+    are these ids, wherever they rank) the whole vocabulary, which pin() then picks them from. 400 naming the field
+    when logprobs are not asked for, an id is out of the vocabulary, or --max-logprobs does not cover the vocabulary
+    (the engine reports no alternatives beyond it)."""
+    ids = body.logprob_token_ids
+    if ids is None:
+        return logprobs
+    def refuse(why: str) -> ApiError:
+        return ApiError(400, f"logprob_token_ids {why}", param="logprob_token_ids", code="invalid_value")
+    if logprobs is None:
+        raise refuse("needs logprobs: true")
+    if not ids or len(ids) > max(max_logprobs, 0) or len(set(ids)) != len(ids):
+        raise refuse(f"must be 1 to {max_logprobs} distinct token ids (got {len(ids)})")
+    bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < vocab_size)]
+    if bad:
+        raise refuse(f"has ids out of vocabulary (size {vocab_size}): {bad[:8]}")
+    if max_logprobs < vocab_size:
+        raise refuse(f"needs a server started with --max-logprobs -1 (this one lists at most {max_logprobs} of the "
+                     f"{vocab_size} tokens)")
+    return -1
+
+
+def pin(items: list[TokenLogprob], ids: list[int] | None) -> list[TokenLogprob]:
+    """items with their alternatives replaced by those of ids, in that order (logprob_token_ids; items carry the
+    whole vocabulary's then); items unchanged when ids is None."""
+    if ids is None:
+        return items
+    out = []
+    for t in items:
+        of = dict(zip(t.top_ids, t.top_logprobs))
+        out.append(TokenLogprob(t.token_id, t.logprob, list(ids), [of[i] for i in ids]))
+    return out
 
 
 def token_label(texts, as_ids: bool):

@@ -63,7 +63,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     early_stopping: bool | str | None = None  # beam search: False, True or "never" (transformers')
     include_stop_str_in_output: bool | None = None  # beam search: keep the eos that ended a hypothesis
     prompt_logprobs: int | None = None  # each prompt token's logprob and top-N (not streamed; not with beams)
-    logprob_token_ids: list[int] | None = None  # vLLM's: the logprobs of these ids; not served (a 400 names it)
+    logprob_token_ids: list[int] | None = None  # vLLM's: the alternatives listed are these ids (chat only)
     # Structured outputs: OpenAI's response_format (json_object, json_schema) or vLLM's structured_outputs
     # (json, json_object, regex, choice, grammar); at most one of the two.
     response_format: dict | None = None
