@@ -32,9 +32,11 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
         out.tokens.append(tok)
         out.pending.append(tok)
         seq.post()
-        if logprobs and seq.params.logprobs is not None:
-            out.pending_logprobs.append(_token_logprob(result, r, tok, seq.params.logprobs))
-        update_row_state(seq, tok, toks)
+        req = seq.req
+        if logprobs and req.params.logprobs is not None:
+            out.pending_logprobs.append(_token_logprob(result, r, tok, req.params.logprobs))
+        if not req.plain:
+            update_row_state(seq, tok, toks)
         if seq.row_state.grammar is not None:  # structured outputs: the matcher follows the committed tokens
             ended = advance_grammar(seq, tok)
             if ended == "stop":
@@ -48,7 +50,7 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
 
 def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:
     """Finish seq if tok ends it: EOS, a stop id, max_tokens, or the model's context."""
-    p = seq.params
+    p = seq.req.params
     num_tokens = len(seq.out.tokens)
     num_output = num_tokens - seq.req.num_prompt
     if num_output >= p.min_tokens and ((not p.ignore_eos and tok in io.eos_ids) or tok in p.stop_token_ids):

@@ -65,7 +65,7 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
         keep_in = ahead or io.device_lost is not None
         io.builder.swap.put_back(plan.swap_out, plan.swap_in if keep_in else plan.swap_in[:0])
         return None
-    written = [s.num_launched for s in seqs]
+    written = [s.num_computed + s.num_inflight for s in seqs]
     held = [k * step.steps for k in num_new]
     for s, k in zip(seqs, held):
         s.num_inflight += k
@@ -149,7 +149,8 @@ def _commit_picks(inf: Inflight, results: list, io: StepIo) -> None:
     rows = inf.seqs
     kept = np.zeros(len(rows), dtype=np.int64)
     for result in results:
-        gone = [d or s.finished or tok < 0 for s, d, tok in zip(rows, inf.discard, result.tokens.tolist())]
+        gone = [d or s.out.finish_reason is not None or tok < 0
+                for s, d, tok in zip(rows, inf.discard, result.tokens.tolist())]
         for i, (s, g) in enumerate(zip(rows, gone)):
             if not g:
                 s.num_computed += 1
@@ -171,14 +172,14 @@ def validate_next(nxt: Inflight, prev_tokens: np.ndarray, io: StepIo) -> list[Se
     fed_tokens = prev_tokens.tolist()
     stale = False
     for i, (s, src, written) in enumerate(zip(nxt.seqs, nxt.fed_from, nxt.written)):
+        finished = s.out.finish_reason is not None
         if src == FEED_HOST:
-            if s.finished:  # its input was committed; only an abort or a stop ends it
+            if finished:  # its input was committed; only an abort or a stop ends it
                 _drop(nxt, i)
             continue
-        over_run = s.finished or s.tokens[-1] != fed_tokens[src] or s.num_computed != written
-        if over_run:
+        if finished or s.out.tokens[-1] != fed_tokens[src] or s.num_computed != written:  # an over-run
             nxt.discard[i] = True
-            if repick_only and not s.finished:
+            if repick_only and not finished:
                 poisoned.append(s)
         elif not s.req.plain and row_mask(s, io.toks, io.eos_ids) != nxt.masks[i]:  # picked under a mask now stale
             if repick_only:

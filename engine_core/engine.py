@@ -374,15 +374,17 @@ class EngineCore:
             return False
         if max(shaper.burst_limits) <= 1:
             return True
-        live = [s for s in self.scheduler.running if not s.finished]
-        burst_ready = not self.scheduler.has_admissible() and all(s.num_tokens - s.num_launched <= 1 for s in live)
+        live = [s for s in self.scheduler.running if s.out.finish_reason is None]
+        burst_ready = not self.scheduler.has_admissible() and all(
+            len(s.out.tokens) - s.num_computed - s.num_inflight <= 1 for s in live)
         return not (burst_ready and shaper.burst_length(live) > 1)
 
     def _quiet_decode(self) -> bool:
         """True when the running rows may go on decoding as they are: no arrival to admit, nothing to
         retire, no prefill (an embeddings request's last token is a prefill's)."""
         return not self.scheduler.has_admissible() and all(
-            not s.finished and s.num_tokens - s.num_computed <= 1 and not s.req.pool_kind for s in self.scheduler.running
+            s.out.finish_reason is None and len(s.out.tokens) - s.num_computed <= 1 and not s.req.pool_kind
+            for s in self.scheduler.running
         )
 
     def _fail_unschedulable(self) -> None:

@@ -139,7 +139,7 @@ class Scheduler:
         """Remove finished sequences from running and free their blocks (those in `keep`, a step still in
         flight, stay until it is settled)."""
         kept = set(map(id, keep))
-        done = [s for s in self.running if s.finished and id(s) not in kept]
+        done = [s for s in self.running if s.out.finish_reason is not None and id(s) not in kept]
         if done:
             gone = set(map(id, done))
             self.running = [s for s in self.running if id(s) not in gone]
@@ -241,19 +241,19 @@ class Scheduler:
         for seq in self.running:
             if budget == 0:
                 break
-            if seq.finished:
+            if seq.out.finish_reason is not None:
                 continue
+            launched = seq.num_computed + seq.num_inflight
             src = feeds.get(id(seq), FEED_HOST)
             if src != FEED_HOST:
                 if not can_feed(seq):
                     continue
                 k = 1
             else:
-                k = self._lp_chunk(seq, min(seq.num_tokens - seq.num_launched, budget), step)
+                k = self._lp_chunk(seq, min(len(seq.out.tokens) - launched, budget), step)
                 if k <= 0:
                     continue
-            if seq.num_launched + k > seq.kv.num_blocks * self.pool.block_size and \
-                    not self.pool.allocate(seq, seq.num_launched + k):
+            if launched + k > seq.kv.num_blocks * self.pool.block_size and not self.pool.allocate(seq, launched + k):
                 return None
             step.add(seq, k, src)
             budget -= k

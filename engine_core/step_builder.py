@@ -147,7 +147,7 @@ class StepBuilder:
         R = len(seqs)
         T = sum(num_new)
         assert R <= self.max_rows and T <= self.max_tokens, "step larger than the builder's capacity"
-        starts = [s.num_launched for s in seqs]
+        starts = [s.num_computed + s.num_inflight for s in seqs]
         width = max(1, -(-(max(map(add, starts, num_new)) + lookahead) // self.block_size))
         src = self.pool.tables
         rows = self._rows.rows(seqs, len(src))
@@ -198,13 +198,15 @@ class StepBuilder:
         np.add(pos, 1, out=b.seq_lens[:R])
         b.query_start[: R + 1] = self._arange[: R + 1]
         if feed is None:
-            b.input_ids[:R] = [s.tokens[n] for s, n in zip(seqs, starts)]
-            b.sample[:R] = [n + 1 == len(s.tokens) for s, n in zip(seqs, starts)]
+            toks = [s.out.tokens for s in seqs]
+            b.input_ids[:R] = [t[n] for t, n in zip(toks, starts)]
+            b.sample[:R] = [n + 1 == len(t) for t, n in zip(toks, starts)]
             b.feed_from_row[:R] = FEED_HOST
             return
         # A fed row's input is the device's (0 here) and it samples; a host-fed row's input was committed.
-        b.input_ids[:R] = [0 if src != FEED_HOST else s.tokens[n] for s, n, src in zip(seqs, starts, feed)]
-        b.sample[:R] = [src != FEED_HOST or n + 1 == len(s.tokens) for s, n, src in zip(seqs, starts, feed)]
+        toks = [s.out.tokens for s in seqs]
+        b.input_ids[:R] = [0 if src != FEED_HOST else t[n] for t, n, src in zip(toks, starts, feed)]
+        b.sample[:R] = [src != FEED_HOST or n + 1 == len(t) for t, n, src in zip(toks, starts, feed)]
         b.feed_from_row[:R] = feed
 
     def _mixed_tokens(
