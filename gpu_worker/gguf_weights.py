@@ -1,19 +1,26 @@
 """A GGUF file's tensors as Hugging Face checkpoint tensors: (name, tensor) pairs for the model's weight loaders.
 
-Names come from gguf_names.py (llama.cpp's to transformers', and the Llama q/k row permutation undone). Every
-tensor type the `gguf` package can dequantize loads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32
-and more), dequantized to float32 in numpy; a value that is not finite is a GgufError naming the tensor.
+Names come from gguf_names.py (llama.cpp's to transformers', and the Llama q/k row permutation undone). The file
+stays memory-mapped read-only (gguf_metadata.open_gguf, one map per process) and nothing is read into memory up
+front: a float tensor (F32, F16, BF16) comes as a torch view of the map in its stored dtype (`mapped` says so), so
+a parameter of that dtype and shape can use the file's pages in place (loader.py); every other tensor type is
+dequantized to float32 (the types with a row in layers/gguf_quant_types.py's table by its numpy decoder, bit for
+bit gguf's own; the rest by gguf's). A value that is not finite is a GgufError naming the tensor.
 
 A linear layer whose every part has a row in layers/gguf_quant_types.py's table (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K,
 Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) stays quantized: `gguf_layer_kinds` names the kernel each layer
-runs on, and for a layer the model built with layers/gguf_linear.py's `GgufLinearMethod` (`wants_blocks`) its
-tensors come as the file stores them, uint8 rows of blocks tagged with their type. For
+runs on, and for a layer the model built with layers/gguf_linear.py's `GgufLinearMethod` (`wants_blocks`; also
+the token embedding read in place, layers/gguf_embedding.py) its tensors come as the file stores them, uint8
+rows of blocks tagged with their type (views of the map, except q/k rows unpermuted). For
 `Int4LinearMethod(codes=True)` (`wants_codes`: --quantization int4 of a 4-bit file) a Q4_0 / Q4_1 / Q4_K
 tensor comes as `.qweight` (codes), `.scales` and `.zeros` instead of `.weight`, read off its blocks.
+`release_pages` drops the map's pages from the process's resident set once the model is loaded.
 """
 
 from __future__ import annotations
 
+import mmap
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -21,7 +28,7 @@ import numpy as np
 import torch
 
 from metrale.gguf_metadata import GgufError, field, open_gguf
-from metrale.gpu_worker.gguf_names import ROPE_TENSORS, checkpoint_tensors, hf_name, unpermute_rows
+from metrale.gpu_worker.gguf_names import _NORM_PLUS_ONE, ROPE_TENSORS, checkpoint_tensors, hf_name, unpermute_rows
 from metrale.gpu_worker.layers import gguf_quant_types
 from metrale.gpu_worker.layers.gguf_linear import tagged
 
@@ -30,9 +37,10 @@ def gguf_tensors(
     path: str | Path, config: dict, wants_codes: Callable[[str], bool] = lambda name: False,
     wants_blocks: Callable[[str], bool] = lambda name: False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the GGUF file at path under its transformers name: dequantized to float32; where
-    wants_blocks(name) and its type has a table row, its raw blocks tagged with the type; where wants_codes(name)
-    and the tensor is 4-bit, its codes, scales and offsets (see the module docstring).
+    """Every tensor of the GGUF file at path under its transformers name: a float tensor as stored (a view of the
+    map), any other dequantized to float32; where wants_blocks(name) and its type has a table row, its raw blocks
+    tagged with the type; where wants_codes(name) and the tensor is 4-bit, its codes, scales and offsets (see
+    the module docstring).
 
     config is the file's config dict (metrale.gguf_metadata.hf_config); GgufError names the tensor at fault.
     """
@@ -48,6 +56,7 @@ def gguf_tensors(
             raise GgufError(f"tensor {tensor.name}: not a tensor of a {config['architectures'][0]} (unknown name)")
         rows_heads = heads if ".self_attn.q_proj." in name else kv_heads if ".self_attn.k_proj." in name else 0
         qtype = gguf_quant_types.TYPES.get(tensor.tensor_type.name)
+        bf16 = False
         if wants_blocks(name) and qtype is not None:
             if not gguf_quant_types.finite(qtype.name, np.asarray(tensor.data)):
                 raise GgufError(f"tensor {tensor.name}: holds values that are not finite (corrupt file?)")
@@ -57,13 +66,50 @@ def gguf_tensors(
             parts = zip((".qweight", ".scales", ".zeros"), int4_codes(tensor))
             base = name.rsplit(".", 1)[0]
         else:
-            parts = [("", _dequantized(tensor))]
+            values = _stored_floats(tensor)
+            if values is None:
+                values = _dequantized(tensor)
+            elif tensor.tensor_type.name == "BF16":
+                bf16 = not _bf16_widened(name, arch)
+                values = values if bf16 else _bf16_to_f32(values)
+            parts = [("", values)]
             base = name
         for suffix, values in parts:
             if permuted and rows_heads:
                 values = unpermute_rows(values, rows_heads)
             for hf, part in checkpoint_tensors(base + suffix, values, arch):
-                yield hf, tagged(part, qtype.name) if part.dtype == np.uint8 and not suffix else torch.from_numpy(part)
+                if part.dtype == np.uint8 and not suffix:
+                    yield hf, tagged(part, qtype.name)
+                else:
+                    yield hf, _torch(part, bf16)
+
+
+def _torch(values: np.ndarray, bf16: bool) -> torch.Tensor:
+    """values as a torch tensor sharing their memory (the map's read-only pages: loaders only read them, and
+    loader.py's in-place use never writes them); bf16: values are bfloat16 bits (uint16)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's note on a non-writable array
+        tensor = torch.from_numpy(values)
+    return tensor.view(torch.bfloat16) if bf16 else tensor
+
+
+def mapped(tensor: torch.Tensor, path: str | Path) -> bool:
+    """True when tensor's memory lies inside the GGUF file's map (a view of its stored bytes)."""
+    data = open_gguf(path).data
+    start = data.ctypes.data
+    return tensor.device.type == "cpu" and start <= tensor.data_ptr() < start + data.nbytes
+
+
+def release_pages(path: str | Path) -> int:
+    """Drop the map's pages from this process's resident set once the model is loaded (every page was read to
+    check or repack it; the model reads few of them in place, and those fault back in from the page cache on
+    their first use, as an mmap'd llama.cpp's do). The bytes released (0 where madvise is not available)."""
+    data = open_gguf(path).data
+    mm = getattr(data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    mm.madvise(mmap.MADV_DONTNEED, 0, len(mm))
+    return len(mm)
 
 
 def gguf_layer_kinds(path: str | Path, layer_of: Callable[[str], str]) -> dict[str, str | None]:
@@ -89,26 +135,62 @@ def _kind(types: Iterable[str]) -> str | None:
 
 
 def gguf_blocks(path: str | Path, name: str) -> torch.Tensor | None:
-    """The raw blocks of the tensor stored under transformers name `name` (tagged with its type), or None when
-    it is absent or its type has no table row (a tied LM head's copy of the embedding)."""
+    """The raw blocks of the tensor stored under transformers name `name` (tagged with its type; a view of the
+    map), or None when it is absent or its type has no table row (a tied LM head's copy of the embedding)."""
     reader = open_gguf(path)
     arch = field(reader, "general.architecture", "llama")
     for tensor in reader.tensors:
         if hf_name(tensor.name, arch) == name and tensor.tensor_type.name in gguf_quant_types.TYPES:
-            return tagged(np.array(tensor.data), tensor.tensor_type.name)
+            return tagged(np.asarray(tensor.data), tensor.tensor_type.name)
     return None
 
 
+_FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def _stored_floats(tensor) -> np.ndarray | None:
+    """A float tensor's values as stored (a read-only view of the map; BF16 as its uint16 bits), or None for a
+    quantized type; GgufError naming it when one is not finite."""
+    dtype = _FLOATS.get(tensor.tensor_type.name)
+    if dtype is None:
+        return None
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    values = np.asarray(tensor.data).view(dtype).reshape(shape)
+    if dtype is np.uint16:
+        finite = not ((values & 0x7F80) == 0x7F80).any()  # exponent all ones: inf or NaN
+    else:
+        finite = bool(np.isfinite(values).all())
+    if not finite:
+        raise GgufError(f"tensor {tensor.name}: holds values that are not finite (corrupt file?)")
+    return values
+
+
+def _bf16_widened(name: str, arch: str) -> bool:
+    """True for a BF16 tensor gguf_names.checkpoint_tensors computes with (a Gemma norm less one): as float32."""
+    return arch in _NORM_PLUS_ONE and name.endswith("norm.weight")
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) as float32 values (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def _dequantized(tensor) -> np.ndarray:
-    """A tensor as float32 [rows, cols] (a fresh array); GgufError naming it when it cannot be, or holds NaN/inf."""
+    """A quantized tensor as float32 [rows, cols] (a fresh array): by its table row's decoder where it has one,
+    else gguf's; GgufError naming it when it cannot be, or holds NaN/inf."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    name = tensor.tensor_type.name
     try:
-        values = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
+        if name in gguf_quant_types.TYPES:
+            raw = np.asarray(tensor.data)
+            values = gguf_quant_types.dequantize(gguf_quant_types.decode(name, raw.reshape(-1, raw.shape[-1]))).numpy()
+            values = values.reshape(tuple(int(n) for n in reversed(tensor.shape.tolist())))
+        else:
+            values = np.array(dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type)), dtype=np.float32)
     except (NotImplementedError, ValueError) as e:
-        raise GgufError(f"tensor {tensor.name}: cannot dequantize {tensor.tensor_type.name} ({e})") from None
-    values = np.array(values, dtype=np.float32)  # a copy: an F32 tensor is a read-only view of the file
+        raise GgufError(f"tensor {tensor.name}: cannot dequantize {name} ({e})") from None
     if not np.isfinite(values).all():
         raise GgufError(f"tensor {tensor.name}: holds values that are not finite (corrupt file?)")
     return values

@@ -13,13 +13,17 @@ from tqdm import tqdm
 
 from metrale import gguf_metadata
 from metrale.settings import DTYPE_ALIASES
-from metrale.gpu_worker.gguf_weights import gguf_blocks, gguf_layer_kinds, gguf_tensors
+from metrale.gpu_worker.gguf_weights import gguf_blocks, gguf_layer_kinds, gguf_tensors, mapped, release_pages
 from metrale.gpu_worker.layers.attention_backends import TORCH, TorchAttention
+from metrale.gpu_worker.layers.gguf_embedding import GgufEmbedding
 from metrale.gpu_worker.layers.gguf_linear import GgufLinearMethod, load_tied_head
+from metrale.gpu_worker.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod
 from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 from metrale.gpu_worker.layers.quantization import Int4LinearMethod, linear_methods, quantize_tied_head
+from metrale.gpu_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from metrale.gpu_worker.models.context import ModelContext
+from metrale.gpu_worker.models.decoder import default_weight_loader
 from metrale.gpu_worker.models.registry import model_class
 from metrale.model_facts import ModelFacts
 
@@ -84,9 +88,12 @@ def load_model(
     if gguf is not None:
         codes = {n for n, m in model.named_modules() if getattr(getattr(m, "quant_method", None), "codes", False)}
         blocks = {n for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None), GgufLinearMethod)}
-        model.load_weights(
-            gguf_tensors(gguf, facts.config, lambda name: layer_of(name) in codes, lambda name: layer_of(name) in blocks)
-        )
+        if _embeds_in_place(model, quantization, kinds, ctx):
+            embed = model.model.embed_tokens
+            model.model.embed_tokens = GgufEmbedding(embed.vocab_size, embed.weight.shape[1], dtype=ctx.dtype)
+            blocks.add("model.embed_tokens")
+        stream = gguf_tensors(gguf, facts.config, lambda name: layer_of(name) in codes, lambda name: layer_of(name) in blocks)
+        model.load_weights(_in_place(model, stream, gguf, group))
     else:
         model.load_weights(_tensors(weight_files(facts.path), show_progress))
     if model.lm_head.shares_weight:
@@ -94,13 +101,50 @@ def load_model(
         # embedding is stored (a GGUF's Q6_K or Q8_0 token_embd, its blocks) or as --quantization asks.
         embed_kinds = {"lm_head": (kinds or {}).get("model.embed_tokens")}
         head = linear_methods(quantization, embed_kinds.get)("lm_head")
+        embed = model.model.embed_tokens
         if isinstance(head, GgufLinearMethod):
-            load_tied_head(model.lm_head, gguf_blocks(gguf, "model.embed_tokens.weight"), head)
+            raw = embed.blocks() if isinstance(embed, GgufEmbedding) else gguf_blocks(gguf, "model.embed_tokens.weight")
+            load_tied_head(model.lm_head, raw, head, ctx.dtype)
         elif not isinstance(head, DenseLinearMethod):
             if isinstance(head, Int4LinearMethod):
                 head.codes = False  # the table was loaded as floats
-            quantize_tied_head(model.lm_head, model.model.embed_tokens.weight, head)
+            quantize_tied_head(model.lm_head, embed.weight, head)
+    if gguf is not None:
+        release_pages(gguf)
     return model
+
+
+def _embeds_in_place(model, quantization: str | None, kinds: dict | None, ctx: ModelContext) -> bool:
+    """True when the GGUF's token embedding is read in place (layers/gguf_embedding.py): its type has a table row,
+    the layers follow the file (quantization None), one rank on a CPU, and the model's embedding is the plain one."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return (
+        quantization is None and kinds is not None and kinds.get("model.embed_tokens") is not None
+        and ctx.group.size == 1 and ctx.device.type == "cpu" and type(embed) is VocabParallelEmbedding
+    )
+
+
+# The loaders that copy a whole unsharded tensor into a parameter of its shape with one copy_ (which torch skips
+# when source and target are the same memory): a parameter they fill may be the file's pages themselves.
+_WHOLE_COPY = (default_weight_loader, VocabParallelEmbedding.weight_loader, ParallelLMHead.weight_loader, LinearBase.weight_loader,
+               ColumnParallelLinear.weight_loader, RowParallelLinear.weight_loader)
+
+
+def _in_place(model, weights: Iterator[tuple[str, torch.Tensor]], gguf, group: ParallelGroup) -> Iterator[tuple[str, torch.Tensor]]:
+    """The GGUF stream, with every parameter that can take its tensor as stored made a view of the file's map
+    (on a CPU, same dtype and shape, a whole-tensor loader, one rank): its loader's copy then copies nothing."""
+    params = dict(model.named_parameters())
+    for name, tensor in weights:
+        target = model.checkpoint_target(name) if group.size == 1 else None
+        param = params.get(target[0]) if target is not None and target[1] is None else None
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if (
+            param is not None and param.device.type == "cpu" and getattr(loader, "__func__", loader) in _WHOLE_COPY
+            and not getattr(param, "shard_ids", None)
+            and param.dtype == tensor.dtype and param.shape == tensor.shape and tensor.is_contiguous() and mapped(tensor, gguf)
+        ):
+            param.data = tensor
+        yield name, tensor
 
 
 def _layer_of(cls) -> Callable[[str], str]:

@@ -111,11 +111,56 @@ def _reader_class():
             arr = self._plain[offset : offset + dt.itemsize * count].view(dtype=dt)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == _ARRAY and self.byte_order == "I":
+                parts = _array_parts(self, orig_offs)
+                if parts is not None:
+                    return parts
+            return super()._get_field_parts(orig_offs, raw_type)
+
         def _build_tensors(self, start_offs, fields):
             _check_tensor_infos(self, start_offs, fields)
             super()._build_tensors(start_offs, fields)
 
     return CheckedReader
+
+
+_ARRAY, _STRING = 9, 8  # GGUFValueType.ARRAY / STRING
+_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+            7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+def _array_parts(reader, orig_offs: int):
+    """GGUFReader._get_field_parts of a flat array (of strings or scalars) in the host's byte order, the same
+    parts, types and data indices, built in one pass: gguf's reader makes a Python call chain per element, and a
+    vocabulary is a few hundred thousand elements (seconds). None for anything else (nested arrays)."""
+    from gguf import GGUFValueType
+
+    plain = reader._plain if reader._plain is not None else reader.data.view(np.ndarray)
+    reader._plain = plain
+    head = plain[orig_offs : orig_offs + 12]
+    itype = head[:4].view(np.uint32)
+    alen = head[4:12].view(np.uint64)
+    count, offs = int(alen[0]), orig_offs + 12
+    kind = int(itype[0])
+    if kind in _SCALARS:
+        values = plain[offs : offs + count * np.dtype(_SCALARS[kind]).itemsize].view(_SCALARS[kind])
+        if len(values) != count:
+            raise ValueError(f"array of {count} runs past the end of the file")
+        parts = [itype, alen, *values.reshape(count, 1)]
+        return 12 + values.nbytes, parts, list(range(2, 2 + count)), [GGUFValueType.ARRAY, GGUFValueType(kind)]
+    if kind != _STRING:
+        return None
+    parts, data, buf, u64 = [itype, alen], [], memoryview(plain), np.uint64
+    for _ in range(count):
+        n = int.from_bytes(buf[offs : offs + 8], "little")
+        if offs + 8 + n > len(plain):
+            raise ValueError("a string runs past the end of the file")
+        parts.append(plain[offs : offs + 8].view(u64))
+        data.append(len(parts))
+        parts.append(plain[offs + 8 : offs + 8 + n])
+        offs += 8 + n
+    return offs - orig_offs, parts, data, [GGUFValueType.ARRAY, GGUFValueType.STRING]
 
 
 def _check_tensor_infos(reader, start_offs: int, fields: list) -> None:

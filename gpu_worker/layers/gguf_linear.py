@@ -25,7 +25,7 @@ from torch import nn
 
 from metrale.gpu_worker.layers import gguf_quant_types as qt
 from metrale.gpu_worker.layers.linear_method import LinearMethod, set_weight_attrs
-from metrale.gpu_worker.layers.quantization import NativeProduct, _dense_product, _goes_wide, _kernel, _kernel_input, _wide, pack_int8
+from metrale.gpu_worker.layers.quantization import NativeProduct, _dense_product, _goes_wide, _kernel, _kernel_input, _wide
 
 GGUF_TYPE = "gguf_type"  # the attribute naming a raw tensor's GGUF type (gguf_weights.py sets it)
 
@@ -184,7 +184,7 @@ def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], op) -> _Run:
     """One product over parts stacked by rows, packed for its kernel."""
     rows = sum(b.codes.shape[0] for _, b in parts)
     if kernel == "int8":
-        packed = pack_int8(*(torch.cat(t) for t in zip(*(qt.as_int8(b) for _, b in parts))))
+        packed = qt.pack_int8_parts(parts)
     elif kernel == "int4":
         packed = qt.int4_pack(parts)
     elif kernel == "int5":
@@ -194,14 +194,15 @@ def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], op) -> _Run:
     return _Run(rows, NativeProduct(op, tuple(packed), rows, kernel in ("int8", "int4")))
 
 
-def load_tied_head(head: nn.Module, raw: torch.Tensor, method: GgufLinearMethod) -> None:
+def load_tied_head(head: nn.Module, raw: torch.Tensor, method: GgufLinearMethod, dtype: torch.dtype) -> None:
     """Give a tied LM head (loaded as dense, sharing the embedding table) its own copy of the table's blocks
-    as the file stores them (raw, tagged with its type); the lookup keeps the float table."""
+    as the file stores them (raw, tagged with its type), answering in dtype (the model's: the table it shares
+    may be the file's blocks themselves, layers/gguf_embedding.py)."""
     head.quant_method = method
     head.shares_weight = False
     head.packed = None
     method.create_weights(
-        head, raw_columns(raw), [head.rows_per_rank], dtype=head.weight.dtype, device=head.weight.device,
+        head, raw_columns(raw), [head.rows_per_rank], dtype=dtype, device=head.weight.device,
         weight_loader=head.weight_loader,
     )
     head.weight.weight_loader(head.weight, raw)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.gpu_worker.layers import gguf_repack
 from metrale.gpu_worker.layers.quantization import PANEL, _per_panel, pack_int4, pack_int8
 
 IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8)
@@ -251,21 +252,50 @@ def as_int8(b: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
 
 def as_int4(b: Blocks, code_bias: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes 0..15 uint8, scales, offsets float32 per 32) of an "int4" type: s = d * sc, z = dm * mn - bias * s."""
+    s, z = _int4_scales(b, code_bias)
+    codes = (b.codes.astype(np.int16) + code_bias).astype(np.uint8)
+    return torch.from_numpy(codes), s, z
+
+
+def _int4_scales(b: Blocks, code_bias: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """as_int4's (scales, offsets), float32 [rows, cols / 32]."""
     d = np.repeat(b.d.astype(np.float32), b.sup // 32, axis=1)
     s = d * b.sc.astype(np.float32)
     z = -np.float32(code_bias) * s
     if b.mn is not None:
         z = np.repeat(b.dm.astype(np.float32), b.sup // 32, axis=1) * b.mn.astype(np.float32) + z
-    codes = (b.codes.astype(np.int16) + code_bias).astype(np.uint8)
-    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(s)), torch.from_numpy(np.ascontiguousarray(z))
+    return torch.from_numpy(np.ascontiguousarray(s)), torch.from_numpy(np.ascontiguousarray(z))
+
+
+def _stacked_codes(parts: list[tuple[str, Blocks]]) -> tuple[np.ndarray, int]:
+    """(codes int8 [rows, cols], bias) of parts stacked by rows, codes + bias being each part's stored unsigned
+    codes (one bias when the parts share it, else each part's added here and 0)."""
+    biases = {TYPES[t].code_bias for t, _ in parts}
+    if len(biases) == 1:
+        codes = parts[0][1].codes if len(parts) == 1 else np.concatenate([b.codes for _, b in parts])
+        return codes, biases.pop()
+    return np.concatenate([b.codes + np.int8(TYPES[t].code_bias) for t, b in parts]), 0
+
+
+def _fp16_exact(*values: torch.Tensor) -> bool:
+    """True when every value is exactly an fp16 number."""
+    return all(torch.equal(v.half().float(), v) for v in values)
 
 
 def pack_int5(parts: list[tuple[str, Blocks]]) -> tuple[torch.Tensor, ...]:
     """cpu_quant_q5.cpp's layout of int5-typed parts stacked by rows: the low four bits as pack_int4's codes
     [panels, cols / 8, 16, 4], their fifth bits [panels, cols / 8, 16] (per 64-byte line of codes, 8 bytes of
     the low nibbles' bits then 8 of the high ones', little-endian), scales and offsets as fp16 bits."""
+    if gguf_repack.available():
+        s, z = (torch.cat(t) for t in zip(*(_int4_scales(b, TYPES[t].code_bias) for t, b in parts)))
+        if not _fp16_exact(s, z):
+            raise ValueError("int5: scales and offsets must be exact in fp16")
+        codes, bias = _stacked_codes(parts)
+        panels = -(-codes.shape[0] // PANEL)
+        halves = (_per_panel(v.half(), panels).view(torch.int16) for v in (s, z))
+        return gguf_repack.panel_int4(codes, bias), gguf_repack.panel_bits5(codes, bias), *halves
     q, s, z = (torch.cat(t) for t in zip(*(as_int4(b, TYPES[t].code_bias) for t, b in parts)))
-    if not (torch.equal(s.half().float(), s) and torch.equal(z.half().float(), z)):
+    if not _fp16_exact(s, z):
         raise ValueError("int5: scales and offsets must be exact in fp16")
     codes, scales, zeros = pack_int4(q & 15, s, z)
     rows, cols = q.shape
@@ -282,7 +312,10 @@ def pack_kq8(b: Blocks) -> tuple[torch.Tensor, ...]:
     cols / sub, 16], d and dm as fp16 bits (int16) [panels, cols / sup, 16]; mn and dm empty without offsets."""
     rows = b.codes.shape[0]
     panels = -(-rows // PANEL)
-    codes, _ = pack_int8(torch.from_numpy(b.codes), torch.from_numpy(b.d).repeat_interleave(b.sup // 32, dim=1))
+    if gguf_repack.available():
+        codes = gguf_repack.panel_int8(b.codes)
+    else:
+        codes, _ = pack_int8(torch.from_numpy(b.codes), torch.from_numpy(b.d).repeat_interleave(b.sup // 32, dim=1))
     empty8, empty16 = torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=torch.int16)
     sc = _per_panel(torch.from_numpy(b.sc), panels)
     d = _per_panel(torch.from_numpy(b.d), panels).view(torch.int16)
@@ -298,6 +331,24 @@ def kernel_of(types: list[str]) -> str:
 
 
 def int4_pack(parts: list[tuple[str, Blocks]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_int4 of int4-typed parts stacked by rows."""
-    q, s, z = zip(*(as_int4(b, TYPES[t].code_bias) for t, b in parts))
-    return pack_int4(torch.cat(q), torch.cat(s), torch.cat(z))
+    """pack_int4 of int4-typed parts stacked by rows (its codes in one pass by gguf_repack where it is built)."""
+    if not gguf_repack.available():
+        q, s, z = zip(*(as_int4(b, TYPES[t].code_bias) for t, b in parts))
+        return pack_int4(torch.cat(q), torch.cat(s), torch.cat(z))
+    s, z = (torch.cat(t) for t in zip(*(_int4_scales(b, TYPES[t].code_bias) for t, b in parts)))
+    codes, bias = _stacked_codes(parts)
+    packed = gguf_repack.panel_int4(codes, bias)
+    panels = packed.shape[0]
+    if _fp16_exact(s, z):  # pack_int4's rule: fp16 bits where every one is exact
+        return packed, _per_panel(s.half(), panels).view(torch.int16), _per_panel(z.half(), panels).view(torch.int16)
+    return packed, _per_panel(s, panels), _per_panel(z, panels)
+
+
+def pack_int8_parts(parts: list[tuple[str, Blocks]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_int8 of int8-typed parts stacked by rows (its codes in one pass by gguf_repack where it is built)."""
+    if not gguf_repack.available():
+        return pack_int8(*(torch.cat(t) for t in zip(*(as_int8(b) for _, b in parts))))
+    codes = parts[0][1].codes if len(parts) == 1 else np.concatenate([b.codes for _, b in parts])
+    d = torch.from_numpy(parts[0][1].d if len(parts) == 1 else np.concatenate([b.d for _, b in parts]))
+    packed = gguf_repack.panel_int8(codes)
+    return packed, _per_panel(d, packed.shape[0]).view(torch.int16)
