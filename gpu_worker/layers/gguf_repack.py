@@ -69,8 +69,13 @@ def _over_panels(call, panels: int) -> None:
         call(0, panels)
         return
     edges = [panels * i // threads for i in range(threads + 1)]
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(call, edges[:-1], edges[1:]))
+    list(_pool(threads).map(call, edges[:-1], edges[1:]))
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One pool per thread count for the process (starting threads per layer costs as much as the work)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="gguf-repack")
 
 
 def panel_int8(codes: np.ndarray) -> torch.Tensor:
