@@ -1,19 +1,21 @@
-"""The Triton GGUF kernel (layers/triton_gguf.py) against the dense bf16 matmul it replaces, on a CUDA GPU.
+"""The Triton GGUF kernels (layers/triton_gguf.py) against the dense bf16 matmul they replace, on a CUDA GPU.
 
     python scripts/bench_gguf_cuda.py [--reps 25] [--types Q4_K,Q6_K,Q8_0] [--rows 1,8,32,512] [--warm] [--dry]
 
 Per layer shape (N outputs x K inputs: 4096x4096, 14336x4096 and 4096x14336), type and M rows of bf16 x:
-the dispatch's product (`triton_gguf.matmul`: fused below DENSE_ROWS, else dequantized for the step + torch)
-against torch.matmul of the same weight dense in bf16, each the median of --reps single calls timed with CUDA
-events, L2 flushed before each (a model reads each layer once per step, never from L2). Alongside: the fused
-kernel under a few other configs and the dequantize-then-matmul path, so the config table and DENSE_ROWS can
-be set from the figures, and the largest error of any path's answer against the dense one (relative to its
-largest value). The weights are each type's own decoding of random blocks (8 rows tiled to N), so the
-layout is the real one. Output: one JSON line on stdout; progress on stderr.
+the dispatch's product (`triton_gguf.matmul`, TABLE's launch for M rows) against torch.matmul of the same
+weight dense in bf16, each the median of --reps single calls timed with CUDA events, L2 flushed before each (a
+model reads each layer once per step, never from L2). Alongside: every launch in ALTERNATIVES for that M (GEMV
+tiles, chunks a loop, warps, K spans; tl.dot tiles and stages) and the dequantize-then-matmul path, so one
+run says which launch each row of TABLE should name and where the dense path should start; and the largest
+error of any path's answer against the dense one (relative to its largest value; over MAX_ERROR: listed as
+"wrong", exit 1). The weights are each type's own decoding of random blocks (8 rows tiled to N), so the
+layout is the real one. Output: one JSON line on stdout (per layer, type and M: the dispatch's ratio to
+dense, the best path and its ratio, every path's ms); progress on stderr.
 
 --warm only runs each path once, untimed, to compile what the bench runs into triton's cache (gpu_check.sh
-runs it beside the tests, so the timed run starts warm); --dry runs the same code on a CPU under Triton's interpreter
-with tiny shapes and 1 rep (a syntax and plumbing check: its times mean nothing).
+runs it beside the tests, so the timed run starts warm); --dry runs the same code on a CPU under Triton's
+interpreter with tiny shapes and 1 rep (a syntax and plumbing check: its times mean nothing).
 """
 
 from __future__ import annotations
@@ -73,19 +75,12 @@ def main() -> None:
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
+    table = _alternatives()  # after triton's import mode is set
+
     def alternatives(m: int) -> dict[str, tg.Config]:
-        if m <= tg.DECODE_ROWS:
-            options = [tg.Config(1, 16, 256, 4, 1, split_k=1), tg.Config(1, 8, 512, 4, 1, split_k=4),
-                       tg.Config(1, 32, 256, 8, 1, split_k=8), tg.Config(16, 16, 256, 4, 4),
-                       tg.Config(16, 64, 128, 4, 3)]
-        elif m <= 64:
-            options = [tg.Config(32, 64, 128, 4, 3)]
-        else:
-            options = [tg.Config(128, 128, 64, 8, 3), tg.Config(128, 64, 64, 4, 3)]
-        kind = lambda c: "gemv" if c.block_m == 1 else "fused"  # noqa: E731
-        split = lambda c: f"_split{c.split_k}" if c.block_m == 1 else ""  # noqa: E731
-        return {f"{kind(c)}_{c.block_m}x{c.block_n}x{c.block_k}_w{c.num_warps}_s{c.num_stages}{split(c)}": c
-                for c in options}
+        """The launches timed beside TABLE's for m rows (split_k 0: PROGRAMS_PER_SM's count of spans)."""
+        options = table.get(m) or table[min(table, key=lambda r: abs(r - m))]
+        return {_label(c): c for c in (tg.config_for(m), *options) if c.kind != "dense"}
 
     rng = np.random.default_rng(0)
     results = {}
@@ -101,15 +96,15 @@ def main() -> None:
                 dm=None if sample.dm is None else np.tile(sample.dm, (n // 8, 1)), sub=sample.sub, sup=sample.sup,
             )
             w = tg.pack_for_triton(blocks, device)
+            weight_mb = sum(t.numel() * t.element_size() for t in (w.codes, w.sc, w.mn, w.d, w.dm) if t is not None) / 1e6
             dense = tg.dequantize(w, torch.bfloat16)
             for m in rows_list:
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
                 want = (x @ dense.T).float()
                 paths = {
                     "dispatch": lambda: tg.matmul(x, w),
-                    "kernel_default": lambda: tg.matmul(x, w, dense=False),
                     "dequantize_then_matmul": lambda: tg.matmul(x, w, dense=True),
-                    **{label: partial(tg.matmul, x, w, c, dense=False) for label, c in alternatives(m).items()},
+                    **{label: partial(tg.matmul, x, w, c) for label, c in alternatives(m).items()},
                 }
                 err = max(float((fn().float() - want).abs().max() / want.abs().max()) for fn in paths.values())
                 if args.warm:
@@ -120,6 +115,7 @@ def main() -> None:
                 best = min(times, key=times.get)
                 key = f"{name}_n{n}_k{k}_m{m}"
                 results[key] = {
+                    "config": _label(tg.config_for(m)), "weight_mb": round(weight_mb, 2),
                     "triton_ms": round(triton_ms, 4), "dense_bf16_ms": round(dense_ms, 4),
                     "ratio": round(triton_ms / dense_ms, 3), "best": best, "best_ms": round(times[best], 4),
                     "best_ratio": round(times[best] / dense_ms, 3), "max_rel_err": float(f"{err:.3g}"),
@@ -135,12 +131,37 @@ def main() -> None:
     wrong = sorted(k for k, r in results.items() if not r["max_rel_err"] <= MAX_ERROR)
     print(json.dumps({
         "bench": "gguf_cuda", "device": "cpu (interpreter, dry)" if args.dry else torch.cuda.get_device_name(),
-        "dense_rows": tg.DENSE_ROWS, "reps": reps, "seconds": round(time.perf_counter() - t_start, 1),
+        "table": {str(b): _label(c) for b, c in tg.TABLE}, "programs_per_sm": tg.PROGRAMS_PER_SM, "reps": reps, "seconds": round(time.perf_counter() - t_start, 1),
         "worst_ratio": max(ratios), "slower_than_dense": sorted(k for k, r in results.items() if r["ratio"] > 1.0),
         "wrong": wrong, "results": results,
     }))
     if wrong:
         sys.exit(f"bench_gguf_cuda: answers off the dense product by more than {MAX_ERROR}: {', '.join(wrong)}")
+
+
+def _label(c) -> str:
+    """A launch's name in the JSON: kind, rows x outputs tile, chunks a loop, warps, stages, K spans (auto: 0)."""
+    if c.kind == "dense":
+        return "dense"
+    return f"{c.kind}_{c.block_m}x{c.block_n}_c{c.chunks}_w{c.num_warps}_s{c.num_stages}_k{c.split_k}"
+
+
+def _alternatives():
+    """rows -> the launches timed beside TABLE's (the nearest row count's list for other counts)."""
+    from metrale.gpu_worker.layers.triton_gguf import Config
+
+    gemv = partial(Config, "gemv")
+    dot = partial(Config, "dot")
+    return {
+        1: (gemv(1, 8, chunks=2), gemv(1, 32, chunks=1), gemv(1, 16, chunks=4), gemv(1, 16, chunks=2, split_k=1),
+            gemv(1, 64, chunks=1, num_warps=8), gemv(1, 16, chunks=2, num_warps=2)),
+        8: (gemv(8, 16), gemv(8, 32, num_warps=8), gemv(4, 16), dot(16, 64, num_stages=2), dot(16, 128, num_stages=3),
+            dot(16, 32, num_stages=2)),
+        32: (dot(32, 64, num_stages=3), dot(32, 128, num_warps=4, num_stages=2), dot(16, 64, num_stages=2),
+             dot(64, 64, num_stages=2)),
+        512: (dot(64, 128, num_warps=8, num_stages=3), dot(128, 128, num_warps=8, num_stages=3),
+              dot(128, 64, num_warps=4, num_stages=3)),
+    }
 
 
 _SCALE_AT = {"Q8_0": (0,), "Q5_0": (0,), "IQ4_NL": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_1": (0, 2),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one short run, the most telling first. Each stage is time-boxed: 15.5 minutes if
+# The checks that need a GPU, as one short run, the most telling first. Each stage is time-boxed: 16 minutes if
 # every one ran to its limit, a few when they pass; with little device time run STAGES="steps bench" first (6.5
 # minutes at most) and the rest after. Stages:
 #   steps    decode steps queue with no host sync; captured decode graphs == eager tokens (runner and LLM,
@@ -10,10 +10,11 @@
 #   parity   greedy tokens and logits equal transformers' with both on the GPU (tests/test_model_parity.py)
 #   e2e      LLM and `metrale serve` end to end, and the worker SIGKILLed under live streams (their tests take
 #            cuda when it is present)
-#   gguf     the Triton GGUF kernel compiled against dequantize + matmul for every kept type
-#            (tests/test_triton_gguf.py), then scripts/bench_gguf_cuda.py: Q4_K, Q6_K, Q8_0 layers against the
-#            dense bf16 matmul at 1, 8, 32 and 512 rows (its JSON line in $OUT/gguf_bench.json, the ratios copied
-#            into the summary); 2.5 minutes at most, alone: STAGES=gguf
+#   gguf     the Triton GGUF kernels compiled against dequantize + matmul for every kept type, every launch
+#            kind and the split over K (tests/test_triton_gguf.py), then scripts/bench_gguf_cuda.py: Q4_K, Q6_K,
+#            Q8_0 layers against the dense bf16 matmul at 1, 8, 32 and 512 rows, TABLE's launch and the
+#            alternatives beside it (its JSON line in $OUT/gguf_bench.json, the ratios and each best path copied
+#            into the summary); 3 minutes at most, alone: STAGES=gguf
 # Assumes the machine has a CUDA build of torch (which ships triton) and metrale's other dependencies and
 # transformers, or their wheels in .whl/ (installed with --no-deps into /tmp/site); nothing else is installed
 # beyond `pip install -e .` (no build isolation, no index). Logs and results land in $OUT (default
@@ -55,7 +56,7 @@ log = out / "gguf_bench.json"
 if log.exists():
     lines = [l for l in log.read_text().splitlines() if l.startswith("{")]
     g = json.loads(lines[-1]) if lines else {}
-    gguf = {k: g.get(k) for k in ("device", "dense_rows", "worst_ratio", "slower_than_dense")} if g else None
+    gguf = {k: g.get(k) for k in ("device", "table", "worst_ratio", "slower_than_dense", "wrong")} if g else None
     if gguf:  # triton ms / dense bf16 ms per layer, type and rows (target <= 1.0), and the best path's ratio
         gguf["ratios"] = {k: [r["ratio"], r["best_ratio"], r["best"]] for k, r in g["results"].items()}
 print(json.dumps({"gpu_check": stages, "figures": figures, "bench": bench, "gguf": gguf}))
@@ -97,16 +98,16 @@ stage parity 150 env METRALE_TEST_DEVICE=cuda "$PY" -m pytest -q tests/test_mode
 stage e2e 150 "$PY" -m pytest -q -x tests/test_llm.py tests/test_serve_e2e.py tests/test_faults_e2e.py
 # gguf: the kernel compiles dominate, so the tests run as four shards beside the bench's compiles (--warm, one
 # process per type, into triton's cache), then the bench alone.
-TAIL=45 stage gguf 150 bash -c '
+TAIL=45 stage gguf 180 bash -c '
   py=$0 out=$1 rc=0 pids=() i=0
   for t in Q4_K Q6_K Q8_0; do
-    timeout -k 5 90 "$py" scripts/bench_gguf_cuda.py --warm --types $t >"$out/gguf_warm_$t.log" 2>&1 &
+    timeout -k 5 110 "$py" scripts/bench_gguf_cuda.py --warm --types $t >"$out/gguf_warm_$t.log" 2>&1 &
     pids+=($!)
   done
   typed="Q8_0 or Q5_0 or IQ4_NL or Q4_0 or Q4_1 or Q4_K or Q5_1 or Q5_K or Q6_K"
-  for sel in "Q8_0 or Q5_0 or IQ4_NL" "Q4_0 or Q4_1 or Q4_K" "Q5_1 or Q5_K or Q6_K" "not ($typed)"; do
+  for sel in "Q8_0 or Q5_0 or IQ4_NL or Q4_0" "Q4_1 or Q4_K or Q5_1" "Q5_K or Q6_K" "not ($typed)"; do
     i=$((i + 1))
-    METRALE_TEST_DEVICE=cuda timeout -k 5 90 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_gguf.py \
+    METRALE_TEST_DEVICE=cuda timeout -k 5 110 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_gguf.py \
       -k "$sel" >"$out/gguf_tests_$i.log" 2>&1 &
     pids+=($!)
   done
@@ -114,7 +115,7 @@ TAIL=45 stage gguf 150 bash -c '
   for log in "$out"/gguf_warm_*.log "$out"/gguf_tests_*.log; do
     echo "-- $log"; grep -E "FAILED|ERROR|Error|passed|failed|skipped|bench_gguf_cuda|\"warm\"" "$log" | tail -n 6
   done
-  timeout -k 5 50 "$py" scripts/bench_gguf_cuda.py >"$out/gguf_bench.json" || rc=1
+  timeout -k 5 55 "$py" scripts/bench_gguf_cuda.py >"$out/gguf_bench.json" || rc=1
   exit "$rc"
 ' "$PY" "$OUT"
 if cut -f2 "$OUT/stages.tsv" | grep -qv '^0$'; then

@@ -1,23 +1,21 @@
-"""GGUF blocks multiplied on CUDA by a Triton kernel that dequantizes each weight tile in registers.
+"""GGUF blocks multiplied on CUDA by Triton kernels that dequantize each weight tile in registers.
 
-The weight stays in gguf_quant_types' common form on the device, w[n, k] = d * sc * c + dm * mn (`pack_for_triton`):
+`pack_for_triton` lays a layer's blocks (gguf_quant_types' common form, w = d * sc * c + dm * mn) out once for
+the kernels (triton_gguf_kernels.py explains the layout): codes in chunks of H inputs, two per byte where they
+span at most 16 values (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K), else int8; the int8 sub-block multipliers and fp16 block
+scales as the common form keeps them. A decode row reads ~4.5 bits a weight (Q4_K) where dense bf16 reads 16,
+so a kernel that streams the bytes at the rate the dense matmul does is faster by what it does not read.
 
-- codes: int8 [N, K], or two per byte [N, K / 2] (k even in the low nibble) where the codes span at most 16
-  values (Q4_0, Q4_1, Q4_K: c = nibble + lo), or are 4-bit indices into IQ4's table (IQ4_NL, IQ4_XS);
-- sc, mn: int8 per sub-block of `sub` inputs [N, K / sub]; d, dm: fp16 per block of `sup` inputs [N, K / sup].
+`matmul(x, w)` is y[M, N] = x[M, K] @ W.T, through the row of `TABLE` for M rows: the GEMV kernel for a few
+rows (float32 FMAs, no tl.dot: tensor cores gain nothing there), tl.dot with the dequantized tile as its left
+operand for more, and from the last row's count the weight dequantized for the step into x's dtype and
+torch's matmul (prefill, where the product outweighs reading the weight). Each kernel splits K into spans
+until its programs fill the GPU (`PROGRAMS_PER_SM`), their partial sums added after in a fixed order.
+The table is data: scripts/bench_gguf_cuda.py times each row against alternatives on a GPU, so one run
+says which to keep. x and y are float32, bfloat16 or float16; float32 dots run in IEEE precision (not TF32).
 
-`matmul(x, w)` is y[M, N] = x[M, K] @ W.T. Below DENSE_ROWS rows it is one fused kernel: each program loads a
-[BLOCK_N, BLOCK_K] tile of codes as [BLOCK_N, BLOCK_K / sub, sub], scales it by its sub-blocks' d * sc and
-offsets it by dm * mn in float32 (the products `gguf_quant_types.dequantize` rounds, so the weight is the dense
-path's, rounded to x's dtype as it rounds it), and accumulates x tile @ w tile.T in float32 with tl.dot; a
-single row (batch-1 decode) sums elementwise products instead, no tl.dot. Decode rows take narrow BLOCK_N
-tiles, so every weight is read once and the grid still covers the GPU; more rows take wider tiles. From
-DENSE_ROWS rows (prefill), where the product outweighs reading the weight, the weight is dequantized for the
-step into x's dtype (`dequantize`, the same tile code) and multiplied by torch's matmul, then freed: no dense
-copy outlives the call. x and y are float32, bfloat16 or float16; float32 dots run in IEEE precision (not TF32).
-
-This is vLLM's GGUF path in Triton (its CUDA kernels dequantize per type; here one kernel takes every type
-through the common form).
+Numerics: the GEMV kernel multiplies the weight's exact value (float32) and rounds y once; tl.dot and the
+dense path multiply the weight rounded to x's dtype, as a dense copy of it would be.
 """
 
 from __future__ import annotations
@@ -29,305 +27,155 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
-from metrale.gpu_worker.layers.gguf_quant_types import IQ4_VALUES, Blocks
+from metrale.gpu_worker.layers import triton_gguf_kernels as kernels
+from metrale.gpu_worker.layers.gguf_quant_types import Blocks
 
-GEMV_ROWS = 1  # up to this many rows of x: the GEMV kernel (each row reads the weight; from L2 after the first)
-GEMV_PROGRAMS_PER_SM = 4  # a single row's programs (split over K to reach it): loads in flight on every SM
-DECODE_ROWS = 16  # up to this many rows of x: the decode config (tl.dot's smallest M is 16)
-DENSE_ROWS = 256  # from this many rows: dequantized for the step, then torch's matmul (bench_gguf_cuda.py)
+CHUNK = 256  # inputs per chunk of the layout, where K allows (else the largest power of two that divides it)
+PROGRAMS_PER_SM = 8  # split K until the grid has this many programs per multiprocessor (loads in flight)
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """One launch shape: tiles, warps, pipeline stages (`config_for`'s, or a benchmark's)."""
+    """One launch shape. kind: "gemv" (float32 FMAs), "dot" (tl.dot, block_m >= 16) or "dense" (dequantize,
+    then torch's matmul). split_k 0: as many spans as PROGRAMS_PER_SM asks; chunks: the GEMV's chunks per loop
+    (their loads in flight together)."""
 
-    block_m: int  # 1: the GEMV kernel (one program per row of x and BLOCK_N outputs; no tl.dot)
-    block_n: int
-    block_k: int
+    kind: str
+    block_m: int = 1
+    block_n: int = 16
+    chunks: int = 1
+    split_k: int = 0
     num_warps: int = 4
-    num_stages: int = 3
-    split_k: int = 1  # GEMV only: spans of K run as separate programs, their sums added after
+    num_stages: int = 1
+
+
+# The launch per count of rows: the first row whose bound is >= M (None: every M). bench_gguf_cuda.py times
+# each against the alternatives it lists, on the three layer shapes of an 8B model.
+TABLE: tuple[tuple[int | None, Config], ...] = (
+    (1, Config("gemv", 1, 16, chunks=2)),
+    (4, Config("gemv", 4, 16, chunks=1)),
+    (16, Config("dot", 16, 64, num_stages=2)),
+    (32, Config("dot", 32, 64, num_stages=2)),
+    (128, Config("dot", 64, 128, num_warps=8, num_stages=2)),
+    (None, Config("dense")),
+)
 
 
 @dataclass(slots=True)
 class TritonWeight:
-    """A weight in the common form on the device (see the module docstring); `lut` is IQ4's table of codes
-    (int8 [16]) when the nibbles index it, else None; `lo` the code of nibble 0 otherwise."""
+    """A weight in the kernels' layout (see the module docstring); `lo` is the code of nibble 0 when packed."""
 
-    codes: torch.Tensor
-    sc: torch.Tensor
-    mn: torch.Tensor | None
-    d: torch.Tensor
+    codes: torch.Tensor  # uint8 [N, K / 2] packed, else int8 [N, K]
+    sc: torch.Tensor  # int8 [N, K / sub]
+    mn: torch.Tensor | None  # int8 [N, K / sub], or None: no offset
+    d: torch.Tensor  # fp16 [N, K / sup]
     dm: torch.Tensor | None
     sub: int
     sup: int
+    chunk: int  # H: inputs per chunk
     n: int
     k: int
     packed: bool
     lo: int = 0
-    lut: torch.Tensor | None = None
 
 
-@triton.jit
-def _rounded_to_bf16(v):
-    """float32 v rounded to the nearest bfloat16 (ties to even), still float32: the interpreter's cast truncates."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _weight_tile(
-    C, SC, MN, D, DM, LUT, n, n_ok, k0, K, lo, stride_c, stride_sc, stride_d,
-    SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """w[n, k0 : k0 + BLOCK_K] in float32 ([BLOCK_N, BLOCK_K]; zeros past N and K): d * sc * c + dm * mn."""
-    G: tl.constexpr = BLOCK_K // SUB
-    g = tl.arange(0, G)
-    if PACKED:  # a sub-block's SUB / 2 bytes hold its codes in pairs: (low nibble, high nibble)
-        j = tl.arange(0, SUB // 2)
-        kb = k0 // 2 + g[None, :, None] * (SUB // 2) + j[None, None, :]  # [1, G, SUB / 2]
-        byte = tl.load(C + n[:, None, None] * stride_c + kb, mask=n_ok[:, None, None] & (kb < K // 2), other=0)
-        byte = byte.to(tl.int32)
-        nib = tl.reshape(tl.join(byte & 0xF, (byte >> 4) & 0xF), (BLOCK_N, G, SUB))
-        if HAS_LUT:
-            c = tl.load(LUT + nib).to(tl.float32)
-        else:
-            c = (nib + lo).to(tl.float32)
-    else:
-        i = tl.arange(0, SUB)
-        k3 = k0 + g[None, :, None] * SUB + i[None, None, :]  # [1, G, SUB]
-        c = tl.load(C + n[:, None, None] * stride_c + k3, mask=n_ok[:, None, None] & (k3 < K), other=0).to(tl.float32)
-    ks = k0 + g[None, :] * SUB  # each sub-block's first input [1, G]
-    ok = n_ok[:, None] & (ks < K)
-    d = tl.load(D + n[:, None] * stride_d + ks // SUP, mask=ok, other=0.0).to(tl.float32)
-    s = d * tl.load(SC + n[:, None] * stride_sc + ks // SUB, mask=ok, other=0).to(tl.float32)
-    w3 = c * s[:, :, None]
-    if HAS_MIN:
-        dm = tl.load(DM + n[:, None] * stride_d + ks // SUP, mask=ok, other=0.0).to(tl.float32)
-        z = dm * tl.load(MN + n[:, None] * stride_sc + ks // SUB, mask=ok, other=0).to(tl.float32)
-        w3 = w3 + z[:, :, None]
-    return tl.reshape(w3, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit(do_not_specialize=["M", "lo"])  # one compile for every count of rows
-def _gguf_matmul_kernel(
-    X, Y, C, SC, MN, D, DM, LUT,
-    M, N, K, lo,
-    stride_xm, stride_ym, stride_c, stride_sc, stride_d,
-    SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    ROUND_BF16: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """One [BLOCK_M, BLOCK_N] tile of y over all of K, the weight tile dequantized in registers."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = m < M
-    n_ok = n < N
-    kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = _weight_tile(C, SC, MN, D, DM, LUT, n, n_ok, k0, K, lo, stride_c, stride_sc, stride_d,
-                         SUB, SUP, PACKED, HAS_LUT, HAS_MIN, BLOCK_N, BLOCK_K)
-        k = k0 + kk
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k[None, :] < K), other=0.0)
-        if ROUND_BF16:
-            w = _rounded_to_bf16(w)
-        if DOT_F32:  # x's dtype is float32, or the interpreter (no bfloat16 dot): the same products in float32
-            w = w.to(X.dtype.element_ty).to(tl.float32)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=PRECISION)
-        else:
-            acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)))
-    if ROUND_BF16:
-        acc = _rounded_to_bf16(acc)
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M", "lo", "k_span"])
-def _gguf_gemv_kernel(
-    X, Y, P, C, SC, MN, D, DM, LUT,
-    M, N, K, lo, k_span,
-    stride_xm, stride_ym, stride_c, stride_sc, stride_d,
-    SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_BF16: tl.constexpr,
-):
-    """BLOCK_N outputs of one row of x over one span of K: products summed elementwise in float32, reduced
-    once at the end (one row gains nothing from tl.dot, whose operand layout costs a trip through shared
-    memory). Split over K, each span's sums land in P [SPLIT_K, M, N] for `_sum_splits_kernel`."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.program_id(1)
-    split = tl.program_id(2)
-    n_ok = n < N
-    kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    k_end = tl.minimum(K, (split + 1) * k_span)
-    for k0 in range(split * k_span, k_end, BLOCK_K):
-        w = _weight_tile(C, SC, MN, D, DM, LUT, n, n_ok, k0, k_end, lo, stride_c, stride_sc, stride_d,
-                         SUB, SUP, PACKED, HAS_LUT, HAS_MIN, BLOCK_N, BLOCK_K)
-        if ROUND_BF16:
-            w = _rounded_to_bf16(w)
-        w = w.to(X.dtype.element_ty).to(tl.float32)  # the dense path's weight, rounded to x's dtype
-        k = k0 + kk
-        x = tl.load(X + row * stride_xm + k, mask=k < k_end, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if SPLIT_K > 1:
-        tl.store(P + (split * M + row) * N + n, y, mask=n_ok)
-    else:
-        if ROUND_BF16:
-            y = _rounded_to_bf16(y)
-        tl.store(Y + row * stride_ym + n, y.to(Y.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _sum_splits_kernel(P, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """y[row] = the sum of the K spans' partial sums, in a fixed order (no atomics: the same answer each run)."""
-    row = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < N
-    y = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        y += tl.load(P + (split * M + row) * N + n, mask=ok, other=0.0)
-    if ROUND_BF16:
-        y = _rounded_to_bf16(y)
-    tl.store(Y + row * stride_ym + n, y.to(Y.dtype.element_ty), mask=ok)
-
-
-@triton.jit(do_not_specialize=["lo"])
-def _gguf_dequantize_kernel(
-    W, C, SC, MN, D, DM, LUT,
-    N, K, lo,
-    stride_w, stride_c, stride_sc, stride_d,
-    SUB: tl.constexpr, SUP: tl.constexpr, PACKED: tl.constexpr, HAS_LUT: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr,
-):
-    """One [BLOCK_N, BLOCK_K] tile of the weight written dense in W's dtype (the prefill path's first half)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    n_ok = n < N
-    w = _weight_tile(C, SC, MN, D, DM, LUT, n, n_ok, k0, K, lo, stride_c, stride_sc, stride_d,
-                     SUB, SUP, PACKED, HAS_LUT, HAS_MIN, BLOCK_N, BLOCK_K)
-    if ROUND_BF16:
-        w = _rounded_to_bf16(w)
-    k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(W + n[:, None] * stride_w + k[None, :], w.to(W.dtype.element_ty), mask=n_ok[:, None] & (k[None, :] < K))
+def _chunk(k: int, sub: int, packed: bool) -> int | None:
+    """The layout's chunk for K inputs: a power of two dividing K, whole sub-blocks per half when packed."""
+    for h in (CHUNK, 128, 64, 32, 16):
+        if k % h == 0 and h % (2 * sub if packed else sub) == 0:
+            return h
+    return None
 
 
 def pack_for_triton(blocks: Blocks, device: torch.device | str) -> TritonWeight:
-    """The device tensors of `blocks`: codes two per byte where they fit in a nibble (see the module docstring)."""
+    """The device tensors of `blocks` in the kernels' layout (repacked once, at load)."""
     codes = blocks.codes
     rows, cols = codes.shape
     lo, hi = (int(codes.min()), int(codes.max())) if codes.size else (0, 0)
-    lut = None
-    nibbles = None
-    if cols % 2 == 0 and hi - lo <= 15:
-        nibbles = (codes.astype(np.int16) - lo).astype(np.uint8)
-    elif cols % 2 == 0:
-        inverse = np.full(256, 255, dtype=np.uint8)
-        inverse[IQ4_VALUES.astype(np.int16) + 128] = np.arange(16, dtype=np.uint8)
-        index = inverse[codes.astype(np.int16) + 128]
-        if (index != 255).all():
-            nibbles, lo = index, 0
-            lut = torch.from_numpy(IQ4_VALUES.copy()).to(device)
-    if nibbles is not None:
-        stored = torch.from_numpy(np.ascontiguousarray(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)))
+    packed = hi - lo <= 15 and _chunk(cols, blocks.sub, True) is not None
+    chunk = _chunk(cols, blocks.sub, packed)
+    if chunk is None:
+        raise ValueError(f"{cols} inputs are not whole sub-blocks of {blocks.sub}")
+    if packed:  # per chunk: byte j holds input j (low nibble) and input H / 2 + j (high nibble)
+        nib = (codes.astype(np.int16) - lo).astype(np.uint8).reshape(rows, cols // chunk, 2, chunk // 2)
+        stored = np.ascontiguousarray((nib[:, :, 0] | (nib[:, :, 1] << 4)).reshape(rows, cols // 2))
     else:
-        stored, lo = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int8)), 0
+        stored, lo = np.ascontiguousarray(codes, dtype=np.int8), 0
 
     def put(a):
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-    has_min = blocks.mn is not None
     return TritonWeight(
-        codes=stored.to(device), sc=put(blocks.sc), mn=put(blocks.mn) if has_min else None, d=put(blocks.d),
-        dm=put(blocks.dm) if has_min else None, sub=blocks.sub, sup=blocks.sup, n=rows, k=cols,
-        packed=nibbles is not None, lo=lo, lut=lut,
+        codes=put(stored), sc=put(blocks.sc), mn=put(blocks.mn), d=put(blocks.d),
+        dm=put(blocks.dm) if blocks.mn is not None else None, sub=blocks.sub, sup=blocks.sup, chunk=chunk,
+        n=rows, k=cols, packed=packed, lo=lo,
     )
 
 
-def config_for(m: int, n: int, k: int, sms: int = 1) -> Config:
-    """The launch shape for m rows on a GPU of `sms` multiprocessors: narrow tiles while the weight's bytes
-    dominate (enough programs to keep loads in flight on every multiprocessor, each weight read once per
-    BLOCK_M rows; one row splits K for more), wider ones as the rows grow."""
-    narrow = 32 if n >= 8192 else 16
-    if m <= GEMV_ROWS:
-        block_k = 256 if k % 256 == 0 else 64
-        split = max(1, min(triton.cdiv(GEMV_PROGRAMS_PER_SM * sms, triton.cdiv(n, narrow)), k // (2 * block_k), 8))
-        return Config(1, narrow, block_k, num_warps=4, num_stages=1, split_k=split)
-    if m <= DECODE_ROWS:
-        return Config(16, narrow, 256 if k % 256 == 0 else 64, num_warps=4, num_stages=4)
-    if m <= 64:
-        return Config(32 if m <= 32 else 64, narrow, 128 if k % 128 == 0 else 64, num_warps=4, num_stages=4)
-    return Config(64, 64, 64, num_warps=4, num_stages=3)
+def config_for(m: int) -> Config:
+    """TABLE's launch for m rows."""
+    for bound, config in TABLE:
+        if bound is None or m <= bound:
+            return config
+    raise AssertionError("TABLE ends in a row for every count")
 
 
 def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, dense: bool | None = None):
-    """x [M, K] @ W.T -> [M, N] in x's dtype (float32, bfloat16 or float16), accumulated in float32: fused
-    (the tile dequantized in registers) below DENSE_ROWS rows, else the weight dequantized to x's dtype for
-    the step and multiplied by torch (the dequantization then costs little beside the product); `dense`
-    forces either."""
+    """x [M, K] @ W.T -> [M, N] in x's dtype (float32, bfloat16 or float16), accumulated in float32, by
+    TABLE's launch for M rows or `config`; `dense` forces the dequantize-then-matmul path or keeps off it."""
     if x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"x {tuple(x.shape)} does not match a GGUF weight of {w.k} inputs")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x in {x.dtype}: the GGUF kernel takes float32, bfloat16 or float16")
     x = x.contiguous()
     m = x.shape[0]
-    if dense is None:
-        dense = m >= DENSE_ROWS
-    if dense:
+    cfg = config or config_for(m)
+    if dense is not None and dense != (cfg.kind == "dense"):
+        cfg = Config("dense") if dense else next(c for _, c in TABLE[::-1] if c.kind != "dense")
+    if cfg.kind == "dense":
         return x @ dequantize(w, x.dtype).T
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or config_for(m, w.n, w.k, _multiprocessors(x.device))
     interpreted = _interpreted()
-    grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-    if cfg.block_m == 1:
-        _gemv(x, y, w, cfg, interpreted)
-        return y
-    _gguf_matmul_kernel[grid](
-        x, y, *_weight_args(w), m, w.n, w.k, w.lo,
-        x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
-        **_form(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, w.sub),
-        DOT_F32=x.dtype == torch.float32 or interpreted, ROUND_BF16=interpreted and x.dtype == torch.bfloat16,
-        PRECISION="ieee", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return y
-
-
-def _gemv(x: torch.Tensor, y: torch.Tensor, w: TritonWeight, cfg: Config, interpreted: bool) -> None:
-    """y = x @ W.T by the GEMV kernel, over cfg.split_k spans of K (whole blocks of BLOCK_K) summed after."""
-    block_k = max(cfg.block_k, w.sub)
-    k_span = triton.cdiv(triton.cdiv(w.k, cfg.split_k), block_k) * block_k
-    split_k = triton.cdiv(w.k, k_span)
-    m = x.shape[0]
-    partial = torch.empty(split_k, m, w.n, dtype=torch.float32, device=x.device) if split_k > 1 else y
     round_bf16 = interpreted and x.dtype == torch.bfloat16
-    _gguf_gemv_kernel[(triton.cdiv(w.n, cfg.block_n), m, split_k)](
-        x, y, partial, *_weight_args(w), m, w.n, w.k, w.lo, k_span,
-        x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
-        **_form(w), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k, ROUND_BF16=round_bf16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if split_k > 1:
-        _sum_splits_kernel[(m, triton.cdiv(w.n, 1024))](
-            partial, y, m, w.n, y.stride(0), SPLIT_K=split_k, BLOCK=1024, ROUND_BF16=round_bf16, num_warps=4,
+    n_tiles, m_tiles = triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m)
+    chunks = w.k // w.chunk
+    split = cfg.split_k or triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(x.device), n_tiles * m_tiles)
+    span = triton.cdiv(triton.cdiv(chunks, max(1, min(split, chunks))), cfg.chunks) * cfg.chunks
+    split = triton.cdiv(chunks, span)
+    partial = torch.empty(split, m, w.n, dtype=torch.float32, device=x.device) if split > 1 else y
+    args = (x, y, partial, *_weight_args(w), m, w.n, w.k, w.lo, span,
+            x.stride(0), y.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0))
+    grid = (n_tiles, m_tiles, split)
+    if cfg.kind == "gemv":
+        kernels.gemv_kernel[grid](
+            *args, **_form(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNKS=cfg.chunks, SPLIT=split > 1,
+            ROUND_BF16=round_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+    elif cfg.kind == "dot":
+        kernels.dot_kernel[grid](
+            *args, **_form(w), BLOCK_M=max(cfg.block_m, 16), BLOCK_N=cfg.block_n, SPLIT=split > 1,
+            DOT_F32=x.dtype == torch.float32 or interpreted, ROUND_BF16=round_bf16, PRECISION="ieee",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        raise ValueError(f"unknown kernel kind {cfg.kind!r}")
+    if split > 1:
+        kernels.sum_splits_kernel[(m, triton.cdiv(w.n, 1024))](
+            partial, y, m, w.n, y.stride(0), SPLIT_K=split, BLOCK=1024, ROUND_BF16=round_bf16, num_warps=4,
+        )
+    return y
 
 
 def dequantize(w: TritonWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] in `dtype`, each value the dense path's (float32 d * sc * c + dm * mn, rounded once)."""
     out = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device)
-    block_n, block_k = 32, max(128, w.sub)
-    _gguf_dequantize_kernel[(triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))](
+    block_n = 32
+    kernels.dequantize_kernel[(triton.cdiv(w.n, block_n), w.k // w.chunk)](
         out, *_weight_args(w), w.n, w.k, w.lo, out.stride(0), w.codes.stride(0), w.sc.stride(0), w.d.stride(0),
-        **_form(w), BLOCK_N=block_n, BLOCK_K=block_k, ROUND_BF16=_interpreted() and dtype == torch.bfloat16,
-        num_warps=4,
+        **_form(w), BLOCK_N=block_n, ROUND_BF16=_interpreted() and dtype == torch.bfloat16, num_warps=4,
     )
     return out
 
@@ -338,13 +186,12 @@ def product(w: TritonWeight, x: torch.Tensor, wide: bool = False) -> torch.Tenso
 
 
 def _weight_args(w: TritonWeight) -> tuple[torch.Tensor, ...]:
-    """C, SC, MN, D, DM, LUT: an absent tensor passed as a present one (the kernel never reads it)."""
-    return (w.codes, w.sc, w.mn if w.mn is not None else w.sc, w.d, w.dm if w.dm is not None else w.d,
-            w.lut if w.lut is not None else w.sc)
+    """C, SC, MN, D, DM: an absent tensor passed as a present one (the kernel never reads it)."""
+    return (w.codes, w.sc, w.mn if w.mn is not None else w.sc, w.d, w.dm if w.dm is not None else w.d)
 
 
 def _form(w: TritonWeight) -> dict:
-    return dict(SUB=w.sub, SUP=w.sup, PACKED=w.packed, HAS_LUT=w.lut is not None, HAS_MIN=w.mn is not None)
+    return dict(SUB=w.sub, SUP=w.sup, H=w.chunk, PACKED=w.packed, HAS_MIN=w.mn is not None)
 
 
 @functools.lru_cache(maxsize=None)
