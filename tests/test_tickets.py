@@ -371,7 +371,7 @@ def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_hea
         ring.write_plan(1, plan, StepKind.BURST, steps=3)
         other = TicketRing.attach(ring.name)
         try:
-            assert other.geometry == geometry and ticket_layout.VERSION == 10
+            assert other.geometry == geometry and ticket_layout.VERSION == 11
             assert other.plan_kind(1) == StepKind.BURST and other.plan_steps(1) == 3
             assert_plans_equal(other.read_plan(1), plan)
             ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
