@@ -123,6 +123,7 @@ class EngineCoreProcess:
         self.inbox.connect(args.input_address)
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.setsockopt(zmq.SNDHWM, 0)  # while a dead frontend is restarted, the tick loop must not block here
         self.outbox.connect(args.output_address)
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.encoder = msgspec.msgpack.Encoder()

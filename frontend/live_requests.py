@@ -94,6 +94,7 @@ class RequestState:
     resume_key: str | None = None  # what the engine core holds it under for a re-attach (None: not resumable)
     reattach: str | None = None  # AddRequest.reattach, until the engine core's first answer
     skip: int = 0  # output tokens its client already has (a Resume's offset): detokenized, not sent
+    untried: list[int] | None = None  # data parallel: the replicas not yet asked for the request it re-attaches
 
 
 def session_key(session: str, request_id: str) -> str:
@@ -300,11 +301,16 @@ class LiveRequests:
         """Send a request to the replica the router picks (not `exclude`), under a fresh engine id; with none up it
         waits, unsubmitted, for the next engine core to come up."""
         router = self.replicas.router
-        k = router.choose(req.prompt_ids, req.cache_salt, exclude)
         if req.engine_id:
             self._by_engine_id.pop(req.engine_id, None)
             router.live[req.replica] -= 1
             req.engine_id = ""
+        asking = req.reattach is not None and len(self.replicas.links) > 1
+        if asking and not self.replicas.all_up and req.untried is None:
+            return  # a restarted frontend: it asks once every replica is up (any may hold the request)
+        k = self._holder_to_ask(req) if asking else None
+        if k is None:
+            k = router.choose(req.prompt_ids, req.cache_salt, exclude)
         if k is None:
             return
         link = self.replicas.links[k]
@@ -324,9 +330,16 @@ class LiveRequests:
             pooling=req.pooling,
             lora=req.lora,
             resume_key=req.resume_key,
-            reattach=req.reattach,
+            reattach="only" if req.untried else req.reattach,  # the last replica asked may start it
         )
         link.send(add)
+
+    def _holder_to_ask(self, req: RequestState) -> int | None:
+        """Data parallel: the next replica to ask for the request a Resume re-attaches (which one holds it is not known
+        here: each up replica is asked in turn, and only the last may start it anew)."""
+        if req.untried is None:
+            req.untried = [link.index for link in self.replicas.links]
+        return req.untried.pop(0) if req.untried else None
 
     def resubmit(self, k: int) -> None:
         """A fresh engine core of replica k is up: submit again every live request it had (under a new engine id,
@@ -398,6 +411,9 @@ class LiveRequests:
         req = self._by_engine_id.get(out.request_id)
         if req is None:
             link.on_orphan(out, aborts)
+            return
+        if out.error_code == ErrorCode.RESUME_LOST.value and req.untried:
+            self._submit(req)  # not held by that replica: ask the next
             return
         req.reattach = None  # the engine core has it: a resubmission carries its tokens
         if req.skip:  # the client has these (a re-attach's catch-up): they only move the detokenizer on

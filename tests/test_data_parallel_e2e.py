@@ -203,3 +203,17 @@ def test_structured_requests_move_with_their_grammar(server, model_dir):
     assert [g[2] for g in again] == [None] * 16 and [g[0] for g in again] == want
     assert replica_stats(server)[0].generated_tokens > 0, "the fresh replica 0 ran grammar requests"
     wait_idle(server)
+
+
+def test_frontend_sigkill_over_two_replicas_loses_nothing(server, expected):
+    """SIGKILL the frontend while clients stream 32 requests over two replicas: each Resume finds the replica that
+    holds its request (the new frontend asks each in turn), and every stream equals the fault-free run."""
+    from test_faults_e2e import _run_clients_with_fault, wait_recovered
+
+    old = processes(server)[("frontend", 0)][0]
+    under_way = lambda seen: all(n >= 2 for n in seen)  # noqa: E731
+    got = asyncio.run(_run_clients_with_fault(server.port, under_way, lambda: os.kill(old, signal.SIGKILL)))
+    assert [g[2] for g in got] == [None] * N
+    assert [g[0] for g in got] == expected
+    wait_recovered(server, "frontend", old)
+    wait_idle(server)
