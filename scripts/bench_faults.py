@@ -22,7 +22,10 @@ Every stream must still complete with exactly max-tokens tokens and no error.
 
 --fault picks what is done at the kill point: `kill` (SIGKILL the worker, above), `stop` (SIGSTOP the worker: the
 engine core's hang watch kills it and a new one starts) or `engine` (SIGKILL the engine core: the supervisor starts
-a fresh one with fresh workers and the frontend resubmits its requests with the tokens they streamed) or
+a fresh one with fresh workers and the frontend resubmits its requests with the tokens they streamed), `frontend`
+(SIGKILL the frontend: the supervisor starts a new one on the same port, the engine core runs on, and the client
+re-attaches every stream where it was, docs/protocol.md §5.6; `stall_s` is then the time from the kill to the first
+token after it, as no token can come meanwhile) or
 `stop-prefill` (each round streams without a fault, then SIGSTOPs the worker and sends one --long-prompt prompt of
 4,000 tokens by default, as one step: the hang watch must kill the worker within --worker-hang-timeout plus the
 prefill's expected time; the figures are the engine core's: the stuck step's work, expected and allowed time). `stall_s` is
@@ -41,7 +44,7 @@ fault); engine_fault_to_resumed is the engine core's own measure of it.
 
 Prints one JSON line on stdout (progress on stderr):
 
-    python scripts/bench_faults.py [--model DIR | --preset test | --simulate A,B,C] [--fault kill|stop|engine]
+    python scripts/bench_faults.py [--model DIR | --preset test | --simulate A,B,C] [--fault kill|stop|engine|frontend]
                                    [--kills 10] [--streams 32] [--prompt-len 64] [--max-tokens 64] [--kill-after 8]
                                    [--worker-hang-timeout S] [--threads N]
 """
@@ -86,7 +89,8 @@ STUCK = re.compile(r"worker lost \(.*a step of (\d+) prefill tokens and (\d+) de
 RESUMED = re.compile(r"the first resumed token came ([\d.]+) s after the fault")
 
 
-ROLES = {"worker": "metrale.gpu_worker.worker", "engine": "metrale.engine_core.core"}
+ROLES = {"worker": "metrale.gpu_worker.worker", "engine": "metrale.engine_core.core",
+         "frontend": "metrale.frontend_process"}
 
 
 def child_pid(server: ServeProcess, role: str) -> int:
@@ -100,8 +104,8 @@ def child_pid(server: ServeProcess, role: str) -> int:
 
 def fault_action(server: ServeProcess, fault: str):
     """What the round does at the kill point."""
-    if fault == "engine":
-        pid = child_pid(server, "engine")
+    if fault in ("engine", "frontend"):
+        pid = child_pid(server, fault)
         return lambda: os.kill(pid, signal.SIGKILL)
     pid = child_pid(server, "worker")
     return lambda: os.kill(pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
@@ -231,9 +235,9 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int, default=8, help="tokens every stream has before the kill")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads of each torch process")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: the server's choice)")
-    ap.add_argument("--fault", choices=("kill", "stop", "engine", "stop-prefill"), default="kill",
-                    help="SIGKILL the worker, SIGSTOP it, SIGKILL the engine core, or SIGSTOP the worker before a "
-                         "--long-prompt prefill")
+    ap.add_argument("--fault", choices=("kill", "stop", "engine", "frontend", "stop-prefill"), default="kill",
+                    help="SIGKILL the worker, SIGSTOP it, SIGKILL the engine core, SIGKILL the frontend, or SIGSTOP "
+                         "the worker before a --long-prompt prefill")
     ap.add_argument("--long-prompt", type=int, default=4000,
                     help="the prefill's tokens (--fault stop-prefill; the simulated model holds 4,096 positions)")
     ap.add_argument("--worker-hang-timeout", type=float, default=None,
@@ -287,7 +291,7 @@ def main() -> None:
                         raise SystemExit(f"fault {k}: {len(changed)} streams differ from their fault-free tokens "
                                          f"(first: stream {changed[0]})")
                 figures = {"stall": stall(arrivals, t_kill)}
-                if args.fault != "engine":
+                if args.fault not in ("engine", "frontend"):
                     log = server.log_text()
                     if len(READY.findall(log)) <= k:
                         raise SystemExit(f"fault {k}: the engine core logged no new worker: the fault landed after the "
