@@ -68,7 +68,7 @@ def test_the_kernel_under_the_interpreter():
     )
     tail = (child.stdout + child.stderr)[-3000:]
     assert child.returncode == 0, tail
-    assert "91 passed, 2 skipped" in tail, tail  # every kernel test ran, bfloat16 included
+    assert "92 passed, 2 skipped" in tail, tail  # every kernel test ran, bfloat16 included
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="compiled where it runs")
@@ -195,6 +195,28 @@ def test_a_split_over_k_sums_its_spans(triton_gguf, name):
             x = _x(rows, 1280, torch.float32, seed=split)
             _check(triton_gguf.matmul(x.to(DEVICE), w, dataclasses.replace(cfg, split_k=split)), x, weight,
                    rounded=False)
+
+
+def test_k_splits_to_fill_the_gpu_while_the_partial_sums_stay_small(triton_gguf):
+    """A decode row of an 8B model's Q4_K layer splits K over ~PROGRAMS_PER_SM programs per multiprocessor;
+    more rows split less (their float32 partial sums, written and read back, within PARTIAL_SHARE of the weight's
+    bytes), a prefill not at all."""
+    n, k, meta = 4096, 4096, torch.device("meta")
+    w = triton_gguf.TritonWeight(
+        codes=torch.empty(n, k // 2, dtype=torch.uint8, device=meta), sc=torch.empty(n, k // 32, dtype=torch.int8,
+        device=meta), mn=torch.empty(n, k // 32, dtype=torch.int8, device=meta), d=torch.empty(n, k // 256,
+        dtype=torch.float16, device=meta), dm=torch.empty(n, k // 256, dtype=torch.float16, device=meta), sub=32,
+        sup=256, chunk=256, n=n, k=k, packed=True,
+    )
+    weight_bytes = n * k * 9 // 16  # 4.5 bits a weight
+    sms = 132
+    splits = {}
+    for m in (1, 8, 32, 512):
+        tiles = -(-n // (16 if m == 1 else 64)) * -(-m // 64)
+        splits[m] = triton_gguf._auto_split(w, m, tiles, sms)
+        assert splits[m] * 8 * m * n <= triton_gguf.PARTIAL_SHARE * weight_bytes or splits[m] == 1
+    assert splits[1] * n // 16 >= triton_gguf.PROGRAMS_PER_SM * sms
+    assert splits[1] > 1 and splits[8] > splits[32] > splits[512] == 1
 
 
 @pytest.mark.parametrize("name, cols, chunk, packed", [

@@ -10,7 +10,8 @@ so a kernel that streams the bytes at the rate the dense matmul does is faster b
 rows (float32 FMAs, no tl.dot: tensor cores gain nothing there), tl.dot with the dequantized tile as its left
 operand for more, and from the last row's count the weight dequantized for the step into x's dtype and
 torch's matmul (prefill, where the product outweighs reading the weight). Each kernel splits K into spans
-until its programs fill the GPU (`PROGRAMS_PER_SM`), their partial sums added after in a fixed order.
+until its programs fill the GPU (`PROGRAMS_PER_SM`) while the spans' partial sums stay small beside the
+weight (`PARTIAL_SHARE`), the sums added after in a fixed order.
 The table is data: scripts/bench_gguf_cuda.py times each row against alternatives on a GPU, so one run
 says which to keep. x and y are float32, bfloat16 or float16; float32 dots run in IEEE precision (not TF32).
 
@@ -33,6 +34,8 @@ from metrale.gpu_worker.layers.gguf_quant_types import Blocks
 
 CHUNK = 256  # inputs per chunk of the layout, where K allows (else the largest power of two that divides it)
 PROGRAMS_PER_SM = 8  # split K until the grid has this many programs per multiprocessor (loads in flight)
+PARTIAL_SHARE = 0.25  # ... but no further than the spans' float32 sums (written, read back) cost this share of
+# the weight's bytes: a wide x's sums soon outweigh the bytes a split saves waiting for
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +145,7 @@ def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, de
     round_bf16 = interpreted and x.dtype == torch.bfloat16
     n_tiles, m_tiles = triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m)
     chunks = w.k // w.chunk
-    split = cfg.split_k or triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(x.device), n_tiles * m_tiles)
+    split = cfg.split_k or _auto_split(w, m, n_tiles * m_tiles, _multiprocessors(x.device))
     span = triton.cdiv(triton.cdiv(chunks, max(1, min(split, chunks))), cfg.chunks) * cfg.chunks
     split = triton.cdiv(chunks, span)
     partial = torch.empty(split, m, w.n, dtype=torch.float32, device=x.device) if split > 1 else y
@@ -167,6 +170,14 @@ def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, de
             partial, y, m, w.n, y.stride(0), SPLIT_K=split, BLOCK=1024, ROUND_BF16=round_bf16, num_warps=4,
         )
     return y
+
+
+def _auto_split(w: TritonWeight, m: int, tiles: int, sms: int) -> int:
+    """Spans of K for a grid of `tiles` output tiles: PROGRAMS_PER_SM programs a multiprocessor, within
+    PARTIAL_SHARE of the weight's bytes in partial sums."""
+    weight_bytes = sum(t.numel() * t.element_size() for t in (w.codes, w.sc, w.mn, w.d, w.dm) if t is not None)
+    cap = int(PARTIAL_SHARE * weight_bytes / (8 * m * w.n))
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, tiles), cap))
 
 
 def dequantize(w: TritonWeight, dtype: torch.dtype) -> torch.Tensor:
