@@ -95,7 +95,7 @@ def test_the_kernels_compile_for_a_hopper_gpu():
         (kernels.dot_kernel, dict(q8_0, BLOCK_M=16, BLOCK_N=64, SPLIT=True, **dot), 4, 2, False),
         (kernels.dot_kernel, dict(q4_k, BLOCK_M=64, BLOCK_N=128, SPLIT=False, **dot), 8, 2, False),
         (kernels.dequantize_kernel, dict(q4_k, BLOCK_N=32, ROUND_BF16=False), 4, 1, True),
-        (kernels.sum_splits_kernel, dict(SPLIT_K=3, BLOCK=1024, ROUND_BF16=False), 4, 1, False),
+        (kernels.sum_splits_kernel, dict(BLOCK=1024, ROUND_BF16=False), 4, 1, False),
     ]
     pointers = {"X": "*bf16", "Y": "*bf16", "W": "*bf16", "P": "*fp32", "SC": "*i8", "MN": "*i8", "D": "*fp16",
                 "DM": "*fp16"}

@@ -167,7 +167,7 @@ def matmul(x: torch.Tensor, w: TritonWeight, config: Config | None = None, *, de
         raise ValueError(f"unknown kernel kind {cfg.kind!r}")
     if split > 1:
         kernels.sum_splits_kernel[(m, triton.cdiv(w.n, 1024))](
-            partial, y, m, w.n, y.stride(0), SPLIT_K=split, BLOCK=1024, ROUND_BF16=round_bf16, num_warps=4,
+            partial, y, m, w.n, y.stride(0), split, BLOCK=1024, ROUND_BF16=round_bf16, num_warps=4,
         )
     return y
 

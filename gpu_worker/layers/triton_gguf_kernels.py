@@ -199,14 +199,14 @@ def dot_kernel(
         tl.store(Y + m[None, :] * stride_ym + n[:, None], acc.to(Y.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def sum_splits_kernel(P, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "splits"])
+def sum_splits_kernel(P, Y, M, N, stride_ym, splits, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
     """y[row] = the sum of the K spans' partial sums, in a fixed order (no atomics: the same answer each run)."""
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
     y = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
+    for split in range(splits):
         y += tl.load(P + (split * M + row) * N + n, mask=ok, other=0.0)
     if ROUND_BF16:
         y = rounded_to_bf16(y)
