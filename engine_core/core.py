@@ -2,7 +2,8 @@
 
 The loop, top to bottom: take what the frontend sent (without waiting while there is work), run one
 tick, send its outputs; when the worker died, wait for the supervisor's new one. Idle, it blocks on the
-input socket (never spins an idle core). Socket contract: frontend/server.py's docstring.
+input socket (never spins an idle core). Socket contract: frontend/engine_link.py's docstring; with several
+frontends (--api-server-count) each answer goes to the frontend its id names (frontend_links.py).
 
 A dead worker (`DeviceLost`) is always noticed the same way; `--on-worker-fault` decides what happens to the
 requests it was running: `recover` requeues them with their committed tokens (the new worker recomputes their
@@ -29,8 +30,6 @@ from metrale.ipc.messages import (
     AddRequest,
     EngineInput,
     EngineLoad,
-    EngineOutput,
-    EngineOutputs,
     EngineReady,
     FrontendUp,
     GrammarVocab,
@@ -50,6 +49,7 @@ from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, WORKER_HUNG, StatusS
 from metrale.ipc.tickets import RingGeometry
 
 from .engine import EngineCore, EngineOptions
+from .frontend_links import FrontendLinks
 from .hang_watch import HangWatch
 from .output_ledger import OutputLedger
 from .pipeline import SpecialTokens
@@ -67,8 +67,10 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     """What the supervisor tells an engine-core process (as JSON on its command line)."""
 
     serve: ServeConfig
-    input_address: str
-    output_address: str
+    input_address: str  # frontend 0's PUSH, which this engine core's PULL connects to
+    output_address: str  # frontend 0's PULL, which this engine core's PUSH connects to
+    # --api-server-count: [input, output] of frontends 1 .. N-1 (the same roles as the two above).
+    more_frontends: list[list[str]] = []
     ring_token: str
     max_model_len: int
     vocab_size: int = 0  # the model's (sizes the ring's grammar bitmasks)
@@ -119,14 +121,10 @@ class EngineCoreProcess:
     def __init__(self, args: EngineCoreArgs, device: WorkerDevice):
         self.args = args
         self.ctx = zmq.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.connect(args.input_address)
-        self.outbox = self.ctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.LINGER, 1000)
-        self.outbox.setsockopt(zmq.SNDHWM, 0)  # while a dead frontend is restarted, the tick loop must not block here
-        self.outbox.connect(args.output_address)
+        self.frontends = FrontendLinks(self.ctx, [(args.input_address, args.output_address),
+                                                  *((a, b) for a, b in args.more_frontends)], HEARTBEAT_S)
+        self.inbox = self.frontends.inbox
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
-        self.encoder = msgspec.msgpack.Encoder()
         self.device = device
         self.parent = os.getppid()
         self.stopping = False
@@ -138,7 +136,6 @@ class EngineCoreProcess:
         self._idle_loss: str | None = None  # the worker died while nothing ran (found by the idle poll)
         self._idle_checked_at = time.monotonic()
         self._unproven = True  # the current worker has not served a step yet
-        self._sent_at = time.monotonic()  # the last frame to the frontend (outputs or a heartbeat)
         self.status = StatusSender(args.status_address, "engine_core") if args.status_address else None
         self.ledger = OutputLedger()  # resumable requests' outputs, for a frontend that re-attaches after a restart
         device.on_hang = self._report_hang
@@ -153,7 +150,7 @@ class EngineCoreProcess:
         options.stream_interval = args.serve.stream_interval
         self.engine = EngineCore(self.device, options, special_tokens=SpecialTokens(**args.special_tokens))
         self._replicated = args.serve.engine.data_parallel_size > 1
-        self._send(EngineReady(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+        self.frontends.broadcast(EngineReady(vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                                num_kv_blocks=info.num_kv_blocks, block_size=info.block_size))
         log.info("engine core ready: %s, %d KV blocks of %d", info.name, info.num_kv_blocks, info.block_size)
 
@@ -175,9 +172,8 @@ class EngineCoreProcess:
             except Exception as exc:  # noqa: BLE001 - a request's failure must not take the process down
                 log.exception("engine core: a tick failed; its requests are retried alone, then failed")
                 outputs = self.engine.contain_failure(exc)
-            if outputs or time.monotonic() - self._sent_at >= HEARTBEAT_S:
-                # An empty one is the heartbeat: work goes on. Replicas also say how busy they are (routing).
-                self._send(EngineOutputs(outputs=outputs, load=self._load() if self._replicated else None))
+            # An empty one is the heartbeat: work goes on. Replicas also say how busy they are (routing).
+            self._send_outputs(outputs, self._load() if self._replicated else None)
             if outputs and (self._unproven or self._recovered_at is not None):
                 self._note_worker_progress()
             if self._fault_began is not None and any(o.new_token_ids for o in outputs):
@@ -248,14 +244,14 @@ class EngineCoreProcess:
             cache = self.engine.pool.stats  # the hit rate's two counts, so that replicas' rates can be summed
             stats.prefix_cache_hit_tokens, stats.prefix_cache_queried_tokens = cache.hit_tokens, cache.queried_tokens
             stats.worker_recoveries, stats.last_worker_recovery = self.recoveries, self.recovery
-            self._send(StatsResponse(id=msg.id, stats=stats))
+            self.frontends.answer(msg.id, StatsResponse(id=msg.id, stats=stats))
 
     def _reattach(self, msg: AddRequest) -> bool:
         """A restarted frontend re-attaches a request its predecessor submitted: its outputs so far go out at once
         (engine_core/output_ledger.py). False when none is held under its key and it is to run as a new one."""
         catch_up = self.ledger.attach(msg)
         if catch_up is not None:
-            self._send(EngineOutputs(outputs=[catch_up]))
+            self._send_outputs([catch_up])
             return True
         if msg.reattach == "only":
             self._refuse(msg.request_id, ErrorCode.RESUME_LOST, "the server no longer holds this request (it ended "
@@ -270,12 +266,12 @@ class EngineCoreProcess:
                 self.engine.load_lora(msg.name, msg.path)
             else:
                 self.engine.unload_lora(msg.name)
-            self._send(LoraUpdated(id=msg.id))
+            self.frontends.answer(msg.id, LoraUpdated(id=msg.id))
         except Refused as e:
-            self._send(LoraUpdated(id=msg.id, error=e.message))
+            self.frontends.answer(msg.id, LoraUpdated(id=msg.id, error=e.message))
         except Exception as e:  # noqa: BLE001 - a bug in one update fails that update only
             log.exception("LoRA update %r failed", msg.name)
-            self._send(LoraUpdated(id=msg.id, error=f"internal error: {e}"))
+            self.frontends.answer(msg.id, LoraUpdated(id=msg.id, error=f"internal error: {e}"))
 
     def _load(self) -> EngineLoad:
         """How busy this engine core is now (for the frontend's routing between replicas)."""
@@ -283,7 +279,7 @@ class EngineCoreProcess:
         return EngineLoad(len(sched.running), sched.num_waiting, pool.num_used, pool.num_blocks)
 
     def _refuse(self, request_id: str, code: ErrorCode, message: str) -> None:
-        self._send(EngineOutputs(outputs=[RequestOutputDelta(request_id, [], "error", None, message, code.value)]))
+        self._send_outputs([RequestOutputDelta(request_id, [], "error", None, message, code.value)])
 
     def _replace_worker(self, lost: str) -> None:
         """The worker died: settle its requests by the policy, wait for the supervisor's new one, serve on."""
@@ -297,9 +293,9 @@ class EngineCoreProcess:
         self.engine.recover()  # nothing runs on the dead worker: requeue (or, failed, free) what it held
         failed = self.engine.drain()  # nothing is in flight any more: this only collects the errors
         if failed:
-            self._send(EngineOutputs(outputs=failed))
+            self._send_outputs(failed)
         log.warning("worker lost (%s); %d requests wait for a new one", lost, self.engine.scheduler.num_waiting)
-        self._send(WorkerLost(why=lost))  # a frontend with other replicas moves them there meanwhile
+        self.frontends.broadcast(WorkerLost(why=lost))  # a frontend with other replicas moves them there meanwhile
         self.waiting_for_worker = True
         try:
             while not self.stopping:
@@ -318,7 +314,7 @@ class EngineCoreProcess:
         self.recovery.ready_s = self._recovered_at - t_lost
         # Requeued requests resume on the new worker: the cost of the restart is the wait for their first token.
         self._fault_began = t_lost if live and self.args.serve.on_worker_fault == "recover" else None
-        self._send(WorkerBack())
+        self.frontends.broadcast(WorkerBack())
         log.info("new worker ready %.3f s after the loss (ready at monotonic %.6f)", self._recovered_at - t_lost,
                  self._recovered_at)
 
@@ -349,17 +345,16 @@ class EngineCoreProcess:
         if self.status is not None:
             self.status.send(WORKER_HUNG, why)
 
-    def _send(self, msg: EngineOutput) -> None:
-        if isinstance(msg, EngineOutputs):
-            self.ledger.record(msg.outputs)
-        self.outbox.send(self.encoder.encode(msg))
-        self._sent_at = time.monotonic()
+    def _send_outputs(self, outputs: list[RequestOutputDelta], load: EngineLoad | None = None) -> None:
+        """Outputs to the frontends that submitted them (the ledger first gives a re-attached request the id its
+        frontend knows it by); none: a heartbeat to each frontend that is due one."""
+        self.ledger.record(outputs)
+        self.frontends.send_outputs(outputs, load)
 
     def close(self) -> None:
         if self.status is not None:
             self.status.close()
-        self.inbox.close(0)
-        self.outbox.close()
+        self.frontends.close()
         self.ctx.term()
 
 

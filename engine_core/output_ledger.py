@@ -9,8 +9,10 @@ attaches a request by key (AddRequest.reattach): the ledger answers one catch-up
 the new frontend's id, and rewrites the request's later outputs to that id. The engine core itself never learns of
 it: it runs the request under the id it was first given.
 
-Requests of a frontend that is gone: plain ones (no key) are aborted as soon as the next frontend comes up (nobody
-can ask for them again); resumable ones run on and are aborted when nobody re-attaches within RESUME_WINDOW_S.
+Requests of a frontend that is gone: plain ones (no key) are aborted as soon as the next frontend comes up in its place
+(nobody can ask for them again); resumable ones run on and are aborted when nobody re-attaches within RESUME_WINDOW_S.
+With several frontends (--api-server-count) "in its place" is at the same index (ipc/frontend_ids.py): the requests of
+the frontends beside it are theirs and stay as they are.
 Bounded: a request's tokens are bounded by max_model_len, and at most MAX_HELD_FINISHED finished requests are kept.
 """
 
@@ -21,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from metrale.ipc.frontend_ids import frontend_of_prefix, prefix_of
 from metrale.ipc.messages import AddRequest, RequestOutputDelta, TokenLogprob
 
 RESUME_WINDOW_S = 30.0  # a request nobody re-attaches within this (its frontend gone, or finished) is forgotten
@@ -124,13 +127,17 @@ class OutputLedger:
 
     def frontend_up(self, prefix: str) -> list[str]:
         """A frontend came up whose engine ids start with prefix + "-": the engine ids of the plain requests of the
-        frontends before it, to abort now. Their resumable ones are counted down from now."""
-        mine = prefix + "-"
-        stale = [rid for rid in self._plain if not rid.startswith(mine)]
+        frontends before it at its index, to abort now. Their resumable ones are counted down from now."""
+        mine, index = prefix + "-", frontend_of_prefix(prefix)
+
+        def before_it(rid: str) -> bool:
+            return not rid.startswith(mine) and frontend_of_prefix(prefix_of(rid)) == index
+
+        stale = [rid for rid in self._plain if before_it(rid)]
         self._plain.difference_update(stale)
         now = self.clock()
         for held in self._by_key.values():
-            if held.final is None and held.ended_at is None and not held.sent_as.startswith(mine):
+            if held.final is None and held.ended_at is None and before_it(held.sent_as):
                 held.ended_at = now
                 self._ended[held.key] = None
         return stale

@@ -38,6 +38,11 @@ aborts the plain requests of earlier frontends and holds their resumable ones fo
 ``StatsRequest{id: "<prefix>-ready"}`` every ``ready_probe_s``; a StatsResponse to it means an engine core is
 already running (the frontend was restarted) and the frontend adopts it.
 
+With several frontends (--api-server-count) each binds its own two addresses for every engine core, and each engine
+core connects to all of them and sends each answer to the frontend whose prefix its id opens with
+(ipc/frontend_ids.py: the prefix names the frontend's index; engine_core/frontend_links.py); EngineReady, WorkerLost
+and WorkerBack go to every frontend; a FrontendUp touches only the requests of the frontends before it at its index.
+
 Under data parallel the frontend holds one EngineLink per replica (frontend/replicas.py). A monitor on the output
 socket tells at once when a replica's engine core disconnects (it died): its requests move to another replica.
 """
@@ -46,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +59,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from metrale.ipc.frontend_ids import new_prefix
 from metrale.ipc.messages import (
     AbortRequest, EngineStats, LoraUpdate, LoraUpdated, RequestOutputDelta, StatsRequest, StatsResponse,
 )
@@ -75,9 +80,10 @@ class PendingStats:
 class EngineLink:
     """Sends to the engine core without waiting, remembers what it aborted and which stats it asked for."""
 
-    def __init__(self, index: int = 0) -> None:
+    def __init__(self, index: int = 0, frontend: int = 0) -> None:
         self.index = index  # the replica it reaches
-        self.prefix = secrets.token_hex(4)  # engine ids of this frontend never collide with a previous one's
+        # Engine ids of this frontend never collide with a previous one's, and name its index (--api-server-count).
+        self.prefix = new_prefix(frontend)
         self._ids = itertools.count()
         self.up = False  # an engine core said EngineReady (or answered the readiness probe)
         self._probe_id = f"{self.prefix}-ready"

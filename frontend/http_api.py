@@ -26,6 +26,7 @@ import msgspec
 from aiohttp import web
 
 from .api_key import UNAUTHORIZED_MESSAGE
+from .api_servers import ProcessSite, others_families
 from .http_chat import ChatCompletions
 from .http_completions import Completions
 from .http_embeddings import Embeddings
@@ -72,6 +73,8 @@ class HttpApi:
         tokenization = Tokenization(server, self.model, self.chat)
         sagemaker = SageMaker(self)
         middlewares = [access_log] if cfg.log_requests else []  # outermost: it sees the status errors_as_json sends
+        if cfg.api_server_count > 1:  # a request sees the adapters another frontend loaded
+            middlewares.append(self._shared_state)
         self.app = web.Application(middlewares=[*middlewares, errors_as_json, self._require_key, self._body_in_time,
                                                 request_ids],
                                    client_max_size=cfg.max_frame_bytes)
@@ -97,6 +100,15 @@ class HttpApi:
             self.app.add_routes([web.post("/v1/load_lora_adapter", lora.load),
                                  web.post("/v1/unload_lora_adapter", lora.unload)])
         self._runner: web.AppRunner | None = None
+        # With several frontends: this one's counters, for the one a scrape reaches.
+        self._process_site = ProcessSite(server.metrics, cfg.api_server_sockets[cfg.api_server_index]) \
+            if cfg.api_server_sockets else None
+
+    @web.middleware
+    async def _shared_state(self, request: web.Request, handler) -> web.StreamResponse:
+        """Several frontends: serve what another loaded or unloaded (served_state.py) before the request is read."""
+        self.server.refresh_adapters()
+        return await handler(request)
 
     @web.middleware
     async def _require_key(self, request: web.Request, handler) -> web.StreamResponse:
@@ -128,13 +140,16 @@ class HttpApi:
         return await handler(request)
 
     async def start(self, host: str, port: int) -> str:
-        """Listen on host:port (0: any free port); return the base URL."""
+        """Listen on host:port (0: any free port); return the base URL. Several frontends (--api-server-count) share
+        the port: each binds it with SO_REUSEPORT and the kernel spreads the connections over them."""
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=_SHUTDOWN_S, keepalive_timeout=self.server.config.http_idle_timeout_s,
                                      lingering_time=_LINGER_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, reuse_port=self.server.config.api_server_count > 1 or None)
         await site.start()
+        if self._process_site is not None:
+            await self._process_site.start()
         bound = self._runner.addresses[0]
         url = f"http://{host}:{bound[1]}"
         log.info("frontend: OpenAI-compatible HTTP API on %s", url)
@@ -145,6 +160,8 @@ class HttpApi:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._process_site is not None:
+            await self._process_site.stop()
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 when every process is up, else 503; the body says which."""
@@ -163,11 +180,15 @@ class HttpApi:
         return json_response({"server_load": self.server.requests.num_live})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """GET /metrics: Prometheus text; engine gauges asked for now (the last ones if it does not answer)."""
+        """GET /metrics: Prometheus text; engine gauges asked for now (the last ones if it does not answer); with
+        several frontends, their own counters summed (api_servers.py)."""
         collector = self.server.metrics.engine
         try:
             collector.update(stats=await self.server.engine_stats(_STATS_ON_SCRAPE_S))
         except Exception as exc:  # not up, or slow: serve the last snapshot
             log.debug("frontend: /metrics without fresh engine stats: %s", exc)
         collector.update(health=self.server.health())
-        return web.Response(body=self.server.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        cfg = self.server.config
+        others = await others_families(cfg.api_server_sockets, cfg.api_server_index, _STATS_ON_SCRAPE_S) \
+            if cfg.api_server_sockets else None
+        return web.Response(body=self.server.metrics.render(others), headers={"Content-Type": CONTENT_TYPE})

@@ -7,6 +7,11 @@ and what only the supervisor knows (restarts) from the health source. Both are k
 turned into metric families by a collector when the registry is rendered. Under data parallel the engine
 families are the sums over the replicas and `metrale_replica_*` families give each replica's own (label
 `replica`); process families carry `replica` and `rank` labels when there are several of either.
+
+With several frontends (--api-server-count) the frontend a scrape reaches sums every frontend's own counters and
+histograms (api_servers.py gathers them) and adds `metrale_api_server_requests{api_server}`: each frontend's finished
+requests, so the split between them shows. A frontend that is down while a scrape runs is missing from the sums, and
+a restarted one starts from zero (Prometheus reads the drop as a counter reset).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from metrale.ipc.messages import EngineStats, Health
@@ -35,8 +41,10 @@ class Metrics:
     """One frontend's metrics, in a registry of its own (so two servers in one process do not collide), and
     its recent latencies (`window`, for the `stats` answer)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, api_server: int = 0) -> None:
+        """api_server: this frontend's index among several (--api-server-count), the label of its own requests."""
         self.window = LatencyWindow(clock)
+        self.api_server = str(api_server)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("metrale_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
@@ -54,6 +62,7 @@ class Metrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.engine = EngineCollector()
         r.register(self.engine)
+        self._own = (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e)
 
     def first_token(self, seconds: float) -> None:
         """A request's first tokens came `seconds` after it was admitted."""
@@ -72,9 +81,57 @@ class Metrics:
         self.generation_tokens.inc(completion_tokens)
         self.e2e.observe(seconds)
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+    def render(self, others: list[list[Metric]] | None = None) -> bytes:
+        """The Prometheus text exposition of every metric; others: the other frontends' own families (several
+        frontends), summed with this one's."""
+        if others is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        registry.register(_Families(_summed([self.own_families(), *others])))
+        registry.register(self.engine)
+        return generate_latest(registry)
+
+    def own_families(self) -> list[Metric]:
+        """This process's own counters and histograms (what several frontends sum), api_server_requests included."""
+        families = [family for metric in self._own for family in metric.collect()]
+        finished = sum(s.value for f in families if f.name == "metrale_requests" for s in f.samples
+                       if s.name == "metrale_requests_total")
+        per_process = CounterMetricFamily("metrale_api_server_requests", "Finished requests of each frontend process "
+                                          "(--api-server-count).", labels=["api_server"])
+        per_process.add_metric([self.api_server], finished)
+        return [*families, per_process]
+
+
+class _Families:
+    """A collector of fixed families."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def _summed(processes: list[list[Metric]]) -> list[Metric]:
+    """Families of the same name summed sample by sample (same name and labels), over the processes; a `_created`
+    sample (a timestamp) takes the earliest instead."""
+    families: dict[str, Metric] = {}
+    values: dict[tuple[str, str, tuple], float] = {}
+    for process in processes:
+        for family in process:
+            families.setdefault(family.name, family)
+            for sample in family.samples:
+                key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                if key not in values:
+                    values[key] = sample.value
+                elif sample.name.endswith("_created"):
+                    values[key] = min(values[key], sample.value)
+                else:
+                    values[key] += sample.value
+    out = {name: Metric(name, f.documentation, f.type, f.unit) for name, f in families.items()}
+    for (name, sample_name, labels), value in values.items():
+        out[name].samples.append(Sample(sample_name, dict(labels), value))
+    return list(out.values())
 
 
 class EngineCollector:

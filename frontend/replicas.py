@@ -25,9 +25,9 @@ _SUMMED = [f.name for f in msgspec.structs.fields(EngineStats) if f.type in (int
 class ReplicaSet:
     """One EngineLink per replica, which are up and routable, and the router between them."""
 
-    def __init__(self, count: int) -> None:
-        """count replicas, none up yet."""
-        self.links = [EngineLink(k) for k in range(count)]
+    def __init__(self, count: int, frontend: int = 0) -> None:
+        """count replicas, none up yet, reached by frontend `frontend` (of --api-server-count)."""
+        self.links = [EngineLink(k, frontend) for k in range(count)]
         self.router = Router(count)
         self.paused = [False] * count  # its worker died: it holds its requests until WorkerBack
 

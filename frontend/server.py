@@ -8,6 +8,10 @@ The engine core's two sockets, and the contract it keeps on them, are engine_lin
 there is one engine core per replica (replicas.py): each request goes to the replica the router picks, and a
 replica whose engine core disconnects or loses its worker has its requests moved to the others at once.
 
+Several frontends (--api-server-count N): N of these processes, each with its own ZMQ port and its own links to
+every engine core, share the HTTP port (SO_REUSEPORT); what they must agree on is shared through the run folder
+(served_state.py: run-time LoRA adapters) or gathered when asked (api_servers.py: /metrics sums every frontend's).
+
 In-process clients: the HTTP API (http_api.py, started on the same loop when ``http_port`` is set) submits through
 ``generate_local`` / ``abort_local``: the same validation, tokenization, AddRequest, detokenization and abort
 path as a Generate frame, with every answer handed to a callback instead of the ROUTER.
@@ -65,6 +69,7 @@ from metrale.ipc.messages import (
     WorkerLost,
 )
 from metrale.ipc.errors import ErrorCode
+from metrale.ipc.frontend_ids import frontend_name
 from metrale.config import lora_pairs
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams, logprobs_cap
@@ -78,7 +83,7 @@ from .chat import chat_template_source
 from .detokenizer import Decoder
 from .engine_link import EngineLink
 from .replicas import ReplicaSet
-from .served_state import ServedState, load_state, save_state
+from .served_state import StateFile
 from .frame_checks import Rejected, read_client_frame, source_fd
 from .live_requests import LiveRequests, LocalSink
 from .metrics import Metrics
@@ -129,7 +134,13 @@ class FrontendConfig:
     max_logprobs: int = DEFAULTS.max_logprobs  # the most alternatives a token's logprobs list (-1: the vocabulary)
     stream_interval: int = DEFAULTS.stream_interval  # a request's tokens go out every this many (first, last at once)
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)
-    state_path: str | None = None  # the supervisor's file for what a restarted frontend must know (served_state.py)
+    state_path: str | None = None  # the supervisor's file for what every frontend must know (served_state.py)
+    # --api-server-count: how many frontends serve together, and which this one is (its engine ids name it;
+    # frontend i's ZMQ port is --port + i). With several, each serves its own counters on a private socket
+    # (api_server_sockets[i], in the supervisor's run folder) for the one a scrape of /metrics reaches.
+    api_server_count: int = DEFAULTS.api_server_count
+    api_server_index: int = 0
+    api_server_sockets: list[str] = field(default_factory=list)
     shutdown_timeout_s: float = DEFAULTS.shutdown_timeout_s  # on SIGTERM, live requests get this long to finish
     stall_s: float = 30.0  # /health is unhealthy when requests are live and the engine was silent this long
     grammar_timeout_s: float = DEFAULTS.grammar_timeout_s  # grammars that take longer to compile are refused
@@ -170,8 +181,8 @@ class FrontendServer:
         self.bound = threading.Event()
         self.engine_ready = threading.Event()  # set once an engine core is up (for callers and tests)
         self.http_endpoint: str | None = None  # "http://host:port" once the HTTP API listens
-        self.metrics = Metrics(clock)
-        self.replicas = ReplicaSet(1 + len(config.replica_addresses))
+        self.metrics = Metrics(clock, config.api_server_index)
+        self.replicas = ReplicaSet(1 + len(config.replica_addresses), config.api_server_index)
         self.facts = resolve_model(config.model_dir, config.max_model_len)
         self.model_names = list(config.served_model_names) or [self.facts.name]
         self.sampling_defaults = generation_defaults(config.model_dir, config.generation_config)
@@ -181,9 +192,11 @@ class FrontendServer:
                      else config.generation_config, self.sampling_defaults)
         max_model_len = self.facts.max_model_len
         # The LoRA adapters served, by name (their folders): --lora-modules', then those loaded or unloaded at run
-        # time (update_lora). An engine core that starts later loads the run-time ones too (_engine_came_up).
+        # time (update_lora, or another frontend's). An engine core that starts later loads the run-time ones too
+        # (_engine_came_up).
         self.adapters: dict[str, str] = dict(lora_pairs(config.lora_modules))
-        earlier = load_state(config.state_path)  # a frontend restarted: what its predecessor served
+        self.state = StateFile(config.state_path)
+        earlier = self.state.load()  # what the frontends before this one (or beside it) changed
         if earlier is not None:
             self.adapters.clear()
             self.adapters.update(earlier.adapters)
@@ -203,7 +216,7 @@ class FrontendServer:
         self._router_sync: zmq.Socket | None = None  # the same socket without futures, for batched sends
         self._monitor: zmq.asyncio.Socket | None = None
         self._batch: list[list[bytes]] | None = None  # frames queued while one engine message is handled
-        self._status = StatusSender(config.status_address, "frontend") if config.status_address else None
+        self._status = StatusSender(config.status_address, self.name) if config.status_address else None
         self._draining = False  # shutting down: new requests are refused, live ones get shutdown_timeout_s
         self._live_at_shutdown = 0
         self._engine_heard_at = clock()  # the engine core's last message (its heartbeat while it works)
@@ -454,7 +467,7 @@ class FrontendServer:
                 health = Health(id=request_id, healthy=False, last_fault=f"health source failed: {exc}")
         if health is None:
             uptime = self.clock() - self._started
-            me = ProcessHealth(name="frontend", pid=os.getpid(), uptime_s=uptime, restarts=0, alive=True)
+            me = ProcessHealth(name=self.name, pid=os.getpid(), uptime_s=uptime, restarts=0, alive=True)
             health = Health(id=request_id, healthy=True, processes=[me])
         health.ready = self.replicas.any_up and not self._draining
         health.replicas_ready = [link.up and not self.replicas.paused[link.index] for link in self.replicas.links]
@@ -471,6 +484,11 @@ class FrontendServer:
         return health
 
     # ---- in-process clients (the HTTP API) -------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """"frontend", or "frontend I" for frontend I > 0 of --api-server-count (as the supervisor names them)."""
+        return frontend_name(self.config.api_server_index)
 
     @property
     def vocab_size(self) -> int:
@@ -582,11 +600,20 @@ class FrontendServer:
                 link.forget_stats(internal)
         if errors:
             raise RuntimeError(errors[0])
-        if path:
-            self.adapters[name] = path
-        else:
-            self.adapters.pop(name, None)
-        save_state(self.config.state_path, ServedState(adapters=dict(self.adapters)))
+        self._serve_adapters(self.state.update(dict(lora_pairs(self.config.lora_modules)), name, path))
+
+    def refresh_adapters(self) -> None:
+        """Serve what another frontend loaded or unloaded since this one last looked (--api-server-count > 1)."""
+        if self.config.api_server_count > 1:
+            changed = self.state.if_changed()
+            if changed is not None:
+                self._serve_adapters(changed.adapters)
+
+    def _serve_adapters(self, adapters: dict[str, str]) -> None:
+        """Serve these adapters (in place: the HTTP API holds the same dict)."""
+        if adapters != self.adapters:
+            self.adapters.clear()
+            self.adapters.update(adapters)
 
     def health(self) -> Health:
         """Each process's health, as a HealthQuery is answered."""
@@ -658,6 +685,7 @@ class FrontendServer:
         self._rejections_logged.clear()
         self.engine_ready.set()
         link.send(FrontendUp(prefix=link.prefix))  # the requests of a frontend before this one are ours to re-attach
+        self.refresh_adapters()
         at_start = dict(lora_pairs(self.config.lora_modules))  # what every engine core loads by itself
         for name, path in self.adapters.items():  # before the requests that may name them
             if at_start.get(name) != path:

@@ -119,7 +119,9 @@ def serve(**o) -> None:
                        f"{config.master_addr}:{config.master_port} (pid {os.getpid()})")
         else:
             http = f", HTTP on {sup.endpoints.http_endpoint}" if sup.endpoints and sup.endpoints.http_endpoint else ""
-            click.echo(f"metrale serving {sup.model_dir} on {sup.client_address}{http} (pid {os.getpid()})")
+            several = f"; {len(sup.frontends)} frontends, ZMQ ports {', '.join(map(str, sup.client_ports))}" \
+                if len(sup.frontends) > 1 else ""
+            click.echo(f"metrale serving {sup.model_dir} on {sup.client_address}{http} (pid {os.getpid()}){several}")
         sys.stdout.flush()
         sup.watch()
     finally:
@@ -273,7 +275,7 @@ def status(host: str, port: int, as_json: bool, api_key: str | None) -> None:
     grouped = {p.replica for p in health.processes if p.rank}  # replicas whose workers form a group of ranks
     for p in health.processes:
         state = "alive" if p.alive else "DOWN"
-        where = (f" replica {p.replica}" if replicas and p.name != "frontend" else "") + \
+        where = (f" replica {p.replica}" if replicas and not p.name.startswith("frontend") else "") + \
             (f" rank {p.rank}" if p.name == "gpu_worker" and p.replica in grouped else "")
         click.echo(f"{p.name:<12} pid {p.pid:<8} up {p.uptime_s:9.1f} s  restarts {p.restarts:<3} {state}{where}")
     click.echo(f"last fault: {health.last_fault or 'none'}")

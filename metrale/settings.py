@@ -93,6 +93,11 @@ SETTINGS: tuple[Setting, ...] = (
       flag="--port"),
     S("http_port", int | None, None, "also serve the OpenAI-compatible HTTP API on this port.", "serve",
       ("frontend",), flag="--http-port"),
+    # No range here: the supervisor checks it, so a bad value is one line (exit 2) like every start-up mistake.
+    S("api_server_count", int, 1,
+      "frontend processes (API servers) sharing the HTTP port (SO_REUSEPORT), each linked to every engine core; "
+      "frontend i takes ZMQ clients on --port + i.", "serve", ("supervisor", "frontend"),
+      flag="--api-server-count", vllm="--api-server-count", aliases=("-asc",)),
     S("dtype", str, "auto", "weights' and activations' dtype (auto: the checkpoint's, bfloat16 for a quantized GGUF).",
       "engine", ("runner",), flag="--dtype", vllm="--dtype", choices=DTYPES),
     S("quantization", str | None, None,

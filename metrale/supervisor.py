@@ -7,16 +7,18 @@ shared-memory segment an engine core owned is swept and the run directory remove
 
 Restarts. A dead worker is restarted on the same ring (the engine core requeues what it was running); a dead
 engine core is restarted with a fresh worker (its ring is swept; the frontend resubmits every live request);
-a dead frontend is restarted on the same addresses. A child that dies "in a row" — without having done any
-work since its start (for the worker: served no step), and within RestartPolicy.window_s of it — waits
+a dead frontend is restarted on the same addresses (with --api-server-count N, each of the N frontends is a child
+of its own: one that dies is restarted alone while the others serve on). A child that dies "in a row" — without
+having done any work since its start (for the worker: served no step), and within RestartPolicy.window_s of it — waits
 longer before each restart; after RestartPolicy.max_in_a_row such deaths it is not restarted again, and the
 server ends (`watch` returns, `given_up` says why) with a non-zero exit, so a service manager sees the failure
 instead of a supervisor running on without a child. A child that exits with EXIT_CONFIG (a port in use) is
 given up on at once: restarting it would fail the same way.
 
 Start-up is an event: the children report on a status channel in the run folder (ipc/status_channel.py),
-the frontend once it is bound and an engine core is up, a child that cannot run with why. So `start()` waits
-on that channel (never probing the client port, where another server might answer) and fails with one line.
+each frontend once it is bound and every engine core is up, a child that cannot run with why. So `start()` waits
+on that channel for every frontend (never probing the client port, where another server might answer) and fails
+with one line.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from metrale.config import EngineArgs, ServeConfig
 from metrale.frontend_process import API_KEY_ENV as FRONTEND_API_KEY_ENV
 from metrale.health_file import HealthFile, read_health
 from metrale.ipc.admin_channel import AdminInbox
+from metrale.ipc.frontend_ids import frontend_name
 from metrale.ipc.messages import Health, ProcessHealth
 from metrale.node_layout import layout, node_of_replica, replica_addresses, worker_argvs
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, WORKER_HUNG, ChildStatus, StatusInbox
@@ -112,8 +115,15 @@ class Supervisor:
             raise StartupError(str(e)) from None
         self.special_tokens = dataclasses.asdict(special_tokens_of(tokenizer))
         self.max_model_len = self.facts.max_model_len
-        if config.port == 0:
-            config.port = free_port(config.host)
+        if config.api_server_count < 1:
+            raise StartupError(f"--api-server-count {config.api_server_count}: there must be at least one frontend")
+        # Frontend i takes ZMQ clients on --port + i (a ROUTER cannot share a port); with --port 0, any free ones.
+        count = config.api_server_count
+        self.client_ports = [free_port(config.host) for _ in range(count)] if config.port == 0 else \
+            [config.port + i for i in range(count)]
+        config.port = self.client_ports[0]
+        if count > 1 and config.http_port == 0:  # every frontend binds the same port: choose it for them
+            config.http_port = free_port(config.host)
         if config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("binding %s: clients from other machines can reach this server", config.host)
         self.run_dir = Path(tempfile.mkdtemp(prefix="metrale-run-"))
@@ -126,13 +136,16 @@ class Supervisor:
             self.layout = layout(config)
         except ValueError as e:
             raise StartupError(str(e)) from None
+        if count > 1 and self.layout.multi_node:
+            raise StartupError(f"--api-server-count {count} with --nnodes {config.nnodes}: several frontends serve "
+                               "a server on one host only")
         local_ranks = max(1, len(self.layout.replicas)) * len(self.layout.ranks)
         self._threads_env = _worker_env(config.engine, local_ranks)
         self.replicas = [self._replica(k) for k in self.layout.replicas]
-        # Node 0 runs the frontend; another node of a group spanning the nodes runs only its ranks of it.
-        self.frontend = Child("frontend", self._frontend_argv(),
-                              env_extra={API_KEY_ENV[0]: config.api_key} if config.api_key else {}) \
-            if config.node_rank == 0 else None
+        # Node 0 runs the frontends; another node of a group spanning the nodes runs only its ranks of it.
+        key_env = {API_KEY_ENV[0]: config.api_key} if config.api_key else {}
+        self.frontends = [Child(frontend_name(i), self._frontend_argv(i), env_extra=key_env) for i in range(count)] \
+            if config.node_rank == 0 else []
         self.follower: WorkerGroup | None = None
         if self.layout.spans_nodes and config.node_rank > 0:
             self.follower = WorkerGroup("gpu_worker", self._follower_argvs, self._threads_env)
@@ -168,7 +181,16 @@ class Supervisor:
         rep.workers.argvs = lambda generation, rep=rep: self._worker_argvs(rep, generation)
         return rep
 
-    # The first replica's children by their single-engine names (tests replace them with stand-ins).
+    # The first frontend and the first replica's children by their single-engine names (tests replace them with
+    # stand-ins).
+    @property
+    def frontend(self) -> Child | None:
+        return self.frontends[0] if self.frontends else None
+
+    @frontend.setter
+    def frontend(self, child: Child) -> None:
+        self.frontends[0] = child
+
     @property
     def engine(self) -> Child:
         return self.replicas[0].engine
@@ -193,6 +215,7 @@ class Supervisor:
 
     @property
     def client_address(self) -> str:
+        """Frontend 0's ZMQ address (frontend i's is at client_ports[i])."""
         return f"tcp://{self.config.host}:{self.config.port}"
 
     @property
@@ -207,22 +230,24 @@ class Supervisor:
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.run_dir / name}"
 
-    def _engine_addresses(self, k: int) -> tuple[str, str]:
-        """Replica k's engine-core addresses: ipc:// in the run folder when it runs beside the frontend, else TCP to
-        node 0 (metrale/node_layout.py)."""
+    def _engine_addresses(self, k: int, frontend: int = 0) -> tuple[str, str]:
+        """The addresses between replica k's engine core and a frontend: ipc:// in the run folder when it runs beside
+        the frontends, else TCP to node 0 (metrale/node_layout.py; one frontend only)."""
         if node_of_replica(self.config, k) == 0 and self.config.node_rank == 0:
-            tag = "" if k == 0 else f"-{k}"
+            tag = ("" if k == 0 else f"-{k}") + ("" if frontend == 0 else f".fe{frontend}")
             return self._ipc(f"engine-in{tag}"), self._ipc(f"engine-out{tag}")
         return replica_addresses(self.config, k)
 
-    def _frontend_argv(self) -> list[str]:
-        every = [self._engine_addresses(k) for k in range(self.config.engine.data_parallel_size)]
+    def _frontend_argv(self, i: int = 0) -> list[str]:
+        """Frontend i's command line: its own ZMQ port and its own two addresses for each engine core."""
+        every = [self._engine_addresses(k, i) for k in range(self.config.engine.data_parallel_size)]
+        count = self.config.api_server_count
         fe = {
             "model_dir": self.model_dir,
             "engine_input_address": every[0][0],
             "engine_output_address": every[0][1],
             "replica_addresses": [list(a) for a in every[1:]],
-            "client_address": self.client_address,
+            "client_address": f"tcp://{self.config.host}:{self.client_ports[i]}",
             "max_model_len": self.max_model_len,
             "max_frame_bytes": self.config.max_frame_bytes,
             "http_host": self.config.host,
@@ -243,6 +268,11 @@ class Supervisor:
             "log_requests": not self.config.disable_log_requests,
             "enable_force_include_usage": self.config.enable_force_include_usage,
             "max_logprobs": self.config.engine.max_logprobs,
+            "api_server_count": count,
+            "api_server_index": i,
+            # Where each frontend serves its own counters to the one a /metrics scrape reaches (HTTP only).
+            "api_server_sockets": [str(self.run_dir / f"api-server-{j}.sock") for j in range(count)]
+            if count > 1 and self.config.http_port is not None else [],
         }
         return [sys.executable, "-m", "metrale.frontend_process", json.dumps(fe), str(self.health_path)]
 
@@ -254,6 +284,7 @@ class Supervisor:
             serve=msgspec.structs.replace(self.config, api_key=None),  # a command line is no place for a key
             input_address=rep.input_address,
             output_address=rep.output_address,
+            more_frontends=[list(self._engine_addresses(rep.index, i)) for i in range(1, self.config.api_server_count)],
             ring_token=token,
             max_model_len=self.max_model_len,
             vocab_size=self.facts.vocab_size,
@@ -281,12 +312,12 @@ class Supervisor:
         """Start every process and wait until a request can be served; StartupError (one line) if one cannot run.
 
         Another node than node 0 starts its processes and returns (node 0's frontend says when the server serves)."""
-        if self.frontend is not None:
-            self.frontend.start(self.env, self.clock())
+        for frontend in self.frontends:
+            frontend.start(self.env, self.clock())
         for rep in self.replicas:
             self._start_engine(rep)
         self._write_health()
-        if self.frontend is not None:
+        if self.frontends:
             self._wait_until_serving(ready_timeout_s)
 
     def _start_engine(self, rep: Replica) -> None:
@@ -308,8 +339,8 @@ class Supervisor:
             self.node_store.publish_generation(rep.workers.generation)
 
     def _children(self) -> list[Child]:
-        """Every process, the frontend first."""
-        out = [self.frontend] if self.frontend is not None else []
+        """Every process, the frontends first."""
+        out = list(self.frontends)
         for rep in self.replicas:
             out += [rep.engine, *rep.workers.ranks]
         if self.follower is not None:
@@ -317,16 +348,22 @@ class Supervisor:
         return out
 
     def _wait_until_serving(self, timeout_s: float) -> None:
-        """Wait for the frontend's SERVING on the status channel (a child's FAILED, or its death, ends it)."""
+        """Wait for every frontend's SERVING on the status channel (a child's FAILED, or its death, ends it);
+        endpoints are frontend 0's."""
         deadline = time.monotonic() + timeout_s
+        serving: set[str] = set()
         while True:
             status = self.inbox.receive(WATCH_INTERVAL_S * 4)
             if status is not None:
                 if status.state == FAILED:
                     raise StartupError(status.detail)
                 if status.state == SERVING:
-                    self.endpoints = status
-                    return
+                    serving.add(status.name)
+                    if status.name == self.frontends[0].name:
+                        self.endpoints = status
+                    if serving >= {f.name for f in self.frontends}:
+                        return
+                    continue
                 self._note(status)
             for child in self._children():
                 if not child.alive:
@@ -347,7 +384,7 @@ class Supervisor:
         while not self._stop_requested and not self._stop.wait(WATCH_INTERVAL_S):
             try:
                 self.check_children()
-                if self.frontend is None and self.node_store is not None and self.node_store.shutting_down():
+                if not self.frontends and self.node_store is not None and self.node_store.shutting_down():
                     log.info("node 0 is shutting down; so is this node")
                     return
             except NodeStoreLost as e:  # only another node's supervisor talks to a store it does not host
@@ -397,8 +434,8 @@ class Supervisor:
                 if self._died(rep.workers, now, rep) and rep.workers.size > 1:
                     rep.workers.kill()  # the rest of a broken group waits in collectives that cannot finish
                     self._sweep()
-        if self.frontend is not None:
-            self._died(self.frontend, now)
+        for frontend in self.frontends:
+            self._died(frontend, now)
         for rep in self.replicas:
             if self._due(rep.engine, now):
                 rep.engine.restarts += 1
@@ -410,10 +447,12 @@ class Supervisor:
                 self._start_workers(rep, now)
                 log.warning("worker%s restarted (restart %d)", "s" + _of(rep) if rep.workers.size > 1 else _of(rep),
                             rep.workers.restarts)
-        if self.frontend is not None and self._due(self.frontend, now):
-            self.frontend.restarts += 1
-            self.frontend.start(self.env, now)
-            log.warning("frontend restarted on %s (restart %d)", self.client_address, self.frontend.restarts)
+        for i, frontend in enumerate(self.frontends):  # each alone: the others serve on meanwhile
+            if self._due(frontend, now):
+                frontend.restarts += 1
+                frontend.start(self.env, now)
+                log.warning("%s restarted on tcp://%s:%d (restart %d)", frontend.name, self.config.host,
+                            self.client_ports[i], frontend.restarts)
         self._write_health()
 
     def _follow(self, now: float) -> None:
@@ -498,8 +537,13 @@ class Supervisor:
         self._stop.set()
         if self.node_store is not None and self.config.node_rank == 0:
             self.node_store.announce_shutdown()
-        if self.frontend is not None:
-            self.frontend.stop(grace_s=self.config.shutdown_timeout_s + 5.0)
+        # Every frontend drains at once (each one SIGTERM: a second would cut its drain short).
+        stopping = [threading.Thread(target=f.stop, args=(self.config.shutdown_timeout_s + 5.0,), daemon=True)
+                    for f in self.frontends]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()
         for rep in self.replicas:
             rep.engine.stop(grace_s=10.0)
         for rep in self.replicas:
@@ -535,7 +579,7 @@ class Supervisor:
             return ProcessHealth(name=c.name, pid=c.pid, uptime_s=now - c.started if c.alive else 0.0,
                                  restarts=restarts, alive=c.alive, replica=replica, rank=rank)
 
-        procs = [entry(self.frontend, self.frontend.restarts)] if self.frontend is not None else []
+        procs = [entry(f, f.restarts) for f in self.frontends]
         for rep in self.replicas:
             procs.append(entry(rep.engine, rep.engine.restarts, rep.index))
             ranks = rep.workers.ranks or [Child(rep.workers.role, [])]

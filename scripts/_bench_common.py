@@ -264,6 +264,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO)
         self.pids: set[int] = {self.proc.pid}
         self.port = 0
+        self.ports: list[int] = []  # every frontend's ZMQ port (--api-server-count), frontend 0's first
         try:
             self._wait_ready(ready_timeout_s)
             self.pids |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
@@ -274,9 +275,11 @@ class ServeProcess:
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            match = re.search(r"metrale serving .* on tcp://[^:]+:(\d+)", self.log_text())
+            match = re.search(r"metrale serving .* on tcp://[^:]+:(\d+).*", self.log_text())
             if match:
                 self.port = int(match.group(1))
+                several = re.search(r"ZMQ ports ([\d, ]+)", match.group(0))
+                self.ports = [int(p) for p in several.group(1).split(",")] if several else [self.port]
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"metrale serve exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
@@ -419,13 +422,14 @@ class RingWatch:
         }
 
 
-async def _drive(port: int, prompts, params_list, num_clients: int, watch: RingWatch | None,
+async def _drive(port: int | list[int], prompts, params_list, num_clients: int, watch: RingWatch | None,
                  offsets: list[float] | None) -> Timeline:
     """Run every prompt through num_clients AsyncClients, all at once or request i at start + offsets[i];
     per-token timeline, watch filled in."""
     from metrale import AsyncClient
 
-    clients = [AsyncClient(port=port, timeout=600.0) for _ in range(num_clients)]
+    ports = port if isinstance(port, list) else [port]
+    clients = [AsyncClient(port=ports[i % len(ports)], timeout=600.0) for i in range(num_clients)]
     timeline = Timeline()
     n = len(prompts)
     started, finished = [0], [0]
@@ -470,10 +474,11 @@ async def _drive(port: int, prompts, params_list, num_clients: int, watch: RingW
     return timeline
 
 
-def run_clients(port: int, prompts, params, num_clients: int | None = None, watch: RingWatch | None = None,
+def run_clients(port: int | list[int], prompts, params, num_clients: int | None = None, watch: RingWatch | None = None,
                 offsets: list[float] | None = None) -> Timeline:
     """The prompts through `metrale serve` on port (uvloop when available), one client per request by default;
-    params is one SamplingParams or one per prompt; offsets, when given, are each request's send time (s)."""
+    params is one SamplingParams or one per prompt; offsets, when given, are each request's send time (s). A list
+    of ports (one per frontend, --api-server-count) spreads the clients over them in turn."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     coro = _drive(port, prompts, params_list, min(num_clients or len(prompts), len(prompts)), watch, offsets)
     try:

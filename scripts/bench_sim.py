@@ -23,9 +23,15 @@ a 5 ms step and < 3 % at 1,024 with an 8 ms step (pipelined); throughput ≥ 1.2
 engine core's time per tick at 1,024 rows ≤ 40 % of the step. On a busy or small box the client and frontend
 share the engine core's cores, so figures from one are a floor, not the engine's.
 
+With --api-servers A,B the two servers are both pipelined, with --api-server-count A and B (issue 36: the frontend's
+CPU per process should halve from 1 to 2): the clients spread over the frontends' ZMQ ports in turn;
+frontend_cpu_ms_per_tick is every frontend's CPU together, frontend_cpu_ms_per_tick_per_process one frontend's on
+average and frontend_cpu_ms_per_tick_max the busiest one's. The ratio is then api_servers_B_vs_api_servers_A.
+
     python scripts/bench_sim.py [--levels 64,256,1024] [--step-ms 3,0.003,0.002] [--waves 2] [--load 1.2]
                                 [--prompt-len 32,512] [--max-tokens 16,256] [--reps 1] [--shared-prefix 0.5]
                                 [--penalties 0.25] [--grammar 0.05] [--kv-blocks N] [--clients 64]
+                                [--api-servers 1,2]
 
 Prints one JSON line on stdout (tables go to stderr).
 """
@@ -62,7 +68,7 @@ from _bench_common import (  # noqa: E402
     table,
 )
 
-MODES = ("pipelined", "no_pipeline")
+MODES = {"pipelined": [], "no_pipeline": ["--no-pipeline"]}  # the two servers compared: their flags
 NUM_PREFIXES = 4
 PREFIX_LEN = 256
 CHOICES = ["alpha", "beta", "gamma", "delta"]
@@ -84,7 +90,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--grammar", type=float, default=0.05, help="share of requests that are grammar rows (a choice)")
     ap.add_argument("--kv-blocks", type=int, default=None, help="KV pool size (small: preemption)")
     ap.add_argument("--clients", type=int, default=64, help="AsyncClients the requests are spread over")
+    ap.add_argument("--api-servers", default=None,
+                    help="A,B: compare two pipelined servers with --api-server-count A and B (instead of pipelined "
+                         "against --no-pipeline)")
     args = ap.parse_args(argv)
+    if args.api_servers:
+        a, b = (int(x) for x in args.api_servers.split(","))
+        args.modes = {f"api_servers_{k}": ["--api-server-count", str(k)] for k in (a, b)}
+    else:
+        args.modes = MODES
     args.level_list = [int(x) for x in args.levels.split(",")]
     args.prompt_range = _range(args.prompt_len)
     args.output_range = _range(args.max_tokens)
@@ -130,7 +144,7 @@ def run_once(server: ServeProcess, watch: RingWatch, work, num_clients: int) -> 
     """One run of the workload against a server; its figures."""
     offsets, prompts, params, expect = work
     cpu0 = process_cpu_s(server)
-    timeline = run_clients(server.port, prompts, params, num_clients, watch, offsets)
+    timeline = run_clients(server.ports, prompts, params, num_clients, watch, offsets)
     cpu1 = process_cpu_s(server)
     figures = timeline.figures()
     for key in ("decode_tok_s", "itl_ms_p99", "tpot_ms_median"):
@@ -150,22 +164,30 @@ def run_once(server: ServeProcess, watch: RingWatch, work, num_clients: int) -> 
         for role in ("engine_core", "frontend"):
             if role in cpu0 and role in cpu1:
                 figures[f"{role}_cpu_ms_per_tick"] = round((cpu1[role] - cpu0[role]) / steps * 1e3, 3)
+        each = [(cpu1[k] - cpu0[k]) / steps * 1e3 for k in cpu1 if k.startswith("frontend ") and k in cpu0]
+        if each:  # per frontend process (a frontend restarted meanwhile would be missing: none is here)
+            figures["frontends"] = len(each)
+            figures["frontend_cpu_ms_per_tick_per_process"] = round(sum(each) / len(each), 3)
+            figures["frontend_cpu_ms_per_tick_max"] = round(max(each), 3)
         if "engine_core_cpu_ms_per_tick" in figures:
             figures["tick_vs_step"] = round(figures["engine_core_cpu_ms_per_tick"] / figures["step_ms_mean"], 3)
     return figures
 
 
 def process_cpu_s(server: ServeProcess) -> dict[str, float]:
-    """CPU seconds so far of the server's engine core and frontend, by role."""
+    """CPU seconds so far of the server's engine core and frontends, by role (every frontend together under
+    "frontend", each also under "frontend PID")."""
     roles = {"metrale.engine_core.core": "engine_core", "metrale.frontend_process": "frontend"}
-    out = {}
+    out: dict[str, float] = {}
     with contextlib.suppress(psutil.Error):
         for p in psutil.Process(server.proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 role = next((r for key, r in roles.items() if key in p.cmdline()), None)
                 if role is not None:
                     t = p.cpu_times()
-                    out[role] = t.user + t.system
+                    out[role] = out.get(role, 0.0) + t.user + t.system
+                    if role == "frontend":
+                        out[f"frontend {p.pid}"] = t.user + t.system
     return out
 
 
@@ -180,24 +202,26 @@ def measure_level(n: int, args: argparse.Namespace, model_dir: Path, vocab_end: 
     requests = max(1, int(args.waves * n))
     servers: dict[str, ServeProcess] = {}
     readers: dict[str, WorkerRingReader | None] = {}
+    modes = list(args.modes)
     try:
-        servers["pipelined"] = ServeProcess(model_dir, *flags, env=env)
-        servers["no_pipeline"] = ServeProcess(model_dir, *flags, "--no-pipeline", env=env)
+        for mode, mode_flags in args.modes.items():
+            servers[mode] = ServeProcess(model_dir, *flags, *mode_flags, env=env)
         for mode, server in servers.items():
             readers[mode] = WorkerRingReader(server.ring_name())
         warm = workload(30_000 + n, min(32, requests), rate, args, vocab_end)
-        for mode in MODES:
+        for mode in modes:
             run_once(servers[mode], RingWatch(readers[mode]), warm, args.clients)
-        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
         for rep in range(args.reps):
             work = workload(rep, requests, rate, args, vocab_end)
-            for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+            for mode in (modes if rep % 2 == 0 else modes[::-1]):
                 settle(0.3, max_s=2.0)
                 runs[mode].append(run_once(servers[mode], RingWatch(readers[mode]), work, args.clients))
             meter.sample()
             note(f"N={n} rep {rep}: " + ", ".join(
                 f"{m} {runs[m][-1]['throughput_tok_s']:.0f} tok/s idle {runs[m][-1]['device_idle']} "
-                f"tick {runs[m][-1].get('engine_core_cpu_ms_per_tick')} ms" for m in MODES))
+                f"tick {runs[m][-1].get('engine_core_cpu_ms_per_tick')} ms "
+                f"frontend {runs[m][-1].get('frontend_cpu_ms_per_tick_per_process')} ms/tick a process" for m in modes))
         return {"rate_req_s": round(rate, 2), "requests": requests, "runs": runs}
     finally:
         close_all(readers, servers)
@@ -214,21 +238,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="metrale-bench-sim-") as tmp:
         model_dir = write_weightless_model(Path(tmp) / args.preset, args.preset)
         vocab_end = plain_vocab_end(model_dir)
+        first, second = list(args.modes)
+        ratio = "pipelined_vs_no_pipeline" if first == "pipelined" else f"{second}_vs_{first}"
         for n in args.level_list:
             got = measure_level(n, args, model_dir, vocab_end, meter)
             levels[str(n)] = {
                 "rate_req_s": got["rate_req_s"],
                 "requests": got["requests"],
                 "step_ms_at_n_decodes": round(args.cost.seconds(n, n) * 1e3, 3),
-                **{m: median_figures(got["runs"][m]) for m in MODES},
-                "pipelined_vs_no_pipeline": paired_ratio(got["runs"]["pipelined"], got["runs"]["no_pipeline"]),
+                **{m: median_figures(got["runs"][m]) for m in args.modes},
+                # pipelined ÷ no_pipeline, or B ÷ A frontends
+                ratio: paired_ratio(*(got["runs"][m] for m in
+                                      ((first, second) if first == "pipelined" else (second, first)))),
             }
     rows = [[n, m, f[m]["throughput_tok_s"], f[m]["device_idle"], f[m].get("step_ms_mean"),
              f[m].get("engine_core_cpu_ms_per_tick"), f[m].get("tick_vs_step"), f[m].get("frontend_cpu_ms_per_tick"),
-             f["pipelined_vs_no_pipeline"] if m == "pipelined" else None]
-            for n, f in levels.items() for m in MODES]
+             f[m].get("frontend_cpu_ms_per_tick_per_process"), f[ratio] if m == first else None]
+            for n, f in levels.items() for m in args.modes]
     note(table(rows, ["N", "mode", "tok/s", "device idle", "step ms", "engine ms/tick", "tick/step",
-                      "frontend ms/tick", "pipelined/sync"]))
+                      "frontend ms/tick", "per frontend", ratio.replace("_vs_", "/")]))
     emit({
         "bench": "sim",
         "commit": commit,
@@ -245,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "grammar": args.grammar,
         "kv_blocks": args.kv_blocks,
         "clients": args.clients,
+        "modes": args.modes,
         "levels": levels,
         "targets": {"idle_256_5ms": 0.01, "idle_1024_8ms": 0.03, "gain_256": 1.2, "tick_vs_step_1024": 0.4},
         "machine": meter.report(),

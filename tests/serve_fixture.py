@@ -62,10 +62,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, *args: str, ready_timeout: float = 180.0, api_key: str | None = None):
+def running_server(model_dir, *args: str, ready_timeout: float = 180.0, api_key: str | None = None,
+                   port: int | None = None):
     """Yield a Server; on exit SIGTERM it, and fail if a process or a segment outlived it. With api_key, the
-    server gets it in its environment (METRALE_API_KEY) and Server.client() sends it."""
-    port = free_port()
+    server gets it in its environment (METRALE_API_KEY) and Server.client() sends it. port: its --port (default: a
+    free one)."""
+    port = port or free_port()
     log = tempfile.NamedTemporaryFile(prefix="metrale-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "metrale.cli", "serve", "--model", str(model_dir), "--port", str(port), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("METRALE_API_KEY", "VLLM_API_KEY")}

@@ -1,0 +1,100 @@
+"""FrontendLinks: an engine core's sockets to the frontends it serves (one, or --api-server-count of them).
+
+Each frontend binds an input and an output address for each engine core (frontend/engine_link.py). The engine core
+connects one PULL to every frontend's input address (libzmq takes from them in turn) and one PUSH to each frontend's
+output address, and sends what answers an id to the frontend the id names (ipc/frontend_ids.py): a request's
+outputs, a StatsResponse, a LoraUpdated. What concerns every frontend (EngineReady, WorkerLost, WorkerBack) goes to
+all. A frontend that has been sent nothing for heartbeat_s gets an empty EngineOutputs: its heartbeat (a frontend
+with requests live counts a silent engine core as stalled).
+
+The PUSH sockets are unbounded (SNDHWM 0): while a dead frontend is restarted, the tick loop must not block on its
+socket; what queued for it meanwhile reaches its successor, which ignores ids that are not its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from metrale.ipc.frontend_ids import frontend_of_prefix, prefix_of
+from metrale.ipc.messages import EngineLoad, EngineOutput, EngineOutputs, RequestOutputDelta
+
+_MAX_ROUTES = 4096  # prefixes remembered (a few per frontend start); past this the cache starts over
+
+
+class FrontendLinks:
+    """The inbox from every frontend, an outbox to each, and which frontend an id belongs to."""
+
+    def __init__(self, ctx: zmq.Context, addresses: list[tuple[str, str]], heartbeat_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """addresses: (input, output) of each frontend, frontend 0 first."""
+        self.heartbeat_s = heartbeat_s
+        self.clock = clock
+        self.inbox = ctx.socket(zmq.PULL)
+        for inp, _ in addresses:
+            self.inbox.connect(inp)
+        self._outs: list[zmq.Socket] = []
+        for _, out in addresses:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(out)
+            self._outs.append(sock)
+        self._sent_at = [clock()] * len(self._outs)  # the last frame to each frontend (outputs or a heartbeat)
+        self._routes: dict[str, int] = {}  # prefix -> frontend
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def __len__(self) -> int:
+        return len(self._outs)
+
+    def frontend_of(self, request_id: str) -> int:
+        """The frontend an id's answer goes to (0 for an id that names none it knows)."""
+        if len(self._outs) == 1:
+            return 0
+        prefix = prefix_of(request_id)
+        k = self._routes.get(prefix)
+        if k is None:
+            k = frontend_of_prefix(prefix)
+            if not 0 <= k < len(self._outs):
+                k = 0
+            if len(self._routes) >= _MAX_ROUTES:
+                self._routes.clear()
+            self._routes[prefix] = k
+        return k
+
+    def broadcast(self, msg: EngineOutput) -> None:
+        """Send one message to every frontend."""
+        frame = self._encoder.encode(msg)
+        for k in range(len(self._outs)):
+            self._send_frame(k, frame)
+
+    def answer(self, request_id: str, msg: EngineOutput) -> None:
+        """Send what answers request_id to the frontend that asked."""
+        self._send_frame(self.frontend_of(request_id), self._encoder.encode(msg))
+
+    def send_outputs(self, outputs: list[RequestOutputDelta], load: EngineLoad | None) -> None:
+        """One tick's outputs, each to its frontend; a frontend with none gets its heartbeat when it is due."""
+        now = self.clock()
+        if len(self._outs) == 1:
+            if outputs or now - self._sent_at[0] >= self.heartbeat_s:
+                self._send_frame(0, self._encoder.encode(EngineOutputs(outputs=outputs, load=load)))
+            return
+        parts: list[list[RequestOutputDelta]] = [[] for _ in self._outs]
+        for out in outputs:
+            parts[self.frontend_of(out.request_id)].append(out)
+        for k, part in enumerate(parts):
+            if part or now - self._sent_at[k] >= self.heartbeat_s:
+                self._send_frame(k, self._encoder.encode(EngineOutputs(outputs=part, load=load)))
+
+    def _send_frame(self, k: int, frame: bytes) -> None:
+        self._outs[k].send(frame)
+        self._sent_at[k] = self.clock()
+
+    def close(self) -> None:
+        """Close the inbox at once; each outbox lingers a moment so a last answer goes out."""
+        self.inbox.close(0)
+        for sock in self._outs:
+            sock.close()
