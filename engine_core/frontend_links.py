@@ -56,13 +56,16 @@ class FrontendLinks:
             return 0
         prefix = prefix_of(request_id)
         k = self._routes.get(prefix)
-        if k is None:
-            k = frontend_of_prefix(prefix)
-            if not 0 <= k < len(self._outs):
-                k = 0
-            if len(self._routes) >= _MAX_ROUTES:
-                self._routes.clear()
-            self._routes[prefix] = k
+        return k if k is not None else self._route(prefix)
+
+    def _route(self, prefix: str) -> int:
+        """A prefix not seen before: its frontend, remembered."""
+        k = frontend_of_prefix(prefix)
+        if not 0 <= k < len(self._outs):
+            k = 0
+        if len(self._routes) >= _MAX_ROUTES:
+            self._routes.clear()
+        self._routes[prefix] = k
         return k
 
     def broadcast(self, msg: EngineOutput) -> None:
@@ -83,8 +86,11 @@ class FrontendLinks:
                 self._send_frame(0, self._encoder.encode(EngineOutputs(outputs=outputs, load=load)))
             return
         parts: list[list[RequestOutputDelta]] = [[] for _ in self._outs]
-        for out in outputs:
-            parts[self.frontend_of(out.request_id)].append(out)
+        routes = self._routes
+        for out in outputs:  # frontend_of, inlined: this loop runs over every row of every tick
+            prefix = out.request_id.partition("-")[0]
+            k = routes.get(prefix)
+            parts[k if k is not None else self._route(prefix)].append(out)
         for k, part in enumerate(parts):
             if part or now - self._sent_at[k] >= self.heartbeat_s:
                 self._send_frame(k, self._encoder.encode(EngineOutputs(outputs=part, load=load)))

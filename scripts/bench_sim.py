@@ -26,7 +26,9 @@ share the engine core's cores, so figures from one are a floor, not the engine's
 With --api-servers A,B the two servers are both pipelined, with --api-server-count A and B (issue 36: the frontend's
 CPU per process should halve from 1 to 2): the clients spread over the frontends' ZMQ ports in turn;
 frontend_cpu_ms_per_tick is every frontend's CPU together, frontend_cpu_ms_per_tick_per_process one frontend's on
-average and frontend_cpu_ms_per_tick_max the busiest one's. The ratio is then api_servers_B_vs_api_servers_A.
+average and frontend_cpu_ms_per_tick_max the busiest one's. The ratio is then api_servers_B_vs_api_servers_A. The
+same CPU is also given per output token (*_cpu_us_per_token): two servers that batch the same workload into
+different numbers of steps (more tokens a step) differ per tick at the same load, not per token.
 
     python scripts/bench_sim.py [--levels 64,256,1024] [--step-ms 3,0.003,0.002] [--waves 2] [--load 1.2]
                                 [--prompt-len 32,512] [--max-tokens 16,256] [--reps 1] [--shared-prefix 0.5]
@@ -169,6 +171,14 @@ def run_once(server: ServeProcess, watch: RingWatch, work, num_clients: int) -> 
             figures["frontends"] = len(each)
             figures["frontend_cpu_ms_per_tick_per_process"] = round(sum(each) / len(each), 3)
             figures["frontend_cpu_ms_per_tick_max"] = round(max(each), 3)
+    tokens = figures.get("output_tokens")
+    if tokens:  # per token: the same for two servers given the same workload, whatever their steps' sizes
+        for role in ("engine_core", "frontend"):
+            if role in cpu0 and role in cpu1:
+                figures[f"{role}_cpu_us_per_token"] = round((cpu1[role] - cpu0[role]) / tokens * 1e6, 2)
+        if figures.get("frontends"):
+            figures["frontend_cpu_us_per_token_per_process"] = round(
+                figures["frontend_cpu_us_per_token"] / figures["frontends"], 2)
         if "engine_core_cpu_ms_per_tick" in figures:
             figures["tick_vs_step"] = round(figures["engine_core_cpu_ms_per_tick"] / figures["step_ms_mean"], 3)
     return figures
@@ -253,10 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             }
     rows = [[n, m, f[m]["throughput_tok_s"], f[m]["device_idle"], f[m].get("step_ms_mean"),
              f[m].get("engine_core_cpu_ms_per_tick"), f[m].get("tick_vs_step"), f[m].get("frontend_cpu_ms_per_tick"),
-             f[m].get("frontend_cpu_ms_per_tick_per_process"), f[ratio] if m == first else None]
+             f[m].get("frontend_cpu_ms_per_tick_per_process"), f[m].get("frontend_cpu_us_per_token_per_process"),
+             f[ratio] if m == first else None]
             for n, f in levels.items() for m in args.modes]
     note(table(rows, ["N", "mode", "tok/s", "device idle", "step ms", "engine ms/tick", "tick/step",
-                      "frontend ms/tick", "per frontend", ratio.replace("_vs_", "/")]))
+                      "frontend ms/tick", "per frontend", "µs/token per frontend", ratio.replace("_vs_", "/")]))
     emit({
         "bench": "sim",
         "commit": commit,
