@@ -117,6 +117,9 @@ class Supervisor:
         self.max_model_len = self.facts.max_model_len
         if config.api_server_count < 1:
             raise StartupError(f"--api-server-count {config.api_server_count}: there must be at least one frontend")
+        if config.api_server_count > 1 and config.nnodes > 1:
+            raise StartupError(f"--api-server-count {config.api_server_count} with --nnodes {config.nnodes}: several "
+                               "frontends serve a server on one host only")
         # Frontend i takes ZMQ clients on --port + i (a ROUTER cannot share a port); with --port 0, any free ones.
         count = config.api_server_count
         self.client_ports = [free_port(config.host) for _ in range(count)] if config.port == 0 else \
@@ -136,9 +139,6 @@ class Supervisor:
             self.layout = layout(config)
         except ValueError as e:
             raise StartupError(str(e)) from None
-        if count > 1 and self.layout.multi_node:
-            raise StartupError(f"--api-server-count {count} with --nnodes {config.nnodes}: several frontends serve "
-                               "a server on one host only")
         local_ranks = max(1, len(self.layout.replicas)) * len(self.layout.ranks)
         self._threads_env = _worker_env(config.engine, local_ranks)
         self.replicas = [self._replica(k) for k in self.layout.replicas]

@@ -188,10 +188,13 @@ def test_sigterm_drains_the_live_streams_of_every_frontend(base):
         assert s.proc.wait(60) == 0
 
 
-@pytest.mark.parametrize("count", ["0", "-1"])
-def test_a_bad_api_server_count_is_one_line_exit_2(base, count):
-    line = one_error_line(serve("--model", str(base), "--port", str(free_port()), "--api-server-count", count))
-    assert f"--api-server-count {count}" in line
+@pytest.mark.parametrize("args,says", [
+    (["--api-server-count", "0"], "--api-server-count 0: there must be at least one frontend"),
+    (["--api-server-count", "-1"], "--api-server-count -1"),
+    (["--api-server-count", "2", "--nnodes", "2"], "--api-server-count 2 with --nnodes 2"),
+])
+def test_a_bad_api_server_count_is_one_line_exit_2(base, args, says):
+    assert says in one_error_line(serve("--model", str(base), "--port", str(free_port()), *args))
 
 
 def test_a_taken_port_of_frontend_1_is_one_line_exit_2(base):
