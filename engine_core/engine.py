@@ -424,6 +424,7 @@ class EngineCore:
                         seq.num_cached_tokens if finishing or pending == seq.num_output else None,
                         o.prompt_entries if pending and pending == seq.num_output else None,
                         o.embedding if finishing else None,
+                        seq.queued_s if finishing or pending == seq.num_output else None,
                     )
                 )
                 self.generated_tokens += pending

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 
 from metrale.ipc.errors import ErrorCode, Refused
@@ -305,6 +306,7 @@ class Scheduler:
         heapq.heappop(self._waiting)
         if seq.num_cached_tokens is None:  # the first admission's hit counts (a recompute's does not)
             seq.num_cached_tokens = seq.num_computed
+            seq.queued_s = time.monotonic() - seq.received_at
         self.pool.allocate(seq, seq.num_computed + k)
         self._start(seq, k, step)
         return True

@@ -12,6 +12,7 @@ tests/test_state_owners.py holds the table of which module writes which type and
 from __future__ import annotations
 
 import enum
+import time
 from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -126,6 +127,8 @@ class Sequence:
     num_preemptions: int = 0
     # Prompt tokens its first admission found in the prefix cache (usage's cached_tokens); None until admitted.
     num_cached_tokens: int | None = None
+    received_at: float = field(default_factory=time.monotonic)  # when this engine core took it
+    queued_s: float | None = None  # received_at to its first admission (vLLM's queue time); None until admitted
     # Engine failures while it ran (EngineCore.contain_failure); until it holds suspect_until tokens it runs alone.
     failures: int = 0
     suspect_until: int = 0

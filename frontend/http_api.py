@@ -63,6 +63,7 @@ class HttpApi:
         self.model = ServedModel(names=tuple(server.model_names), dir=cfg.model_dir,
                                  dir_named=not cfg.served_model_names, sampling_defaults=server.sampling_defaults,
                                  force_usage=cfg.enable_force_include_usage,
+                                 per_request_metrics=cfg.enable_per_request_metrics,
                                  adapters=server.adapters)
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)

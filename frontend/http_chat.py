@@ -45,6 +45,9 @@ class ChatRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     documents: list[dict] | None = None
     echo: bool = False  # vLLM's: the last message's content in front of the answer, when its role is the answer's
+    # vLLM's disaggregated serving: its prompt_token_ids (the prefill stage's) are the prompt, messages unrendered;
+    # metrale moves no KV between servers, so its other keys change nothing
+    kv_transfer_params: dict | None = None
 
 
 class ChatCompletions:
@@ -72,7 +75,8 @@ class ChatCompletions:
         run, choices, ids, logprobs = chat.run, chat.choices, chat.prompt_ids, chat.logprobs
         voice = Voice.of(body)
         try:
-            reply = Reply("chatcmpl", "chat.completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage)
+            reply = Reply("chatcmpl", "chat.completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage,
+                          per_request_metrics=self.model.per_request_metrics)
             label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
             return_ids = bool(body.return_token_ids)
             pinned = body.logprob_token_ids  # the alternatives listed, when asked for by id
@@ -101,9 +105,14 @@ class ChatCompletions:
         except ToolChoiceError as exc:
             raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools",
                            code="invalid_value") from None
-        prompt = self.render(body)
-        ids = await prompt_ids(self.server, body, prompt, None, False) \
-            if needs_prompt_ids(body, self.model.force_usage) else None
+        forwarded = _forwarded_ids(body.kv_transfer_params, self.server.vocab_size)
+        if forwarded is not None:
+            prompt = self.server.tokenizer.decode(forwarded, skip_special_tokens=False)  # where reasoning opens
+            ids = await prompt_ids(self.server, body, None, forwarded, False)
+        else:
+            prompt = self.render(body)
+            ids = await prompt_ids(self.server, body, prompt, None, False) \
+                if needs_prompt_ids(body, self.model.force_usage) else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         explicit_max = max_tokens is not None  # then it must fit beside the prompt (400 otherwise)
         if max_tokens is None:
@@ -308,6 +317,22 @@ def _logprob_entry(name: str, logprob: float) -> dict:
 def _finish_reason(c: Choice, reason: str | None) -> str | None:
     """OpenAI's finish_reason: "tool_calls" for a choice that stopped after calling tools."""
     return "tool_calls" if reason == "stop" and c.tools is not None and c.tools.calls else reason
+
+
+def _forwarded_ids(kv_transfer_params: dict | None, vocab_size: int) -> list[int] | None:
+    """kv_transfer_params' prompt_token_ids (vLLM's decode-side reuse of the prefill stage's tokens), None when not
+    given; 400 naming it when it is not a non-empty list of the vocabulary's ids."""
+    ids = (kv_transfer_params or {}).get("prompt_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise ApiError(400, "kv_transfer_params.prompt_token_ids must be a non-empty list of token ids",
+                       param="kv_transfer_params.prompt_token_ids", code="invalid_value")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(400, f"Token id {bad[0]} is out of vocabulary (this model's ids are 0 to {vocab_size - 1})",
+                       param="kv_transfer_params.prompt_token_ids", code="invalid_value")
+    return ids
 
 
 def _refuse_unsupported(body: ChatRequest) -> None:

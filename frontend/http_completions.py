@@ -87,7 +87,8 @@ class Completions:
         else:
             run = await self._start(body, prompts)
         try:
-            reply = Reply("cmpl", "text_completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage)
+            reply = Reply("cmpl", "text_completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage,
+                          per_request_metrics=self.model.per_request_metrics)
             label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
             if body.stream:
                 return await stream(request, run, choices, reply, lambda c, msg: self._chunk(c, msg, label, body, echo))

@@ -86,6 +86,7 @@ class ServedModel:
     dir_named: bool = True  # no --served-model-name: the folder's path names it too
     sampling_defaults: dict = field(default_factory=dict)  # model_facts.generation_defaults
     force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
+    per_request_metrics: bool = False  # --enable-per-request-metrics: vLLM's timing beside a one-choice usage
     # LoRA adapters by name (their folders): the server's own dict (FrontendServer.adapters, which follows run-time
     # loads); a request naming one runs with it
     adapters: dict[str, str] = field(default_factory=dict)

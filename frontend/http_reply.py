@@ -38,6 +38,7 @@ class Reply:
     model: str
     stream_options: StreamOptions | None
     force_usage: bool = False  # --enable-force-include-usage
+    per_request_metrics: bool = False  # --enable-per-request-metrics: vLLM's "metrics" beside a one-choice usage
     prompt_token_ids: list[int] | None = None  # return_token_ids: sent once, in the first chunk
     id: str = ""
     created: int = 0
@@ -68,7 +69,9 @@ class Reply:
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         """The last streamed object when include_usage: no choices, the usage."""
-        return {**self.chunk([]), "usage": usage(choices)}
+        out = {**self.chunk([]), "usage": usage(choices)}
+        self._add_metrics(out, choices)
+        return out
 
     def completion(self, choices: list[Choice], entries: list[dict]) -> dict:
         """A whole (non-streamed) response, with the fields OpenAI's client declares (null when this server has no
@@ -78,7 +81,14 @@ class Reply:
                "usage": usage(choices), "system_fingerprint": None}
         if self.object == "chat.completion":
             out.update(service_tier=None, metadata=None, moderation=None)
+        self._add_metrics(out, choices)
         return out
+
+    def _add_metrics(self, out: dict, choices: list[Choice]) -> None:
+        """vLLM's per-request metrics, where asked for and the answer is one choice (n > 1: no one stream's timing
+        is the request's, so vLLM leaves them out too)."""
+        if self.per_request_metrics and len(choices) == 1:
+            out["metrics"] = request_metrics(choices[0])
 
     @staticmethod
     def event(obj: dict) -> bytes:
@@ -115,6 +125,27 @@ def usage(choices: list[Choice]) -> dict:
     cached = sum({c.prompt_index: c.cached_tokens for c in sorted(choices, key=lambda c: -c.index)}.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def request_metrics(c: Choice) -> dict:
+    """vLLM's per-request timing, in ms, of one finished choice; a field whose moments are unknown is left out.
+    The engine core's first step for it is the scheduling moment: queue_time_ms ends there, time_to_first_token_ms
+    and tokens_per_second (every output token over first step to last token) start there; generation_time_ms is
+    first token to last; mean_itl_ms its mean gap (two tokens or more)."""
+    out: dict = {}
+    first, last, n = c.first_token_at, c.last_token_at, len(c.token_ids)
+    scheduled = c.submitted_at + c.queued_s if c.queued_s is not None else None
+    if c.queued_s is not None:
+        out["queue_time_ms"] = c.queued_s * 1000
+    if first is not None:
+        if scheduled is not None:
+            out["time_to_first_token_ms"] = max(first - scheduled, 0.0) * 1000
+        out["generation_time_ms"] = (last - first) * 1000
+        if n > 1:
+            out["mean_itl_ms"] = (last - first) / (n - 1) * 1000
+        if scheduled is not None and last > scheduled:
+            out["tokens_per_second"] = n / (last - scheduled)
+    return out
 
 
 class TokenTexts:

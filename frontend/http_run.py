@@ -8,6 +8,7 @@ detokenization (stop strings included) and abort path that a ZMQ Generate frame 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -45,6 +46,12 @@ class Choice:
     started: bool = False  # a streamed chat choice sends its role first
     text_chars: int = 0  # characters of output text seen so far (and, under echo, of the prompt in front)
     pending_ids: list[int] = field(default_factory=list)  # tokens whose text is not out yet (a split character)
+    # vLLM's per-request metrics (http_reply.request_metrics): when it was submitted, its first and last tokens came
+    # (monotonic), and how long the engine core held it before its first step
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    queued_s: float | None = None
 
     def kept_logprobs(self, msg: Delta, texts) -> list[tuple[TokenLogprob, int]]:
         """msg's logprobs that belong to the output, each with its token's offset into the text.
@@ -68,6 +75,10 @@ class Choice:
     def fold(self, msg: Delta) -> None:
         """Count one Delta into the choice (its text is kept only when the whole answer is built at the end)."""
         self.token_ids.extend(msg.token_ids)
+        if msg.token_ids:
+            self.last_token_at = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = self.last_token_at
         if msg.prompt_logprobs is not None:
             self.prompt_logprobs = msg.prompt_logprobs
         if msg.finish_reason is not None:
@@ -75,6 +86,7 @@ class Choice:
             self.prompt_tokens = msg.prompt_tokens or 0
             self.completion_tokens = msg.completion_tokens or 0
             self.cached_tokens = msg.cached_tokens or 0
+            self.queued_s = msg.queued_s
 
 
 class Run:

@@ -84,6 +84,7 @@ class RequestState:
     engine_deaths: int = 0  # engine cores that died while running it, since its last token (MAX_ENGINE_DEATHS)
     engine_deaths_in_all: int = 0  # ... in its whole life (MAX_ENGINE_DEATHS_IN_ALL)
     cached_tokens: int | None = None  # prompt tokens the engine core found in its prefix cache (it says so first)
+    queued_s: float | None = None  # how long the engine core held it before its first step (it says so first)
     cache_salt: str | None = None
     # max_tokens must fit beside the prompt (the HTTP API, as vLLM and OpenAI: a 400 with the numbers);
     # else the engine core stops the request at max_model_len (finish_reason "length").
@@ -432,6 +433,8 @@ class LiveRequests:
             req.engine_deaths = 0  # it ran on: whatever killed the engine before did not come with it
         if out.num_cached_tokens is not None and req.cached_tokens is None:
             req.cached_tokens = out.num_cached_tokens
+        if out.queued_s is not None and req.queued_s is None:
+            req.queued_s = out.queued_s
         before = len(req.detok.output_ids)
         text, stopped = req.detok.push(out.new_token_ids)
         accepted = req.detok.output_ids[before:]
@@ -520,6 +523,7 @@ class LiveRequests:
             completion_tokens=len(req.detok.output_ids) if req.detok is not None else 0,
             cached_tokens=req.cached_tokens,
             embedding=embedding,
+            queued_s=req.queued_s,
         )
         self.send_final(req, final)
 

@@ -109,6 +109,7 @@ class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
     # log-probability given those before it, with the top-N alternatives; None first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embeddings request's vector (Generate.pooling), on its one delta
+    queued_s: float | None = None  # on the last delta: how long the engine core held it before its first step
 
 
 class Error(msgspec.Struct, tag="error", kw_only=True):
@@ -317,6 +318,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     # With SamplingParams.prompt_logprobs, on the delta with its first tokens: entry i is prompt token i's (None first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embeddings request's vector, on its last delta
+    queued_s: float | None = None  # with num_cached_tokens: seconds from its arrival here to its first admission
 
 
 class EngineLoad(msgspec.Struct, array_like=True):

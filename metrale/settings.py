@@ -204,6 +204,14 @@ SETTINGS: tuple[Setting, ...] = (
     S("enable_force_include_usage", bool, False,
       "every HTTP stream ends with its usage, as if it asked stream_options.include_usage.", "serve", ("frontend",),
       flag="--enable-force-include-usage", vllm="--enable-force-include-usage"),
+    S("enable_per_request_metrics", bool, False,
+      "whole HTTP answers of one choice (and a stream's usage chunk) carry vLLM's timing \"metrics\": queue, time "
+      "to first token, generation, mean inter-token gap (ms), tokens per second.", "serve", ("frontend",),
+      flag="--enable-per-request-metrics", vllm="--enable-per-request-metrics"),
+    # Taken so vLLM's command lines start: metrale's usage always has prompt_tokens_details (OpenAI's shape).
+    S("enable_prompt_tokens_details", bool, False,
+      "vLLM's flag, accepted: every HTTP usage has prompt_tokens_details.cached_tokens, given or not.", "serve", (),
+      flag="--enable-prompt-tokens-details", vllm="--enable-prompt-tokens-details"),
     # Only the frontend learns it, through its environment: the supervisor leaves it out of the engine core's
     # command line (ServeConfig travels there as JSON).
     S("api_key", str | None, None,

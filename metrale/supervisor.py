@@ -267,6 +267,7 @@ class Supervisor:
             "generation_config": self.config.generation_config,
             "log_requests": not self.config.disable_log_requests,
             "enable_force_include_usage": self.config.enable_force_include_usage,
+            "enable_per_request_metrics": self.config.enable_per_request_metrics,
             "max_logprobs": self.config.engine.max_logprobs,
             "api_server_count": count,
             "api_server_index": i,
