@@ -13,7 +13,10 @@ import os
 import signal
 import socket
 import time
+import urllib.parse
 import urllib.request
+import uuid
+from http.client import HTTPConnection
 
 import psutil
 import pytest
@@ -155,6 +158,58 @@ def test_a_sigkilled_frontend_is_restarted_alone_while_the_other_serves(server, 
     restarts = {p.name: p.restarts for p in _health(server).processes}
     assert restarts["frontend 1"] == 1 and restarts["frontend"] == 0 and restarts["engine_core"] == 0
     assert zmq_tokens(server.port + 1, PROMPTS[2]) == zmq_tokens(server.port, PROMPTS[2]), "the new frontend 1 serves"
+
+
+def test_an_http_request_cut_by_its_frontends_sigkill_is_reattached_through_either_frontend(server, base):
+    """A stream named by X-Request-Id, cut by a SIGKILL of the frontend serving it: once that frontend is back (its
+    successor took the engine core), a retry under the id through the shared port (whichever frontend takes it,
+    several times) answers the whole output of the request the engine core ran on. (Before it is back the request is
+    still held for it, and a retry that reaches the other frontend runs afresh: docs/protocol.md §5.6.)"""
+    rid = uuid.uuid4().hex
+    body = {"model": base.name, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 1.0,
+            "ignore_eos": True, "stream": True}
+    url = urllib.parse.urlsplit(server.http)
+    conn = HTTPConnection(url.hostname, url.port, timeout=60)
+    received = []
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                                  "X-Request-Id": rid})
+        resp = conn.getresponse()
+        while len(received) < 5:
+            line = resp.readline().decode().strip()
+            if line.startswith("data: {"):
+                received.append(json.loads(line[len("data: "):])["choices"][0]["text"])
+        mine = conn.sock.getsockname()[1]
+        serving = next(name for name, pid in frontends(server).items()
+                       if any(c.raddr and c.raddr.port == mine for c in psutil.Process(pid).net_connections()))
+        pid = frontends(server)[serving]
+        os.kill(pid, signal.SIGKILL)
+        wait_recovered(server, serving, pid)
+    finally:
+        conn.close()
+    wait_back(server.port + (int(serving.split()[1]) if " " in serving else 0))
+
+    def whole(_) -> str:
+        status, answer = http("POST", server.http + "/v1/completions", {**body, "stream": False}
+                              | {"request_id": rid})
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == 200
+        return answer["choices"][0]["text"]
+
+    texts = [whole(k) for k in range(8)]  # one after another: the first waits for the request's end
+    assert texts[0].startswith("".join(received)), "re-attached (an unseeded fresh start samples other tokens)"
+    assert set(texts) == {texts[0]}, "every retry, through either frontend, gets the same request's answer"
+
+
+def wait_back(port: int, timeout: float = 60.0) -> None:
+    """Wait until the frontend on this ZMQ port has taken the engine core (its health says ready)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(TimeoutError, RequestError), Client("127.0.0.1", port, timeout=2) as c:
+            if c.health().ready:
+                return
+        assert time.monotonic() < deadline, f"the frontend on port {port} did not take the engine core"
+        time.sleep(0.05)  # polling its health: no event crosses the processes
 
 
 def _health(server):
