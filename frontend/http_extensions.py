@@ -29,6 +29,9 @@ def refuse_unserved(body: SamplingFields) -> None:
                              ("include_stop_str_in_output", (None, False))):
             if getattr(body, name) not in unused:
                 raise ApiError(400, f"{name} applies only with use_beam_search", param=name, code="unsupported_value")
+    for name in ("allowed_token_ids", "bad_words"):  # they change what is sampled: never dropped silently
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_value")
     if body.prompt_logprobs is not None:
         if body.stream:  # vLLM's words (it takes 0 and then sends none; here nothing asked for is dropped)
             raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs",

@@ -64,6 +64,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None  # beam search: keep the eos that ended a hypothesis
     prompt_logprobs: int | None = None  # each prompt token's logprob and top-N (not streamed; not with beams)
     logprob_token_ids: list[int] | None = None  # vLLM's: the alternatives listed are these ids (chat only)
+    allowed_token_ids: list[int] | None = None  # vLLM's: sampling only among these (not served: a 400)
+    bad_words: list[str] | None = None  # vLLM's: words never generated (not served: a 400)
     # Structured outputs: OpenAI's response_format (json_object, json_schema) or vLLM's structured_outputs
     # (json, json_object, regex, choice, grammar); at most one of the two.
     response_format: dict | None = None
