@@ -249,7 +249,7 @@ class EngineCoreProcess:
     def _reattach(self, msg: AddRequest) -> bool:
         """A restarted frontend re-attaches a request its predecessor submitted: its outputs so far go out at once
         (engine_core/output_ledger.py). False when none is held under its key and it is to run as a new one."""
-        catch_up = self.ledger.attach(msg)
+        catch_up = self.ledger.attach(msg, self.frontends.is_down)
         if catch_up is not None:
             self._send_outputs([catch_up])
             return True

@@ -9,6 +9,11 @@ with requests live counts a silent engine core as stalled).
 
 The PUSH sockets are unbounded (SNDHWM 0): while a dead frontend is restarted, the tick loop must not block on its
 socket; what queued for it meanwhile reaches its successor, which ignores ids that are not its own.
+
+With several frontends a monitor on each PUSH tells when a frontend's connection drops (it died) and when one
+connects again (its successor bound the address): until then another frontend may re-attach the dead one's
+resumable requests (an HTTP retry that the shared port gave to a live frontend; output_ledger.py). The events are
+read only when a re-attach asks (`is_down`), not on every tick.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class FrontendLinks:
             sock.connect(out)
             self._outs.append(sock)
         self._sent_at = [clock()] * len(self._outs)  # the last frame to each frontend (outputs or a heartbeat)
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        self._monitors = [sock.get_monitor_socket(events) for sock in self._outs] if len(self._outs) > 1 else []
+        self._down: set[int] = set()  # frontends whose connection dropped and has not come back
         self._routes: dict[str, int] = {}  # prefix -> frontend
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -67,6 +75,21 @@ class FrontendLinks:
             self._routes.clear()
         self._routes[prefix] = k
         return k
+
+    def is_down(self, request_id: str) -> bool:
+        """Whether the frontend an id belongs to lost its connection (it died) and no successor has connected yet."""
+        for k, monitor in enumerate(self._monitors):
+            while True:
+                try:
+                    frames = monitor.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                event = int.from_bytes(frames[0][:2], "little")
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._down.add(k)
+                elif event == zmq.EVENT_CONNECTED:
+                    self._down.discard(k)
+        return bool(self._monitors) and self.frontend_of(request_id) in self._down
 
     def broadcast(self, msg: EngineOutput) -> None:
         """Send one message to every frontend."""
@@ -102,5 +125,8 @@ class FrontendLinks:
     def close(self) -> None:
         """Close the inbox at once; each outbox lingers a moment so a last answer goes out."""
         self.inbox.close(0)
+        for sock, monitor in zip(self._outs, self._monitors):
+            sock.disable_monitor()
+            monitor.close(0)
         for sock in self._outs:
             sock.close()

@@ -12,7 +12,9 @@ it: it runs the request under the id it was first given.
 Requests of a frontend that is gone: plain ones (no key) are aborted as soon as the next frontend comes up in its place
 (nobody can ask for them again); resumable ones run on and are aborted when nobody re-attaches within RESUME_WINDOW_S.
 With several frontends (--api-server-count) "in its place" is at the same index (ipc/frontend_ids.py): the requests of
-the frontends beside it are theirs and stay as they are.
+the frontends beside it are theirs and stay as they are, and a frontend known to be dead (its connection dropped,
+engine_core/frontend_links.py) is as good as gone for a re-attach through another frontend, before its successor
+comes up.
 Bounded: a request's tokens are bounded by max_model_len, and at most MAX_HELD_FINISHED finished requests are kept.
 """
 
@@ -73,12 +75,14 @@ class OutputLedger:
         self._by_key[held.key] = self._by_engine[held.engine_id] = self._by_sent[held.sent_as] = held
         return old.engine_id if old is not None and old.final is None else None
 
-    def attach(self, msg: AddRequest) -> RequestOutputDelta | None:
+    def attach(self, msg: AddRequest, gone: Callable[[str], bool] = lambda sent_as: False
+               ) -> RequestOutputDelta | None:
         """Re-attach the request held under msg.resume_key to msg.request_id: its catch-up output (every token so
         far, and its end if it ended), or None when nothing is held under that key, or the request still runs for a
-        frontend that lives."""
+        frontend that lives. gone(id): whether the frontend an id belongs to is known to be dead (its connection
+        dropped) before a successor said FrontendUp: another frontend may then take its request (--api-server-count)."""
         held = self._by_key.get(msg.resume_key)
-        if held is None or held.ended_at is None:  # a live frontend streams it: nobody takes it from there
+        if held is None or (held.ended_at is None and not gone(held.sent_as)):  # a live frontend streams it
             return None
         self._by_sent.pop(held.sent_as, None)
         held.sent_as = msg.request_id

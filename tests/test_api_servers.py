@@ -5,6 +5,8 @@ metrics a scrape reaches are every frontend's summed, and a LoRA adapter one fro
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import zmq
@@ -104,6 +106,32 @@ def test_answers_go_to_who_asked_and_readiness_to_all(two_frontends):
     _nothing_waits(pulls)
 
 
+def test_a_frontend_whose_connection_dropped_is_down_until_one_connects_again(two_frontends, tmp_path):
+    links, pulls, _ = two_frontends
+    zero, one = f"{new_prefix(0)}-0", f"{new_prefix(1)}-0"
+    endpoint = pulls[1].getsockopt_string(zmq.LAST_ENDPOINT)
+    links.answer(one, StatsResponse(id=one, stats=EngineStats()))
+    assert _received(pulls[1]).id == one  # connected
+    assert not links.is_down(one)
+    pulls[1].close(0)  # frontend 1 dies
+    _until(lambda: links.is_down(one), "frontend 1 is seen down")
+    assert not links.is_down(zero)
+    successor = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        successor.bind(endpoint)
+        _until(lambda: not links.is_down(one), "frontend 1's successor is seen connected")
+    finally:
+        successor.close(0)
+
+
+def _until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Poll a condition the engine core's I/O thread makes true (a socket event), with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not seen in time: {what}"
+        time.sleep(0.005)
+
+
 def _add(request_id: str, key: str | None = None) -> AddRequest:
     return AddRequest(request_id=request_id, prompt_token_ids=[1], params=SamplingParams(), resume_key=key)
 
@@ -121,6 +149,21 @@ def test_a_frontend_restarted_at_one_index_leaves_the_others_requests_alone():
     assert book.attach(AddRequest(request_id=f"{one_after}-6", prompt_token_ids=[1], params=SamplingParams(),
                                   resume_key="k0", reattach="only")) is None, "frontend 0 still streams it"
     assert book.frontend_up(new_prefix(0)) == [f"{zero}-0"], "frontend 0's plain request waited for its own successor"
+
+
+def test_another_frontend_reattaches_a_dead_frontends_request_before_its_successor_is_up():
+    book = OutputLedger(clock=Clock())
+    zero, one = new_prefix(0), new_prefix(1)
+    book.added(_add(f"{one}-0", "k"))
+    retry = AddRequest(request_id=f"{zero}-7", prompt_token_ids=[1], params=SamplingParams(), resume_key="k",
+                       reattach="or_start")
+    assert book.attach(retry) is None, "frontend 1 lives (as far as anyone knows): it streams the request"
+    caught_up = book.attach(retry, gone=lambda sent_as: sent_as.startswith(one + "-"))
+    assert caught_up is not None and caught_up.request_id == f"{zero}-7"
+    out = [RequestOutputDelta(f"{one}-0", [4])]  # the engine core runs it under its first id
+    book.record(out)
+    assert out[0].request_id == f"{zero}-7", "its outputs now go to frontend 0"
+    assert book.frontend_up(new_prefix(1)) == [], "frontend 1's successor finds nothing of its predecessor's left"
 
 
 def _families(text: bytes) -> dict[str, dict[tuple, float]]:
