@@ -64,6 +64,7 @@ class HttpApi:
                                  dir_named=not cfg.served_model_names, sampling_defaults=server.sampling_defaults,
                                  force_usage=cfg.enable_force_include_usage,
                                  per_request_metrics=cfg.enable_per_request_metrics,
+                                 tokens_as_token_ids=cfg.return_tokens_as_token_ids,
                                  adapters=server.adapters)
         texts = TokenTexts(server.tokenizer)
         self.completions = Completions(server, self.model, texts)

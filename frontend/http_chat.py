@@ -77,7 +77,7 @@ class ChatCompletions:
         try:
             reply = Reply("chatcmpl", "chat.completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage,
                           per_request_metrics=self.model.per_request_metrics)
-            label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
+            label = token_label(self.texts, self.model.tokens_as_ids(body.return_tokens_as_token_ids))
             return_ids = bool(body.return_token_ids)
             pinned = body.logprob_token_ids  # the alternatives listed, when asked for by id
             if body.stream:

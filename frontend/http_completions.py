@@ -89,7 +89,7 @@ class Completions:
         try:
             reply = Reply("cmpl", "text_completion", self.model.reply_name(body.model), body.stream_options, self.model.force_usage,
                           per_request_metrics=self.model.per_request_metrics)
-            label = token_label(self.texts, bool(body.return_tokens_as_token_ids))
+            label = token_label(self.texts, self.model.tokens_as_ids(body.return_tokens_as_token_ids))
             if body.stream:
                 return await stream(request, run, choices, reply, lambda c, msg: self._chunk(c, msg, label, body, echo))
             await run.collect(choices)

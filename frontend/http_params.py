@@ -89,6 +89,7 @@ class ServedModel:
     sampling_defaults: dict = field(default_factory=dict)  # model_facts.generation_defaults
     force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
     per_request_metrics: bool = False  # --enable-per-request-metrics: vLLM's timing beside a one-choice usage
+    tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens by id unless told not to
     # LoRA adapters by name (their folders): the server's own dict (FrontendServer.adapters, which follows run-time
     # loads); a request naming one runs with it
     adapters: dict[str, str] = field(default_factory=dict)
@@ -97,6 +98,10 @@ class ServedModel:
     def id(self) -> str:
         """The name replies carry."""
         return self.names[0]
+
+    def tokens_as_ids(self, asked: bool | None) -> bool:
+        """Whether logprobs name tokens "token_id:N": as the request says, else as the server was started."""
+        return self.tokens_as_token_ids if asked is None else asked
 
     def check(self, model: str | None) -> None:
         """404 unless model names this server's model or one of its LoRA adapters (or is left out)."""

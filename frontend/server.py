@@ -132,6 +132,7 @@ class FrontendConfig:
     log_requests: bool = not DEFAULTS.disable_log_requests  # an access-log line per HTTP request
     enable_force_include_usage: bool = DEFAULTS.enable_force_include_usage  # every HTTP stream ends with its usage
     enable_per_request_metrics: bool = DEFAULTS.enable_per_request_metrics  # vLLM's "metrics" in HTTP answers
+    return_tokens_as_token_ids: bool = DEFAULTS.return_tokens_as_token_ids  # HTTP logprobs name tokens by id
     max_logprobs: int = DEFAULTS.max_logprobs  # the most alternatives a token's logprobs list (-1: the vocabulary)
     stream_interval: int = DEFAULTS.stream_interval  # a request's tokens go out every this many (first, last at once)
     status_address: str | None = None  # the supervisor's status inbox (ipc/status_channel.py)

@@ -208,6 +208,9 @@ SETTINGS: tuple[Setting, ...] = (
       "whole HTTP answers of one choice (and a stream's usage chunk) carry vLLM's timing \"metrics\": queue, time "
       "to first token, generation, mean inter-token gap (ms), tokens per second.", "serve", ("frontend",),
       flag="--enable-per-request-metrics", vllm="--enable-per-request-metrics"),
+    S("return_tokens_as_token_ids", bool, False,
+      "HTTP logprobs name tokens \"token_id:N\" unless a request's return_tokens_as_token_ids says false.", "serve",
+      ("frontend",), flag="--return-tokens-as-token-ids", vllm="--return-tokens-as-token-ids"),
     # Taken so vLLM's command lines start: metrale's usage always has prompt_tokens_details (OpenAI's shape).
     S("enable_prompt_tokens_details", bool, False,
       "vLLM's flag, accepted: every HTTP usage has prompt_tokens_details.cached_tokens, given or not.", "serve", (),

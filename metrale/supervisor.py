@@ -268,6 +268,7 @@ class Supervisor:
             "log_requests": not self.config.disable_log_requests,
             "enable_force_include_usage": self.config.enable_force_include_usage,
             "enable_per_request_metrics": self.config.enable_per_request_metrics,
+            "return_tokens_as_token_ids": self.config.return_tokens_as_token_ids,
             "max_logprobs": self.config.engine.max_logprobs,
             "api_server_count": count,
             "api_server_index": i,

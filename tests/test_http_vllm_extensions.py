@@ -1,7 +1,8 @@
 """vLLM's newer OpenAI-server extensions that its own tests (0.33) send, answered as vLLM answers them, through the
 official `openai` package on one server of the tiny llama started as those tests start theirs:
---enable-per-request-metrics (a "metrics" object of timings beside the usage) and --enable-prompt-tokens-details;
-and a chat's kv_transfer_params.prompt_token_ids (the prefill stage's tokens, used as the prompt)."""
+--enable-per-request-metrics (a "metrics" object of timings beside the usage), --enable-prompt-tokens-details and
+--return-tokens-as-token-ids; and a chat's kv_transfer_params.prompt_token_ids (the prefill stage's tokens, used as
+the prompt)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ OTHER = [{"role": "user", "content": "unrelated decode-side text"}]
 def server(tiny_model_dir, tmp_path_factory):
     model = tmp_path_factory.mktemp("vllm-extensions") / MODEL
     shutil.copytree(tiny_model_dir("llama"), model)
-    with http_server(model, "--enable-per-request-metrics", "--enable-prompt-tokens-details") as s:
+    with http_server(model, "--enable-per-request-metrics", "--enable-prompt-tokens-details",
+                     "--return-tokens-as-token-ids") as s:
         yield s
 
 
@@ -105,3 +107,17 @@ def test_prompt_tokens_details_count_the_prefix_cache_hit(api):
     again = api.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     assert 0 < again.usage.prompt_tokens_details.cached_tokens <= again.usage.prompt_tokens
 
+
+
+# ---- --return-tokens-as-token-ids ---------------------------------------------------------------
+
+
+def test_logprobs_name_tokens_by_id_unless_the_request_says_not(api):
+    out = api.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=2,
+                                 extra_body={"return_token_ids": True})
+    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in out.choices[0].token_ids]
+    chat = api.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, logprobs=True, top_logprobs=1)
+    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)
+    told = api.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=2,
+                                  extra_body={"return_tokens_as_token_ids": False})
+    assert not any(t.startswith("token_id:") for t in told.choices[0].logprobs.tokens)
