@@ -19,7 +19,7 @@ from metrale.gpu_worker.layers import gguf_linear
 from metrale.gpu_worker.layers import gguf_quant_types as qt
 from metrale.gpu_worker.layers.gguf_linear import GgufLinearMethod, tagged
 from metrale.gpu_worker.layers.linear import ColumnParallelLinear, QKVParallelLinear
-from metrale.gpu_worker.layers.quantization import quantize_activations
+from metrale.gpu_worker.layers.quantization import _wide, quantize_activations
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -43,8 +43,11 @@ def gguf_dequantized(name: str, raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(dequantize(raw, GGMLQuantizationType[name]), dtype=np.float32))
 
 
-def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """float64 x @ weight.T with x quantized per block (the kernels' integers, exactly)."""
+def _reference(x: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    """float64 x @ weight.T with x quantized per block (the kernels' integers, exactly); wide (the amx class's many
+    bf16 rows through a kernel that takes them): x unquantized times the weight rounded to bf16, as those kernels do."""
+    if wide and _wide(x):
+        return x.double() @ weight.to(torch.bfloat16).double().T
     codes, scales = quantize_activations(x)
     xq = (codes.double().view(*scales.shape, 32) * scales.double()[..., None]).flatten(1)[:, : x.shape[1]]
     return xq @ weight.double().T
@@ -80,9 +83,10 @@ def test_each_type_multiplies_as_dequantize_then_matmul(kernel_isa, name, dtype)
     layer = _layer(name, raw, cols)
     assert layer.gguf_runs is not None  # the kernel, not the dense fallback
     weight = gguf_dequantized(name, raw)
+    wide = layer.wide and layer.gguf_runs[0].product.takes_wide  # the int8 and 4-bit kernels have the wide product
     for rows in (1, 3, 33):
         x = torch.randn(rows, cols).to(dtype)
-        _check(layer(x), _reference(x, weight), dtype)
+        _check(layer(x), _reference(x, weight, wide), dtype)
 
 
 def test_the_reference_method_is_the_dense_product():
