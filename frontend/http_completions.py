@@ -199,7 +199,8 @@ class PromptOnly:
 def _logprobs(c: Choice, shown: Echo | None, items: list[TokenLogprob], offsets: list[int], label, top: int) -> dict:
     """Logprobs in the completions API's columnar shape: items (output tokens at offsets), after the echoed prompt's
     tokens when the choice shows them (shown with starts: their entries, the first null). label(id): how a token is
-    named; top: the alternatives listed per token (besides itself)."""
+    named; top: the alternatives listed per token (besides itself, whose entry comes first: a client takes a
+    position's token from its first key, as vLLM lists them)."""
     ids = [t.token_id for t in items]
     entries: list[TokenLogprob | None] = list(items)
     if shown is not None and shown.starts is not None:
@@ -213,8 +214,8 @@ def _logprobs(c: Choice, shown: Echo | None, items: list[TokenLogprob], offsets:
             tops.append(None)
             continue
         token_logprobs.append(t.logprob)
-        alternatives = {label(i): lp for i, lp in zip(t.top_ids[:top], t.top_logprobs[:top])}
-        alternatives.setdefault(name, t.logprob)
+        alternatives = {name: t.logprob}  # the token itself first, then the top ones (vLLM's order)
+        alternatives.update((label(i), lp) for i, lp in zip(t.top_ids[:top], t.top_logprobs[:top]))
         tops.append(alternatives)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 

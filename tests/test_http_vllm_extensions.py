@@ -121,3 +121,14 @@ def test_logprobs_name_tokens_by_id_unless_the_request_says_not(api):
     told = api.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=2,
                                   extra_body={"return_tokens_as_token_ids": False})
     assert not any(t.startswith("token_id:") for t in told.choices[0].logprobs.tokens)
+
+
+def test_each_positions_own_token_is_its_first_listed_alternative(api):
+    """vLLM lists a position's token first among its alternatives (clients read the token from the first key); an
+    echoed prompt's tokens are mostly not the model's top pick, so the order shows there."""
+    out = api.completions.create(model=MODEL, prompt="Say 'Hello, world! 🎉' and more words here", echo=True,
+                                 max_tokens=4, temperature=0, logprobs=1)
+    logprobs = out.choices[0].logprobs
+    tops = logprobs.top_logprobs[1:]
+    assert [next(iter(t)) for t in tops] == logprobs.tokens[1:]
+    assert any(len(t) == 2 for t in tops)  # some token was not the top pick: listed beside it, after it
