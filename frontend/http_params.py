@@ -4,6 +4,7 @@ and the SamplingParams each choice runs with. Every refusal is a 400 (404 for a 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -14,6 +15,8 @@ from aiohttp import web
 from metrale.ipc.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputs, seeded_for_choice
 
 from .http_errors import ApiError
+
+log = logging.getLogger("metrale.frontend.http")
 
 MAX_CHOICES = 128  # prompts × n of one request
 _MAX_SEED = 2**63 - 1  # the engine's seeds are non-negative int64s
@@ -140,7 +143,7 @@ async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
                        f"{request.content_type!r})", code="unsupported_media_type")
     data = await request.read()
     try:
-        return msgspec.json.decode(data, type=kind, strict=False)
+        body = msgspec.json.decode(data, type=kind, strict=False)
     except msgspec.ValidationError as exc:
         message = str(exc)
         param = message.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in message else None
@@ -150,6 +153,16 @@ async def decode_body(request: web.Request, kind: type[msgspec.Struct]):
         raise ApiError(400, readable(message), param=param, code="invalid_value") from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    ignored = _unknown_fields(data, kind)
+    if ignored:  # vLLM's warning, so a field a client counts on is not lost unseen
+        log.warning("The following fields were present in the request but ignored: %s", ignored)
+    return body
+
+
+def _unknown_fields(data: bytes, kind: type[msgspec.Struct]) -> set[str]:
+    """The body's top-level keys that `kind` has no field for (the values are not parsed again)."""
+    keys = msgspec.json.decode(data, type=dict[str, msgspec.Raw]).keys()
+    return set(keys) - set(kind.__struct_encode_fields__)
 
 
 # msgspec's type names as a sentence says them.

@@ -7,6 +7,7 @@ the prompt)."""
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -132,3 +133,23 @@ def test_each_positions_own_token_is_its_first_listed_alternative(api):
     tops = logprobs.top_logprobs[1:]
     assert [next(iter(t)) for t in tops] == logprobs.tokens[1:]
     assert any(len(t) == 2 for t in tops)  # some token was not the top pick: listed beside it, after it
+
+
+# ---- fields the server does not know ------------------------------------------------------------
+
+
+def test_an_unknown_field_is_ignored_with_a_warning_naming_it(server, api):
+    out = api.completions.create(model=MODEL, prompt="Hello", max_tokens=1, extra_body={"vllm_xargs_unheard_of": 1})
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert _log_says(server, "ignored: {'vllm_xargs_unheard_of'}")  # that field alone: the known ones are not named
+
+
+def _log_says(server, words: str, timeout_s: float = 10.0) -> bool:
+    """Whether the server's log says `words` within timeout_s (the frontend writes it before the answer goes, but
+    through its own process's buffered stream)."""
+    deadline = time.monotonic() + timeout_s
+    while words not in server.log():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # polling a file another process writes; no event to wait on
+    return True
