@@ -150,13 +150,33 @@ def test_engine_core_sigkill_under_32_streams_loses_nothing(server, expected):
     wait_idle(server)
 
 
+def _handles(server, pids: dict[str, int], survivors=("frontend", "engine_core")) -> dict[str, tuple[int, int]]:
+    """(open descriptors, threads) of the supervisor and the survivors of a fault (by child name)."""
+    procs = {"supervisor": server.proc.pid, **{name: pids[name] for name in survivors}}
+    return {name: (psutil.Process(pid).num_fds(), psutil.Process(pid).num_threads()) for name, pid in procs.items()}
+
+
+def _no_more_handles(server, pids: dict[str, int], baseline: dict[str, tuple[int, int]], timeout: float = 10.0):
+    """Wait until no survivor holds more descriptors or threads than baseline (a client's connection is closed
+    by the server asynchronously); assert it within timeout."""
+    survivors = [name for name in baseline if name != "supervisor"]
+    grew = lambda: any(a > b for name, now in _handles(server, pids, survivors).items()  # noqa: E731
+                       for a, b in zip(now, baseline[name]))
+    deadline = time.monotonic() + timeout
+    while grew():
+        assert time.monotonic() < deadline, f"handles grew: {_handles(server, pids, survivors)} (was {baseline})"
+        time.sleep(0.05)  # polling other processes' counts: no event crosses the boundary
+
+
 def test_repeated_worker_kills_leak_nothing(server, expected):
-    """Five worker kills in a row, each after the server recovered: no leaked segment, process or KV block."""
+    """Five worker kills in a row, each after the server recovered: no leaked segment, process, KV block, descriptor
+    or thread (the survivors' counts after the first recovery are the baseline: that one may open what stays)."""
     before = server.children()
     shm_before = sorted(shm_entries({before["engine_core"]}))
     with server.client() as c:
         restarts = {p.name: p.restarts for p in c.health().processes}
     pids = before
+    handles = None
     for k in range(5):
         i = 2 * k + 1  # greedy and seeded in turn
         worker = pids["gpu_worker"]
@@ -169,6 +189,10 @@ def test_repeated_worker_kills_leak_nothing(server, expected):
         assert stats.kv_blocks_free + stats.kv_blocks_cached == stats.kv_blocks_total
         assert len(supervisor_children(server)) == 3, "no process left over"
         assert sorted(shm_entries({pids["engine_core"]})) == shm_before, "no segment left over"
+        if handles is None:
+            handles = _handles(server, pids)
+        else:
+            _no_more_handles(server, pids, handles)
     with server.client() as c:
         health = c.health()
     after = {p.name: p.restarts for p in health.processes}
@@ -291,6 +315,27 @@ def test_frontend_sigkill_under_streaming_clients_loses_nothing(server, expected
     assert new["engine_core"] == old["engine_core"], "the engine core ran on"
     one_request_works(server)
     wait_idle(server)
+
+
+@pytest.mark.parametrize("victim", ["frontend", "engine_core"])
+def test_repeated_kills_of_a_process_leave_its_survivors_no_descriptor_or_thread(model_dir, victim):
+    """Four SIGKILLs of the frontend (or the engine core), each after recovery and a request: the supervisor and
+    the process that lived through them hold no more descriptors or threads than after the first recovery. (A
+    server of its own: four quick deaths are four of the five in a row after which the supervisor gives up.)"""
+    survivors = [name for name in ("frontend", "engine_core") if name != victim]
+    with running_server(model_dir) as server:
+        pids = server.children()
+        handles = None
+        for _ in range(4):
+            old = pids[victim]
+            os.kill(old, signal.SIGKILL)
+            pids = wait_recovered(server, victim, old)
+            one_request_works(server)
+            wait_idle(server)
+            if handles is None:
+                handles = _handles(server, pids, survivors)
+            else:
+                _no_more_handles(server, pids, handles)
 
 
 def test_a_resume_of_a_request_the_server_does_not_hold(server, expected):
