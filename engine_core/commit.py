@@ -28,11 +28,14 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
         tok = token_list[r]
         if tok < 0 or (skip is not None and skip[r]):
             continue
+        req = seq.req
+        if req.beam is not None:  # a beam row's step gives its search alternatives; the search picks the tokens
+            req.beam.take(seq, result, r)
+            continue
         out = seq.out
         out.tokens.append(tok)
         out.pending.append(tok)
         seq.post()
-        req = seq.req
         if logprobs and req.params.logprobs is not None:
             out.pending_logprobs.append(_token_logprob(result, r, tok, req.params.logprobs))
         if not req.plain:

@@ -214,9 +214,14 @@ class EngineCoreProcess:
             if msg.reattach is not None and self._reattach(msg):
                 return
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
-                                        cache_salt=msg.cache_salt, grammar=msg.grammar, pooling=msg.pooling,
-                                        lora=msg.lora)
+                if msg.beam is not None:
+                    self.engine.add_beam_request(msg.request_id, msg.prompt_token_ids, msg.beam,
+                                                 num_logprobs=msg.params.logprobs or 0, priority=msg.params.priority,
+                                                 cache_salt=msg.cache_salt)
+                else:
+                    self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids,
+                                            cache_salt=msg.cache_salt, grammar=msg.grammar, pooling=msg.pooling,
+                                            lora=msg.lora)
                 replaced = self.ledger.added(msg)
                 if replaced is not None:  # the client started the id afresh: the old run is nobody's
                     self.engine.abort(replaced)

@@ -14,6 +14,7 @@ import logging
 import random
 from dataclasses import dataclass
 
+from metrale.beam_search import BeamSearch, BeamSearchParams
 from metrale.config import EngineArgs, lora_pairs
 from metrale.settings import DEFAULTS
 from metrale.ipc.errors import ErrorCode, Refused
@@ -23,6 +24,7 @@ from metrale.ipc.pooling import PoolingParams, with_model_default
 from metrale.ipc.sampling import SamplingParams, logprobs_cap
 from metrale.ipc.ticket_layout import prompt_logprob_rows
 
+from .beam_groups import BeamGroup, BeamGroups
 from .decode_lane import abandon, discard_row, drain, launch, settle
 from .grammar import GrammarBook
 from .speculative import NgramProposer, Speculator
@@ -126,6 +128,7 @@ class EngineCore:
                            if options.speculative == "ngram" else None)
         self.io = StepIo(device, pool, builder, special_tokens, tuple(info.eos_token_ids), info.max_model_len)
         self.pipeline = Pipeline()
+        self.beams = BeamGroups(self.scheduler, self.pipeline)
         self.io.recover = options.recover_from_device_loss
         # Bursts run up to the device's burst_limit steps of one ticket: up to decode_burst steps for rows that
         # report at their finish, stream_interval for streamed ones.
@@ -176,8 +179,7 @@ class EngineCore:
         stream=False: its tokens are reported once, in the delta that finishes it (vLLM's FINAL_ONLY; the
         offline LLM's requests without stop strings), which spares a delta per request per tick.
         """
-        if request_id in self.requests and not self.requests[request_id].finished:
-            raise Refused(ErrorCode.BAD_REQUEST, f"request id {request_id!r} is already live")
+        self._check_new_id(request_id)
         try:
             params.validate(self.info.vocab_size, logprobs_cap(self.options.max_logprobs, self.info.vocab_size))
             if pooling is not None:
@@ -221,6 +223,43 @@ class EngineCore:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests and not self.requests[request_id].finished or request_id in self.beams.groups:
+            raise Refused(ErrorCode.BAD_REQUEST, f"request id {request_id!r} is already live")
+
+    def add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, *,
+                         num_logprobs: int = 0, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue a beam search of the prompt (beam_groups.py): its one delta carries params.beam_width hypotheses
+        (`RequestOutputDelta.beams`), best first, equal to transformers' generate(num_beams=W)'s. num_logprobs:
+        alternatives per token beyond what the search needs (a client's top-N). Refused as add_request refuses."""
+        self._check_new_id(request_id)
+        try:
+            search = BeamSearch(prompt_token_ids, params, self.info.eos_token_ids, num_logprobs)
+            step = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True,
+                                  logprobs=search.num_logprobs, priority=priority)
+            step.validate(self.info.vocab_size, logprobs_cap(self.options.max_logprobs, self.info.vocab_size))
+        except ValueError as e:
+            raise Refused(ErrorCode.BAD_REQUEST, str(e)) from None
+        if not prompt_token_ids:
+            raise Refused(ErrorCode.BAD_REQUEST, "prompt must have at least one token")
+        vocab = self.info.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise Refused(ErrorCode.BAD_REQUEST, f"token_ids must be in [0, {vocab}) (got {bad[:5]})")
+        limit = min(self.info.max_model_len, self.pool.num_blocks * self.pool.block_size)
+        if len(prompt_token_ids) + params.max_tokens > limit:
+            raise Refused(ErrorCode.TOO_LONG, f"max_tokens {params.max_tokens} after a prompt of "
+                          f"{len(prompt_token_ids)} tokens passes the engine's {limit} (max_model_len, KV capacity)")
+        group = BeamGroup(request_id, search)
+        for j in range(params.beam_width):
+            group.rows.append(Sequence.of(f"{request_id}#beam{j}", step, 0, prompt_token_ids, len(prompt_token_ids),
+                                          self._arrivals + j, cache_salt=cache_salt, stream=False, beam=group))
+        self.scheduler.check_admissible(group.rows[0])
+        self._arrivals += params.beam_width
+        for seq in group.rows[1:]:
+            self.scheduler.hold(seq)
+        self.beams.add(group)
+
     def load_lora(self, name: str, path: str) -> int:
         """Load the PEFT adapter at path under `name` into a free LoRA slot of the device (after every step in
         flight) and return the slot; Refused naming why not (no LoRA, the name taken, every slot taken, the
@@ -262,6 +301,8 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: nothing more of it is committed, even what is in flight."""
+        if self.beams.abort(request_id):
+            return
         seq = self.requests.get(request_id)
         if seq is None or seq.finished:
             return
@@ -274,12 +315,18 @@ class EngineCore:
         seq.finish("abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self.pipeline.has_inflight()
+        return bool(self.requests) or bool(self.beams.groups) or self.pipeline.has_inflight()
 
     # ---- the tick -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutputDelta]:
         """Run one tick and return what it produced."""
+        out = self._tick()
+        if self.beams.groups:  # after the settle: beam searches whose rows all committed move on
+            out += self.beams.tick()
+        return out
+
+    def _tick(self) -> list[RequestOutputDelta]:
         self.num_steps += 1
         pipeline, io = self.pipeline, self.io
         inf = pipeline.inflight
@@ -350,7 +397,7 @@ class EngineCore:
         self.scheduler.retire_finished()
         self.scheduler.requeue_all()  # KV written by the failed tick is not trusted: recompute, forget the cache
         self.io.device_lost = None
-        return self._take_outputs()
+        return self._take_outputs() + self.beams.tick()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's LLM.reset_prefix_cache); False, doing nothing, while
@@ -363,7 +410,7 @@ class EngineCore:
     def drain(self) -> list[RequestOutputDelta]:
         """Settle everything in flight (before shutdown or a worker swap)."""
         drain(self.pipeline, self.io)
-        return self._take_outputs()
+        return self._take_outputs() + self.beams.tick()
 
     def _may_run_ahead(self, inf) -> bool:
         """True when the next step may be launched before the one in flight is committed: its tokens are the

@@ -158,6 +158,22 @@ class KvBlockPool:
             self._free_rows.append(kv.row)
         kv.row, kv.num_blocks, kv.hashed_blocks, kv.prefix_hash = -1, 0, 0, b""
 
+    def share(self, seq: Sequence, parent: Sequence, num_blocks: int) -> None:
+        """Give seq (holding no blocks) parent's first num_blocks blocks by reference (a beam forked from its
+        parent: full, settled blocks that neither writes again), with their prefix hashes."""
+        kv, src = seq.kv, parent.kv
+        assert not kv.num_blocks and num_blocks <= src.num_blocks
+        if not num_blocks:
+            return
+        blocks = self.tables[src.row, :num_blocks].tolist()
+        for block in blocks:
+            self.refcount[block] += 1
+        self._append(kv, blocks)
+        kv.hashed_blocks = min(src.hashed_blocks, num_blocks)
+        kv.prefix_hash = src.prefix_hash if kv.hashed_blocks == src.hashed_blocks else b""
+        if kv.hashed_blocks < src.hashed_blocks:  # hashed past the shared blocks: hash them again on the way
+            kv.hashed_blocks = 0
+
     def _take(self) -> int:
         if self._free:
             block = self._free.popleft()

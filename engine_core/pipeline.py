@@ -108,10 +108,11 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
 
 def can_feed(seq: Sequence) -> bool:
     """True when seq's next step may be fed from the device's token before the host has seen it: every row but a
-    grammar row, whose bitmask is made by its matcher after that token (it waits for its commit). A penalised
-    row's history ends with a slot the device fills with the fed token (step_builder._history); a mask that the
-    token could change is predicted and validated, not waited for."""
-    return seq.row_state.grammar is None
+    grammar row, whose bitmask is made by its matcher after that token (it waits for its commit), and a beam row,
+    whose next input is its search's choice (beam_groups.py). A penalised row's history ends with a slot the device
+    fills with the fed token (step_builder._history); a mask that the token could change is predicted and
+    validated, not waited for."""
+    return seq.row_state.grammar is None and seq.req.beam is None
 
 
 def update_row_state(seq: Sequence, token: int, toks: SpecialTokens) -> None:

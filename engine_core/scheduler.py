@@ -108,7 +108,7 @@ class Scheduler:
         """True when a swapped or waiting sequence could be admitted now (so the device should go quiet)."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        head = self.swapped[0] if self.swapped else (self._waiting[0][2] if self._waiting else None)
+        head = self._swapped_head() or (self._waiting[0][2] if self._waiting else None)
         if head is None:
             return False
         k = min(head.num_tokens - head.num_computed, self.config.max_num_batched_tokens)
@@ -198,6 +198,48 @@ class Scheduler:
         self.swap.forget()
         self.pool.reset_cache()
 
+    def release(self, seq: Sequence) -> None:
+        """Take seq off the device and out of every queue, its blocks and host blocks given back (a beam row the
+        search re-seats: beam_groups.py). Nothing may be in flight for it."""
+        assert not seq.num_inflight, "releasing a row with a step in flight"
+        if seq.status == SeqStatus.IDLE:
+            return
+        if seq in self.running:  # a failed row may be finished and not retired yet
+            self.running.remove(seq)
+            self._give_slot(seq)
+        elif seq.status == SeqStatus.SWAPPED:
+            self.remove_swapped(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.remove_waiting(seq)
+        self.pool.free(seq)
+        seq.num_computed = 0
+        if seq.status != SeqStatus.FINISHED:
+            seq.status = SeqStatus.IDLE
+
+    def hold(self, seq: Sequence) -> None:
+        """A new beam row its search keeps in no queue until it needs it."""
+        seq.status = SeqStatus.IDLE
+
+    def seat_fork(self, seq: Sequence, parent: Sequence | None) -> None:
+        """Seat a released beam row whose tokens continue parent's, running, when parent runs and a row is free: it
+        shares parent's full blocks (reference counts) and gets a copy of its last, partial block, made on the
+        device before the next plan's forward (SwapSpace.queue_copy), so it only decodes its last token; without a
+        free block for the copy, it computes the rest of that block again. Else it waits, to be admitted (and find
+        the shared prefix in the cache) as any request is."""
+        done = 0 if parent is None or parent.status != SeqStatus.RUNNING else min(parent.num_computed, seq.num_tokens - 1)
+        if not done or self.state_slots.enabled or len(self.running) >= self.config.max_num_seqs:
+            self.add(seq)
+            return
+        pool = self.pool
+        full = done // pool.block_size
+        pool.share(seq, parent, full)
+        seq.num_computed = full * pool.block_size
+        if done > seq.num_computed and pool.allocate(seq, done):
+            self.swap.queue_copy(int(pool.tables[parent.kv.row, full]), int(pool.tables[seq.kv.row, full]))
+            seq.num_computed = done
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def schedule(self) -> ScheduledStep:
         """Pick this step's work: every running decode, then prefill chunks up to the token budget."""
         step = ScheduledStep()
@@ -219,14 +261,24 @@ class Scheduler:
 
     def _fill(self, step: ScheduledStep, budget: int) -> None:
         """Admit swapped, then waiting sequences into what is left of the token budget (swapped ones first)."""
-        while budget > 0 and self.swapped and len(self.running) < self.config.max_num_seqs:
-            if not self._swap_in(self.swapped[0], budget, step):
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            head = self._swapped_head()
+            if head is None or not self._swap_in(head, budget, step):
                 break
             budget -= step.num_new[-1]
-        while budget > 0 and self._waiting and not self.swapped and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and self._waiting and not self._has_work_swapped() \
+                and len(self.running) < self.config.max_num_seqs:
             if not self._admit(self._waiting[0][2], budget, step):
                 break
             budget -= step.num_new[-1]
+
+    def _swapped_head(self) -> Sequence | None:
+        """The first swapped sequence with something to run: a beam row swapped out after its step, its alternatives
+        in, has nothing until its search moves it (beam_groups.py), and must not hold up the rest."""
+        return next((s for s in self.swapped if s.num_tokens > s.num_computed), None)
+
+    def _has_work_swapped(self) -> bool:
+        return self._swapped_head() is not None
 
     def schedule_ahead(self, inflight: list[Sequence], samples: list[bool], discard: list[bool], can_feed) -> ScheduledStep | None:
         """The step to launch while the step in flight (its rows, whether each samples, whether each was
@@ -266,7 +318,7 @@ class Scheduler:
         k = self._lp_chunk(seq, min(seq.num_tokens - seq.num_computed, budget), step)
         if not (k > 0 and self._may_start(seq) and self._fits(seq, seq.num_computed + k)):
             return False
-        self.swapped.pop(0)
+        self.swapped.remove(seq)
         self.pool.allocate(seq, seq.num_computed + k)
         self.swap.queue_in(seq.host_blocks, self.pool.blocks(seq)[: len(seq.host_blocks)])
         seq.host_blocks = []

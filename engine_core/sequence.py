@@ -25,6 +25,7 @@ from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from .beam_groups import BeamGroup
     from .grammar import RowGrammar
 
 
@@ -33,6 +34,7 @@ class SeqStatus(enum.IntEnum):
     RUNNING = 1  # admitted: holds KV blocks, scheduled every step
     FINISHED = 2  # stopped; its blocks are freed when it is retired
     SWAPPED = 3  # preempted by swap: its KV waits in host blocks
+    IDLE = 4  # a beam row its search holds in no queue (beam_groups.py): no blocks, nothing to run
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,8 @@ class Request:
     lora_key: int = -1  # its adapter's prefix-cache key (EngineCore.lora_keys: one per load)
     # No mask, penalty or row state can ever matter for it: the lane skips the per-row mask and row-state work.
     plain: bool = False
+    # A beam row: one of a beam search's rows (beam_groups.py), whose commits feed that search, not an output.
+    beam: BeamGroup | None = None
 
 
 def is_plain(p: SamplingParams) -> bool:
@@ -138,7 +142,8 @@ class Sequence:
            grammar: RowGrammar | None = None, outbox: dict | None = None, **request) -> Sequence:
         """A new waiting sequence of these tokens (prompt, then any output already made); `request`: the rest
         of the Request's fields."""
-        req = Request(request_id, params, seed, num_prompt, arrival, plain=is_plain(params), **request)
+        plain = is_plain(params) and request.get("beam") is None  # a beam row is seen after every step
+        req = Request(request_id, params, seed, num_prompt, arrival, plain=plain, **request)
         out = Output(array("i", tokens), outbox=outbox,
                      prompt_entries=None if params.prompt_logprobs is None else [None])
         return cls(req, out, RowState(grammar=grammar))

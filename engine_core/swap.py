@@ -47,6 +47,11 @@ class SwapSpace:
         self._release.extend(host_blocks)
         self.blocks_in += len(host_blocks)
 
+    def queue_copy(self, source: int, target: int) -> None:
+        """Copy device block source to device block target before the next plan's forward (a forked beam's partial
+        block): a swap_in pair whose host block is -1 - source (ipc/plan.py)."""
+        self.swap_in.append((-1 - source, target))
+
     def give_back(self, host_blocks: list[int]) -> None:
         """Host blocks no copy needs any more (a swapped request aborted)."""
         self._free.extend(host_blocks)
@@ -68,9 +73,9 @@ class SwapSpace:
         self.swap_out[:0] = [(int(d), int(h)) for d, h in swap_out]
         again = [(int(h), int(d)) for h, d in swap_in]
         self.swap_in[:0] = again
-        held = {h for h, _ in again}
+        held = {h for h, _ in again if h >= 0}  # a negative one is a device copy (queue_copy)
         self._free = [b for b in self._free if b not in held]
-        self._release[:0] = [h for h, _ in again]
+        self._release[:0] = [h for h, _ in again if h >= 0]
 
     def forget(self) -> None:
         """The worker (and its host copies) are gone: every host block is free, no copy is pending."""

@@ -1,11 +1,11 @@
-"""Beam search over HTTP (vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions): one
-metrale.beam_search.BeamSearch per prompt, driven round by round with this server's own requests.
+"""Beam search over HTTP (vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions): one engine request
+per prompt, a Generate with `beam` (docs/protocol.md), which the engine core runs as a beam group
+(engine_core/beam_groups.py: metrale.beam_search.BeamSearch's rules, every beam a row of the batch).
 
-Each round runs, for every live beam of every prompt, one request of max_tokens=1 at temperature 0 for the beam's
-whole sequence, asking for the search's top alternatives (what LLM.beam_search runs offline), all submitted at once
-through FrontendServer.generate_local (http_run.Run): validation, the engine and the abort of a client that leaves
-are those of any request. The search ends before the answer starts, so a step the engine refuses is an HTTP error;
-a stream (vLLM streams the final beams at the end) sends each choice whole. A prompt's n hypotheses, best first,
+Every prompt's search is submitted at once through FrontendServer.generate_local (http_run.Run): validation, the
+engine and the abort of a client that leaves are those of any request. Its one final Delta carries the hypotheses;
+the search ends before the answer starts, so a search the engine refuses is an HTTP error; a stream (vLLM streams the
+final beams at the end) sends each choice whole. A prompt's n hypotheses, best first,
 are its n choices: each gets one final Delta made here and handed to the route as a Run's would be (BeamRun), so
 the route shapes text, logprobs, token ids and usage as for any choice.
 
@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from metrale.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, BeamSearchSequence
+from metrale.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
 from metrale.frontend.detokenizer import IncrementalDetokenizer
-from metrale.ipc.messages import Delta, Error, TokenLogprob
+from metrale.ipc.messages import BeamHypothesis, Delta, Error, TokenLogprob
 from metrale.ipc.sampling import SamplingParams
 
 from .http_errors import ApiError
@@ -98,30 +96,30 @@ async def beam_search(server: FrontendServer, texts, body: SamplingFields, promp
 
     max_tokens None: up to the model's length. logprobs: top-N alternatives per token, None when not asked. param:
     what an engine error or a prompt too long names (prompt, messages). decoder: the route's, for the text. 400
-    naming the field when the search cannot run; every request still running is aborted when this raises or is
+    naming the field when the search cannot run; every search still running is aborted when this raises or is
     cancelled (the client left)."""
     refuse_unbeamable(body)
     checked = sampling_params(body, 1, logprobs, server.vocab_size)  # the usual ranges: logprobs, priority, seed
     asked = checked.logprobs
-    searches = [_search(server, body, ids, max_tokens, param, asked or 0) for ids in prompts]
+    searches = [_search(server, body, ids, max_tokens, param, asked or 0) for ids in prompts]  # 400s before any runs
     width = searches[0].num_logprobs  # what the rules need, or the top-N the client asked for
     step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=width, priority=checked.priority)
-    cached = await _run_rounds(server, texts, searches, step, body.cache_salt, param)
+    found = await _run_searches(server, texts, searches, asked, checked.priority, body.cache_salt, param)
     detok = SamplingParams(skip_special_tokens=checked.skip_special_tokens)
     deltas = []
-    for s, hit in zip(searches, cached):
-        for seq in s.results():
-            text = IncrementalDetokenizer(decoder or server.tokenizer, s.prompt, detok).finish(seq.output_ids)
-            deltas.append(Delta(id=str(len(deltas)), text=text, token_ids=seq.output_ids,
-                                finish_reason=seq.finish_reason, logprobs=_top(seq, asked),
-                                prompt_tokens=len(s.prompt), completion_tokens=len(seq.output_ids), cached_tokens=hit))
+    for s, (hypotheses, hit) in zip(searches, found):
+        for h in hypotheses:
+            text = IncrementalDetokenizer(decoder or server.tokenizer, s.prompt, detok).finish(h.token_ids)
+            deltas.append(Delta(id=str(len(deltas)), text=text, token_ids=h.token_ids,
+                                finish_reason=h.finish_reason, logprobs=_top(h.logprobs, asked),
+                                prompt_tokens=len(s.prompt), completion_tokens=len(h.token_ids), cached_tokens=hit))
     return BeamRun(texts, deltas, step)
 
 
 def _search(server: FrontendServer, body: SamplingFields, ids: list[int], max_tokens: int | None,
             param: str, num_logprobs: int) -> BeamSearch:
-    """One prompt's search; 400 when the prompt and max_tokens do not fit the model (checked before the first
-    round, since each step asks for one token) or a field is out of range."""
+    """One prompt's search, to check it (the engine core runs it); 400 when the prompt and max_tokens do not fit the
+    model or a field is out of range."""
     limit = server.max_model_len
     if limit is not None and len(ids) >= limit:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; max_model_len is {limit} (the prompt and at least "
@@ -144,53 +142,33 @@ def _search(server: FrontendServer, body: SamplingFields, ids: list[int], max_to
         raise ApiError(400, str(exc), param="n" if name == "beam_width" else name, code="invalid_value") from None
 
 
-async def _run_rounds(server: FrontendServer, texts, searches: list[BeamSearch], step: SamplingParams,
-                      cache_salt: str | None, param: str) -> list[int]:
-    """Run every search to its end, all live beams of a round as concurrent requests under one Run; each prompt's
-    cached tokens (the prefix cache's hit on its first step). Whatever runs when this raises or is cancelled is
-    aborted."""
+async def _run_searches(server: FrontendServer, texts, searches: list[BeamSearch], asked: int | None, priority: int,
+                        cache_salt: str | None, param: str) -> list[tuple[list[BeamHypothesis], int]]:
+    """Run every search in the engine core (one request each, Generate.beam) to its end, all at once under one Run;
+    each one's hypotheses and the prompt tokens the prefix cache held. Whatever runs when this raises or is
+    cancelled is aborted."""
     run = Run(server, texts)
-    submitted = 0  # every step gets a fresh request id under the run's key
-    cached: list[int] | None = None
+    found: dict[str, tuple[list[BeamHypothesis], int]] = {}
     try:
-        while live := [s for s in searches if not s.done]:
-            inputs = [tokens for s in live for tokens in s.next_inputs()]
-            ids = [str(submitted + i) for i in range(len(inputs))]
-            for rid, tokens in zip(ids, inputs):
-                run.start(int(rid), step, token_ids=tokens, cache_salt=cache_salt)
-            submitted += len(inputs)
-            alternatives, hits = await _read_round(run, param)
-            if cached is None:  # the first round: one step per prompt, on the prompt itself
-                cached = [hits[rid] for rid in ids]
-            rows = iter(alternatives[rid] for rid in ids)
-            for s in live:
-                mine = [next(rows) for _ in s.beams]
-                s.advance(np.array([r.top_ids for r in mine]), np.array([r.top_logprobs for r in mine]))
+        for i, s in enumerate(searches):
+            params = SamplingParams(max_tokens=s.params.max_tokens, temperature=0.0, ignore_eos=True, logprobs=asked,
+                                    priority=priority)
+            run.start(i, params, token_ids=s.prompt, cache_salt=cache_salt, beam=s.params)
+        async for msg in run.messages():
+            if isinstance(msg, Error):
+                raise ApiError.from_engine(msg, param)
+            if msg.finish_reason is not None:
+                if msg.beams is None:
+                    raise ApiError(500, f"a beam search ended {msg.finish_reason!r} without its hypotheses",
+                                   type="server_error", code="internal_error")
+                found[msg.id] = (msg.beams, msg.cached_tokens or 0)
     finally:
         run.close()
-    return cached
+    return [found[str(i)] for i in range(len(searches))]
 
 
-async def _read_round(run: Run, param: str) -> tuple[dict[str, TokenLogprob], dict[str, int]]:
-    """Read the round's requests to their ends: by request id, each one's alternatives and the prompt tokens the
-    prefix cache held. ApiError when one fails (the caller aborts the rest)."""
-    alternatives: dict[str, TokenLogprob] = {}
-    hits: dict[str, int] = {}
-    async for msg in run.messages():
-        if isinstance(msg, Error):
-            raise ApiError.from_engine(msg, param)
-        if msg.logprobs:
-            alternatives[msg.id] = msg.logprobs[0]
-        if msg.finish_reason is not None:
-            if msg.id not in alternatives:
-                raise ApiError(500, f"a beam's step ended {msg.finish_reason!r} without its alternatives",
-                               type="server_error", code="internal_error")
-            hits[msg.id] = msg.cached_tokens or 0
-    return alternatives, hits
-
-
-def _top(seq: BeamSearchSequence, asked: int | None) -> list[TokenLogprob] | None:
+def _top(logprobs: list[TokenLogprob], asked: int | None) -> list[TokenLogprob] | None:
     """A hypothesis' logprobs with the top-N alternatives the client asked for; None when it asked for none."""
     if asked is None:
         return None
-    return [TokenLogprob(t.token_id, t.logprob, t.top_ids[:asked], t.top_logprobs[:asked]) for t in seq.logprobs]
+    return [TokenLogprob(t.token_id, t.logprob, t.top_ids[:asked], t.top_logprobs[:asked]) for t in logprobs]

@@ -103,14 +103,15 @@ class Run:
 
     def start(self, index: int, params: SamplingParams, *, prompt: str | None = None,
               token_ids: list[int] | None = None, add_special_tokens: bool = True, decoder=None,
-              cache_salt: str | None = None, strict_length: bool = False, pooling=None, lora: str | None = None) -> None:
+              cache_salt: str | None = None, strict_length: bool = False, pooling=None, lora: str | None = None,
+              beam=None) -> None:
         """Submit one choice (or one input's embedding, with pooling); its messages arrive on the queue with id
         str(index)."""
         self.live.add(str(index))
         self.server.generate_local(self.key, str(index), self.queue.put_nowait, params, prompt=prompt,
                                    token_ids=token_ids, add_special_tokens=add_special_tokens, decoder=decoder,
                                    cache_salt=cache_salt, strict_length=strict_length, pooling=pooling,
-                                   lora=lora, **self._resumable(index))
+                                   lora=lora, beam=beam, **self._resumable(index))
 
     def _resumable(self, index: int) -> dict:
         """generate_local's arguments that hold a named request's choice for a retry (none for an unnamed one)."""

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from metrale.ipc.errors import ErrorCode
+from metrale.ipc.beam_params import BeamSearchParams
 from metrale.ipc.messages import (
-    AddRequest, Delta, Error, Generate, GrammarBlob, RequestOutputDelta, Resume, TokenLogprob,
+    AddRequest, BeamHypothesis, Delta, Error, Generate, GrammarBlob, RequestOutputDelta, Resume, TokenLogprob,
 )
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams
@@ -92,6 +93,7 @@ class RequestState:
     grammar: GrammarBlob | None = None  # params.structured_outputs compiled (grammar_compiler.py)
     pooling: PoolingParams | None = None  # an embeddings request (Generate.pooling)
     lora: str | None = None  # its LoRA adapter (Generate.lora)
+    beam: BeamSearchParams | None = None  # a beam search (Generate.beam): its one Delta carries the hypotheses
     resume_key: str | None = None  # what the engine core holds it under for a re-attach (None: not resumable)
     reattach: str | None = None  # AddRequest.reattach, until the engine core's first answer
     skip: int = 0  # output tokens its client already has (a Resume's offset): detokenized, not sent
@@ -174,7 +176,7 @@ class LiveRequests:
         state.fd = fd if fd is not None else state.fd
         req = RequestState(client=client, client_id=msg.id, params=msg.sampling, arrival=self.clock(),
                            cache_salt=msg.cache_salt, pooling=msg.pooling,
-                           lora=msg.lora)
+                           lora=msg.lora, beam=msg.beam)
         if msg.session is not None:
             req.resume_key = session_key(msg.session, msg.id)
         if isinstance(msg, Resume):
@@ -330,6 +332,7 @@ class LiveRequests:
             grammar=req.grammar,
             pooling=req.pooling,
             lora=req.lora,
+            beam=req.beam,
             resume_key=req.resume_key,
             reattach="only" if req.untried else req.reattach,  # the last replica asked may start it
         )
@@ -450,7 +453,7 @@ class LiveRequests:
         elif out.finish_reason is not None:
             text += req.detok.flush()
             reason = "stop" if req.detok.stopped else out.finish_reason
-            self._finish(req, reason, text, accepted, logprobs, prompt_logprobs, out.embedding)
+            self._finish(req, reason, text, accepted, logprobs, prompt_logprobs, out.embedding, out.beams)
         else:
             self._stream(req, text, accepted, logprobs, prompt_logprobs)
 
@@ -507,7 +510,8 @@ class LiveRequests:
             self.replicas.links[replica].abort([engine_id])
 
     def _finish(self, req: RequestState, reason: str, text: str, token_ids: list[int], logprobs,
-                prompt_logprobs: list[TokenLogprob | None] | None = None, embedding: list[float] | None = None) -> None:
+                prompt_logprobs: list[TokenLogprob | None] | None = None, embedding: list[float] | None = None,
+                beams: list[BeamHypothesis] | None = None) -> None:
         """Send a request's final Delta (with whatever it held back, and the prompt's logprobs when they come with
         its only tokens) and forget it."""
         if req.held_ids or req.held_text:
@@ -524,6 +528,7 @@ class LiveRequests:
             cached_tokens=req.cached_tokens,
             embedding=embedding,
             queued_s=req.queued_s,
+            beams=beams,
         )
         self.send_final(req, final)
 

@@ -71,6 +71,7 @@ from metrale.ipc.messages import (
 from metrale.ipc.errors import ErrorCode
 from metrale.ipc.frontend_ids import frontend_name
 from metrale.config import lora_pairs
+from metrale.ipc.beam_params import BeamSearchParams
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams, logprobs_cap
 from metrale.ipc.status_channel import EXIT_CONFIG, FAILED, SERVING, StatusSender
@@ -528,6 +529,7 @@ class FrontendServer:
         lora: str | None = None,
         resume_key: str | None = None,
         resume_offset: int | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> None:
         """Start a request exactly as a Generate frame would (pooling: an embeddings request; lora: its adapter); its
         Deltas (or its one Error) go to sink. resume_key: the engine core holds it under this key; with resume_offset,
@@ -538,7 +540,7 @@ class FrontendServer:
         replaces the tokenizer for detokenizing (e.g. one that keeps reasoning tags in the text).
         """
         msg = Generate(id=request_id, prompt=prompt, token_ids=token_ids, sampling=params, cache_salt=cache_salt,
-                       pooling=pooling, lora=lora)
+                       pooling=pooling, lora=lora, beam=beam)
         try:
             req = self.requests.register(key, (), None, msg, local=True)
         except Rejected as exc:

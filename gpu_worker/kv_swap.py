@@ -1,4 +1,5 @@
-"""Host copies of KV blocks, for swap preemption: a plan's swap_out then swap_in, before its forward."""
+"""Host copies of KV blocks, for swap preemption: a plan's swap_out then swap_in, before its forward; and device
+copies (a swap_in pair whose host block is negative: a forked beam's partial block, ipc/plan.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class KvSwapSpace:
         return max(0, int(swap_space_bytes) // bytes_per_block)
 
     def apply(self, plan: StepPlan) -> None:
-        """Copy the plan's swap_out pairs device → host, then its swap_in pairs host → device."""
+        """Copy the plan's swap_out pairs device → host, then its device → device pairs, then its swap_in pairs
+        host → device."""
         if len(plan.swap_out):
             dev, host = _indices(plan.swap_out)
             for layer in range(len(self.k)):
@@ -34,6 +36,13 @@ class KvSwapSpace:
                 self.v[layer].index_copy_(0, host, self.cache.v[layer].index_select(0, dev.to(self.cache.v[layer].device)).cpu())
         if len(plan.swap_in):
             host, dev = _indices(plan.swap_in)
+            copies = host < 0
+            if bool(copies.any()):
+                src, dst = -1 - host[copies], dev[copies]
+                host, dev = host[~copies], dev[~copies]
+                for cache in (self.cache.k, self.cache.v):
+                    for layer in cache:
+                        layer.index_copy_(0, dst.to(layer.device), layer.index_select(0, src.to(layer.device)))
             for layer in range(len(self.k)):
                 device = self.cache.k[layer].device
                 d = dev.to(device)

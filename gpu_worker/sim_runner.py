@@ -254,4 +254,7 @@ class SimRunner:
         for d, h in plan.swap_out.tolist():
             self.host_kv[h * bs:(h + 1) * bs] = self.kv[d * bs:(d + 1) * bs]
         for h, d in plan.swap_in.tolist():
+            if h < 0:  # a device copy (ipc/plan.py)
+                self.kv[d * bs:(d + 1) * bs] = self.kv[(-1 - h) * bs:(-h) * bs]
+                continue
             self.kv[d * bs:(d + 1) * bs] = self.host_kv[h * bs:(h + 1) * bs]

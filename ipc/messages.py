@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .beam_params import BeamSearchParams
 from .pooling import PoolingParams
 from .sampling import SamplingParams
 
@@ -40,6 +41,9 @@ class Generate(_Keyed, tag="generate", kw_only=True):
     # An embeddings request: the prompt is pooled (sampling is ignored) and the one Delta carries its embedding.
     pooling: PoolingParams | None = None
     lora: str | None = None  # a LoRA adapter the server loaded (--lora-modules): the request runs with it
+    # A beam search of the prompt (sampling gives only logprobs, its top-N per token, and priority): the one final
+    # Delta carries beam.beam_width hypotheses in `beams`, best first.
+    beam: BeamSearchParams | None = None
     # A client that may re-attach after losing its frontend names its session (a random string kept for its life):
     # the engine core then holds the request's outputs under (session, id) for a Resume (docs/protocol.md §5.6).
     session: str | None = None
@@ -94,6 +98,18 @@ class Admin(_Keyed, tag="admin", kw_only=True):
 ClientMessage = Generate | Resume | Abort | StatsQuery | HealthQuery | ModelInfoQuery | Admin
 
 
+class BeamHypothesis(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One of a beam search's finished hypotheses (metrale/beam_search.py's BeamSearchSequence): its generated ids (the
+    eos that ended it only with include_stop_str_in_output), one TokenLogprob per id, their log-probability sum, the score that ranked it, and "stop" (it ended in
+    an eos) or "length"."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    cum_logprob: float
+    score: float
+    finish_reason: str
+
+
 class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
     """New output of a request. The last delta of a request has a finish_reason."""
 
@@ -110,6 +126,7 @@ class Delta(msgspec.Struct, tag="delta", kw_only=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embeddings request's vector (Generate.pooling), on its one delta
     queued_s: float | None = None  # on the last delta: how long the engine core held it before its first step
+    beams: list[BeamHypothesis] | None = None  # a beam search's (Generate.beam) hypotheses, best first, on its one delta
 
 
 class Error(msgspec.Struct, tag="error", kw_only=True):
@@ -264,6 +281,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     grammar: GrammarBlob | None = None  # with params.structured_outputs
     pooling: PoolingParams | None = None  # an embeddings request: its prompt is pooled, nothing is generated
     lora: str | None = None  # the LoRA adapter its rows run with (EngineOptions.lora_modules' name)
+    beam: BeamSearchParams | None = None  # a beam search (Generate.beam): EngineCore.add_beam_request
     # Held under this key for a frontend that re-attaches after a restart (engine_core/output_ledger.py).
     resume_key: str | None = None
     # Re-attach to the request held under resume_key (its outputs so far come at once): "or_start" runs this one
@@ -319,6 +337,8 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embeddings request's vector, on its last delta
     queued_s: float | None = None  # with num_cached_tokens: seconds from its arrival here to its first admission
+    # A beam search's (AddRequest.beam), on its one delta: its beam_width hypotheses, best first (no new_token_ids).
+    beams: list[BeamHypothesis] | None = None
 
 
 class EngineLoad(msgspec.Struct, array_like=True):

@@ -135,7 +135,9 @@ class StepPlan:
     hist_tokens: np.ndarray  # int32[H]
     hist_start: np.ndarray  # int32[R+1]
     hist_prompt_len: np.ndarray  # int32[R]: the first n history tokens of the row are its prompt
-    # KV copies before the forward: first swap_out (device block, host block), then swap_in (host, device).
+    # KV copies before the forward: first swap_out (device block, host block), then swap_in (host, device). A swap_in
+    # pair whose host block is negative, (-1 - b, d), copies device block b to device block d (a forked beam's last,
+    # partial block: engine_core/beam_groups.py), before the host → device pairs.
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
     # Structured outputs: the allowed next tokens of each MASK_GRAMMAR row, in row order, as packed bits (token

@@ -27,45 +27,14 @@ the prompt too).
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
+from metrale.ipc.beam_params import MAX_BEAM_WIDTH, BeamSearchParams, _check  # noqa: F401 - re-exported
 from metrale.ipc.messages import TokenLogprob
 from metrale.ipc.sampling import MAX_LOGPROBS
-
-# Each beam's step reports 2W alternatives (vLLM's request), and the engine reports at most MAX_LOGPROBS.
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
-
-
-class BeamSearchParams(msgspec.Struct, omit_defaults=True):
-    """How to search (vLLM's BeamSearchParams, plus transformers' early_stopping: False, True or "never")."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0  # 0 only: vLLM's sampled beams are not implemented
-    length_penalty: float = 1.0  # a hypothesis' score is its log-probability / generated length ** this
-    include_stop_str_in_output: bool = False  # keep the eos that ended a hypothesis in its ids (text skips it)
-    early_stopping: bool | str = False
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first field the search cannot run with."""
-        _check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width",
-               f"must be an integer in [1, {MAX_BEAM_WIDTH}]", self.beam_width)
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1",
-               self.max_tokens)
-        _check(isinstance(self.temperature, (int, float)) and self.temperature == 0.0, "temperature",
-               "must be 0 (sampled beam search is not supported)", self.temperature)
-        _check(isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty),
-               "length_penalty", "must be a finite number", self.length_penalty)
-        # `is`, not `in`: 0 and 1 are == False and True, and a typo'd 1 should not pass for True.
-        _check(any(self.early_stopping is v for v in (False, True)) or self.early_stopping == "never",
-               "early_stopping", "must be False, True or 'never'", self.early_stopping)
-
 
 @dataclass(slots=True)
 class BeamSearchSequence:
@@ -130,6 +99,7 @@ class BeamSearch:
         _check(self.num_logprobs <= MAX_LOGPROBS, "beam_width",
                f"+ the model's {len(self.eos_ids)} eos ids must be at most {MAX_LOGPROBS}", params.beam_width)
         self.beams: list[Beam] = [Beam()]  # one beam to start: W copies of the prompt would propose the same tokens
+        self.parents: list[int] = []  # after advance(): the row of the beams it took that each next beam continues
         self._finished: list[_Finished] = []  # a min-heap: the worst kept hypothesis first
         self._arrivals = 0
         self.done = False
@@ -163,10 +133,12 @@ class BeamSearch:
         for rank in np.flatnonzero(stops[:width]):  # only the W best may finish; the rest keep W beams running
             self._offer(self._extend(order[rank], top_ids, top_logprobs, scores), scores[order[rank]] / divisor,
                         "stop" if ends_in_eos[rank] else "length")
-        self.beams = [self._extend(i, top_ids, top_logprobs, scores) for i in order[~stops][:width]]
+        chosen = order[~stops][:width]
+        self.beams = [self._extend(i, top_ids, top_logprobs, scores) for i in chosen]
+        self.parents = (chosen // k).tolist()  # each next beam's parent row: an engine forks that row's KV
         self.done = at_limit or not self.beams or self._cannot_improve(length)
         if self.done:
-            self.beams = []
+            self.beams, self.parents = [], []
         return self.beams
 
     def results(self) -> list[BeamSearchSequence]:
@@ -209,12 +181,3 @@ class BeamSearch:
         best_length = p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0.0 else length
         best_possible = self.beams[0].cum_logprob / np.float32(best_length ** p.length_penalty)
         return not best_possible > np.float32(self._finished[0].score)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check(ok: bool, name: str, rule: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"{name} {rule} (got {value!r})")

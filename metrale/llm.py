@@ -10,7 +10,7 @@ from typing import Sequence as Seq
 import msgspec
 import numpy as np
 
-from metrale.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from metrale.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from metrale.config import EngineArgs
 from metrale.settings import DEFAULTS
 from metrale.engine_core.engine import EngineCore, EngineOptions
@@ -18,7 +18,7 @@ from metrale.engine_core.pipeline import SpecialTokens
 from metrale.frontend.chat import ChatTemplate, ChatTemplateError, chat_template_source, special_token_variables
 from metrale.frontend.detokenizer import IncrementalDetokenizer
 from metrale.frontend.tokenizer import Tokenizer
-from metrale.ipc.messages import EngineStats, RequestOutputDelta, TokenLogprob
+from metrale.ipc.messages import BeamHypothesis, EngineStats, RequestOutputDelta, TokenLogprob
 from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams, logprobs_cap, seeded_for_choice
 from metrale.llm_embed import EmbeddingRequestOutput, embed
@@ -215,30 +215,46 @@ class LLM:
         """vLLM's LLM.beam_search: each prompt's beam_width best hypotheses, best first, found by transformers'
         beam search (metrale/beam_search.py); prompts as generate() takes them.
 
-        Each round runs one step per live beam: a request of max_tokens=1 for the beam's whole sequence, asking
-        for its top alternatives (the raw model distribution). The prefix cache hands it the full blocks its
-        parent beam's request filled, so only its last, partial block is computed again. A prompt or parameter
-        the engine cannot serve raises ValueError naming the field, and nothing runs.
+        Each prompt is one beam search in the engine (engine_core/beam_groups.py): its live beams are rows that
+        decode together, beside every other search's, forking their parents' KV blocks by reference. A prompt or
+        parameter the engine cannot serve raises ValueError naming the field, and nothing runs.
         """
         params.validate()
         _, token_lists = self._prompts(prompts)
         self._check_beam_prompts(token_lists, params.max_tokens)
-        searches = [BeamSearch(ids, params, self.engine.info.eos_token_ids) for ids in token_lists]
-        if not searches:
-            return []
-        # Greedy, so the pick costs an argmax; the pick itself is unused (the alternatives decide).
-        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=searches[0].num_logprobs)
-        while live := [s for s in searches if not s.done]:
-            alternatives = iter(self._run_one_step([tokens for s in live for tokens in s.next_inputs()], step))
-            for s in live:
-                rows = [next(alternatives) for _ in s.beams]
-                s.advance(np.array([r.top_ids for r in rows]), np.array([r.top_logprobs for r in rows]))
-        self.run_until_idle()  # retire the last round's requests (their blocks stay cached)
+        eos = self.engine.info.eos_token_ids
+        for ids in token_lists:
+            BeamSearch(ids, params, eos)  # a width the engine cannot report raises here, before anything runs
+        rids = [f"beam-{next(self._ids)}" for _ in token_lists]
+        index = {rid: i for i, rid in enumerate(rids)}
+        got: list[list[BeamHypothesis] | None] = [None] * len(rids)
+        queue = list(zip(rids, token_lists))[::-1]  # popped from the end: first in, first added
+        open_ids: set[str] = set()
+        try:
+            while queue or open_ids:
+                while queue and len(open_ids) < self.engine.options.max_waiting:  # within the waiting room
+                    rid, ids = queue.pop()
+                    self.engine.add_beam_request(rid, ids, params)
+                    open_ids.add(rid)
+                for delta in self.engine.step():
+                    if delta.request_id not in open_ids or delta.finish_reason is None:
+                        continue
+                    if delta.beams is None:
+                        raise RuntimeError(f"a beam search ended {delta.finish_reason}: {delta.error}")
+                    got[index[delta.request_id]] = delta.beams
+                    open_ids.discard(delta.request_id)
+        except BaseException:
+            self.abandon(open_ids)
+            raise
+        self.run_until_idle()
         outputs = []
-        for s in searches:
-            sequences = s.results()
-            for seq in sequences:
-                seq.text = IncrementalDetokenizer(self.tokenizer, s.prompt, SamplingParams()).finish(seq.output_ids)
+        for ids, hyps in zip(token_lists, got):
+            sequences = []
+            for h in hyps:
+                text = IncrementalDetokenizer(self.tokenizer, ids, SamplingParams()).finish(h.token_ids)
+                sequences.append(BeamSearchSequence(tokens=list(ids) + h.token_ids, output_ids=h.token_ids,
+                                                    logprobs=h.logprobs, cum_logprob=h.cum_logprob, score=h.score,
+                                                    finish_reason=h.finish_reason, text=text))
             outputs.append(BeamSearchOutput(sequences))
         return outputs
 
@@ -256,33 +272,6 @@ class LLM:
             if len(ids) + max_tokens > limit:
                 raise ValueError(f"max_tokens {max_tokens} after a prompt of {len(ids)} tokens passes the "
                                  f"engine's {limit} (max_model_len, KV capacity)")
-
-    def _run_one_step(self, inputs: list[list[int]], params: SamplingParams) -> list[TokenLogprob]:
-        """Run each token list as a request of one token under params; each one's TokenLogprob, in order. A
-        request that fails aborts the rest and raises RuntimeError; nothing is left in the engine."""
-        rids = [f"beam-{next(self._ids)}" for _ in inputs]
-        index = {rid: i for i, rid in enumerate(rids)}
-        got: list[TokenLogprob | None] = [None] * len(inputs)
-        queue = list(zip(rids, inputs))[::-1]  # popped from the end: first in, first added
-        open_ids: set[str] = set()
-        try:
-            while queue or open_ids:
-                # Within the engine's waiting room, however many beams the prompts have between them.
-                while queue and len(open_ids) < self.engine.options.max_waiting:
-                    rid, tokens = queue.pop()
-                    self.engine.add_request(rid, tokens, msgspec.structs.replace(params), stream=False)
-                    open_ids.add(rid)
-                for delta in self.engine.step():
-                    if delta.request_id not in open_ids or delta.finish_reason is None:
-                        continue
-                    if not delta.logprobs:
-                        raise RuntimeError(f"a beam's step ended {delta.finish_reason}: {delta.error}")
-                    got[index[delta.request_id]] = delta.logprobs[0]
-                    open_ids.discard(delta.request_id)
-        except BaseException:
-            self.abandon(open_ids)
-            raise
-        return got
 
     def _template(self, chat_template: str | None) -> ChatTemplate:
         """The template a chat renders with: chat_template's, else the model's (compiled once)."""

@@ -217,19 +217,27 @@ def test_prompts_as_text_ids_and_vllm_dicts_give_the_same_beams(llama):
         assert s.text == llama.tokenizer.decode(s.output_ids) and s.text
 
 
-def test_beams_reuse_their_parents_blocks_through_the_prefix_cache(llama):
-    """A 64-token prompt (4 blocks of 16), 4 beams, 6 rounds: after the prompt's prefill each beam's step
-    computes only its last, partial block (at most 16 + 1 tokens), not its whole sequence again."""
+def test_beams_share_their_parents_blocks(llama, monkeypatch):
+    """A 64-token prompt (4 blocks of 16), 4 beams, 6 rounds: after the prompt's prefill each beam's step computes
+    its new token and at most the rest of its parent's last, partial block (at most 16 + 1 tokens), not its whole
+    sequence again: a forked beam shares its parent's full blocks."""
     llama.reset_prefix_cache()
     prompt = _prompts(1, seed=5, vocab=1000)[0]
     prompt = (prompt * 64)[:64]
-    stats = llama.engine.pool.stats
-    queried, hit = stats.queried_tokens, stats.hit_tokens
+    device = llama.engine.device
+    launch = device.launch
+    computed = []
+
+    def counting(plan, *args, **kw):
+        computed.append(len(plan.positions))
+        return launch(plan, *args, **kw)
+
+    monkeypatch.setattr(device, "launch", counting)
     out = llama.beam_search([prompt], BeamSearchParams(4, 6, ignore_eos=True))
     assert len(out[0].sequences) == 4
-    computed = (stats.queried_tokens - queried) - (stats.hit_tokens - hit)
-    assert computed <= len(prompt) + 5 * 4 * (16 + 1)
-    assert stats.hit_tokens - hit >= 5 * 4 * 64  # every later step found the prompt's four blocks
+    assert computed[0] == len(prompt)
+    assert sum(computed) <= len(prompt) + 5 * 4 * (16 + 1)
+    assert sum(computed) < len(prompt) + 5 * 4 * len(prompt) // 2  # far from recomputing the sequences
 
 
 @pytest.mark.parametrize(
@@ -262,22 +270,24 @@ def test_a_bad_prompt_raises_before_anything_is_queued(small):
     assert small.beam_search([], BeamSearchParams(2, 4)) == []
 
 
-def test_a_refusal_in_a_later_round_aborts_the_rounds_requests(small, monkeypatch):
-    """The engine refuses a beam's request in round 3 (after two added): the error comes out and the round's
-    queued requests are aborted and retired, their blocks freed."""
+def test_a_device_error_in_a_later_round_ends_the_search_and_frees_its_blocks(small, monkeypatch):
+    """The device refuses the search's steps from its third on (a step launched ahead is only declined, the next
+    one fails its rows): the error comes out, and every beam row is retired, its blocks freed."""
+    from metrale.ipc.plan import DeviceError
+
+    device = small.engine.device
+    launch = device.launch
     calls = []
-    add = small.engine.add_request
 
-    def refuse_the_sixth(*args, **kw):
-        calls.append(args[0])
-        if len(calls) == 6:  # round 1: one request, round 2: three, round 3: the third of three
-            raise ValueError("refused for the test")
-        return add(*args, **kw)
+    def refuse_from_the_third(*args, **kw):
+        calls.append(1)
+        if len(calls) >= 3:
+            raise DeviceError("refused for the test")
+        return launch(*args, **kw)
 
-    monkeypatch.setattr(small.engine, "add_request", refuse_the_sixth)
-    with pytest.raises(ValueError, match="refused for the test"):
+    monkeypatch.setattr(device, "launch", refuse_from_the_third)
+    with pytest.raises(RuntimeError, match="refused for the test"):
         small.beam_search([[5, 6, 7]], BeamSearchParams(3, 8, ignore_eos=True))
-    assert len(calls) == 6
     assert not small.engine.has_unfinished()
     assert small.engine.pool.num_used == 0
 

@@ -18,13 +18,15 @@ OWNERS: dict[type, frozenset[str]] = {
     Request: frozenset(),  # frozen: made once by the engine (Sequence.of)
     Sequence: frozenset({"scheduler", "decode_lane"}),  # progress: the lane settles it, the scheduler moves it
     KvPlacement: frozenset({"kv_blocks"}),  # its block table is a row of the block pool's table
-    Output: frozenset({"commit", "engine"}),  # the commit appends tokens and fills the outbox, the engine takes it
+    # the commit appends tokens and fills the outbox, the engine takes it; a beam search sets its rows' tokens to
+    # the beams it picks (beam_groups.py)
+    Output: frozenset({"commit", "engine", "beam_groups"}),
     RowState: frozenset({"pipeline"}),  # the state behind row masks
 }
 # Who may end a request: the commit's stops, the lane's device errors, the engine's aborts and failures, the
-# scheduler's KV refusals; and who files it in the outbox.
+# scheduler's KV refusals, a beam search ending its rows; and who files it in the outbox.
 CALLS: dict[str, frozenset[str]] = {
-    "finish()": frozenset({"commit", "decode_lane", "engine", "scheduler"}),
+    "finish()": frozenset({"commit", "decode_lane", "engine", "scheduler", "beam_groups"}),
     "post()": frozenset({"commit"}),
 }
 TYPE_OF = {f.name: t for t in OWNERS for f in dataclasses.fields(t)}

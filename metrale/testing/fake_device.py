@@ -290,6 +290,15 @@ class FakeDevice:
         self.records.append(StepRecord(q_lens, plan.sample.tolist(), fed))
         lp = np.zeros(R, dtype=np.float32) if (plan.num_logprobs >= 0).any() else None
         results = [StepResult(tokens=row.astype(np.int32), logprobs=lp) for row in picks]
+        n = min(int(plan.num_logprobs.max(initial=0)), self.info.vocab_size)
+        if n > 0 and not any(drafts):  # the raw distribution's top n, as the device sampler reports them (a beam's)
+            z = logits_all.astype(np.float64)
+            z -= z.max(axis=1, keepdims=True)
+            logp = (z - np.log(np.exp(z).sum(axis=1, keepdims=True))).astype(np.float32)
+            top = np.argsort(-logp, axis=1, kind="stable")[:, :n]
+            results[0].top_ids = top.astype(np.int32)
+            results[0].top_logprobs = np.take_along_axis(logp, top, axis=1)
+            results[0].logprobs = np.take_along_axis(logp, np.maximum(tokens, 0)[:, None], axis=1)[:, 0]
         if plan.prompt_lp_count.any():
             self._prompt_logprobs(plan, input_ids, results[0])
         if plan.pool.any():
@@ -348,6 +357,9 @@ class FakeDevice:
         for d, h in plan.swap_out.tolist():
             self.host_kv[h * bs : (h + 1) * bs] = self.kv[d * bs : (d + 1) * bs]
         for h, d in plan.swap_in.tolist():
+            if h < 0:  # a device copy (ipc/plan.py)
+                self.kv[d * bs : (d + 1) * bs] = self.kv[(-1 - h) * bs : (-h) * bs]
+                continue
             self.kv[d * bs : (d + 1) * bs] = self.host_kv[h * bs : (h + 1) * bs]
             self.host_kv[h * bs : (h + 1) * bs] = -1
 
