@@ -129,16 +129,16 @@ class Supervisor:
             config.http_port = free_port(config.host)
         if config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("binding %s: clients from other machines can reach this server", config.host)
+        try:  # before the run folder: a layout mistake leaves nothing behind
+            self.layout = layout(config)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         self.run_dir = Path(tempfile.mkdtemp(prefix="metrale-run-"))
         config.run_dir = str(self.run_dir)
         self.env = {k: v for k, v in os.environ.items() if k not in API_KEY_ENV}  # the key goes to the frontend alone
         self.env["METRALE_SUPERVISOR_PID"] = str(os.getpid())
         if self.chat_template is not None:  # handed over as a file: a template can outgrow a command-line argument
             (self.run_dir / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
-        try:
-            self.layout = layout(config)
-        except ValueError as e:
-            raise StartupError(str(e)) from None
         local_ranks = max(1, len(self.layout.replicas)) * len(self.layout.ranks)
         self._threads_env = _worker_env(config.engine, local_ranks)
         self.replicas = [self._replica(k) for k in self.layout.replicas]
@@ -156,6 +156,7 @@ class Supervisor:
             try:
                 self.node_store = NodeStore(config.master_addr, config.master_port, hosting=config.node_rank == 0)
             except Exception as e:  # noqa: BLE001 - a port in use, a master that never came
+                shutil.rmtree(self.run_dir, ignore_errors=True)
                 raise StartupError(f"--master-addr {config.master_addr} --master-port {config.master_port}: "
                                    f"the nodes cannot meet there ({e})") from None
         self.worker_pids: set[int] = set()  # every rank 0 started (a killed one may leave its all-reduce segment)

@@ -112,6 +112,19 @@ def test_usual_mistakes_are_one_line_and_exit_2(model_dir, args, says):
     assert says in one_error_line(serve(*args))
 
 
+@pytest.mark.parametrize("args,says", [
+    (["--nnodes", "2", "--node-rank", "5"], "--node-rank 5 is not one of --nnodes 2"),
+    (["--nnodes", "2", "--data-parallel-size", "3"], "2 nodes need --data-parallel-size a multiple of 2"),
+])
+def test_a_layout_mistake_is_one_line_and_leaves_no_run_folder(model_dir, tmp_path, args, says):
+    """The supervisor's run folder (sockets, health file) is made only once the layout holds."""
+    result = subprocess.run([sys.executable, "-m", "metrale.cli", "serve", "--model", str(model_dir), *args],
+                            capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert says in one_error_line(result)
+    assert not list(tmp_path.glob("metrale-run-*")), "no run folder left behind"
+
+
 def test_a_cpu_kernel_class_the_cpu_lacks_is_one_line(model_dir, monkeypatch):
     """METRALE_CPU_ISA naming an unknown class, or one this CPU cannot run, fails at start-up naming it."""
     from metrale import cpu_isa
