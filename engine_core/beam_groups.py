@@ -37,7 +37,7 @@ from metrale.ipc.plan import StepResult
 from .decode_lane import discard_row
 from .pipeline import Pipeline
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SeqStatus
 
 
 @dataclass(eq=False)
@@ -149,6 +149,8 @@ class BeamGroups:
             new_rows.append(seq)
         for seq, tok in heirs:  # after the forks, which copied the parents' tokens
             seq.out.tokens.append(tok)
+            if seq.status == SeqStatus.IDLE:  # released for room after its step: queued again, to compute it all
+                self.scheduler.add(seq)
         for seq in spare:
             self.scheduler.release(seq)
         g.rows = new_rows + spare

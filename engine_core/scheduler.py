@@ -257,6 +257,15 @@ class Scheduler:
                 step.add(seq, k)
                 budget -= k
         self._fill(step, budget)
+        while not step.seqs and (self._waiting or self._has_work_swapped()):
+            # Nothing runs: every running row is a beam row waiting for its search, holding blocks that its
+            # siblings (or anyone) need. Release them, latest first (their alternatives are in: nothing is lost but
+            # their KV), until something is admitted.
+            idle = next((s for s in reversed(self.running) if _idle_beam(s)), None)
+            if idle is None:
+                break
+            self.release(idle)
+            self._fill(step, budget)
         return step
 
     def _fill(self, step: ScheduledStep, budget: int) -> None:
@@ -333,7 +342,11 @@ class Scheduler:
         while not self.pool.allocate(seq, num_tokens):
             victims = [s for s in self.running if s is not seq and s not in step.seqs]
             if victims:
-                self.preempt(victims[-1])
+                victim = next((s for s in reversed(victims) if _idle_beam(s)), victims[-1])
+                if _idle_beam(victim):  # its alternatives are in: it needs no recompute, only a row when it moves
+                    self.release(victim)
+                else:
+                    self.preempt(victim)
                 continue
             if len(self.running) == 1 and not step.seqs:
                 seq.finish("error", f"the KV cache ({self.pool.num_blocks} blocks) cannot hold this request")
@@ -393,6 +406,12 @@ class Scheduler:
 def _order(seq: Sequence) -> tuple[int, int]:
     """Scheduling order: priority, then arrival."""
     return seq.params.priority, seq.req.arrival
+
+
+def _idle_beam(seq: Sequence) -> bool:
+    """A beam row with its step's alternatives in and nothing to run until its search moves it (beam_groups.py)."""
+    return seq.req.beam is not None and seq.num_computed == seq.num_tokens and not seq.num_inflight \
+        and seq.out.finish_reason is None
 
 
 def _wants_prompt_logprobs(seq: Sequence) -> bool:

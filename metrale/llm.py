@@ -232,7 +232,8 @@ class LLM:
         open_ids: set[str] = set()
         try:
             while queue or open_ids:
-                while queue and len(open_ids) < self.engine.options.max_waiting:  # within the waiting room
+                room = self.engine.options.max_waiting  # within the waiting room (a search's forks may wait too)
+                while queue and len(open_ids) < room and self.engine.scheduler.num_waiting < room:
                     rid, ids = queue.pop()
                     self.engine.add_beam_request(rid, ids, params)
                     open_ids.add(rid)
