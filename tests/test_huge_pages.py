@@ -18,7 +18,7 @@ def test_zeros_is_torch_zeros(shape):
 
 
 def test_large_tensors_are_advised_over_their_aligned_interior(monkeypatch):
-    """madvise(MADV_HUGEPAGE) is asked for the 2 MiB-aligned pages inside the tensor, before it is zeroed;
+    """madvise(MADV_HUGEPAGE) is asked for the 2 MiB-aligned pages inside the tensor, before anything touches it;
     small tensors are left alone. (Whether the kernel grants huge pages is its business.)"""
     calls = []
 
@@ -35,3 +35,21 @@ def test_large_tensors_are_advised_over_their_aligned_interior(monkeypatch):
     (start, length, advice), = calls
     assert advice == 14 and start % huge_pages.HUGE_PAGE == 0 and length % huge_pages.HUGE_PAGE == 0 and length > 0
     assert t.data_ptr() <= start and start + length <= t.data_ptr() + t.nbytes
+
+
+def _rss() -> int:
+    with open("/proc/self/status", encoding="utf-8") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+@pytest.mark.skipif(not huge_pages.ENABLED, reason="anonymous mappings are the Linux path")
+def test_a_large_tensor_is_zero_without_being_touched():
+    """A cache-sized tensor costs no memset: its pages stay unmapped until written (read-only reads of an
+    untouched anonymous page see the shared zero page), and writing part of it faults in only that part."""
+    size = 256 << 20
+    before = _rss()
+    t = huge_pages.zeros((size // 2,), torch.bfloat16, "cpu")
+    assert _rss() - before < size // 4
+    assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
+    t[: 1 << 20].fill_(1)
+    assert float(t[: 1 << 20].sum()) == float(1 << 20) and _rss() - before < size // 4
