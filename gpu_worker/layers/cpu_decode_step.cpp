@@ -14,12 +14,14 @@
 
 namespace {
 
-// One native product: op(x, *args, rows[, wide]) (quantization.NativeProduct).
+// One native product: op(x, *args, rows[, wide]) (quantization.NativeProduct); the wide product through
+// wide_op where it has one (op is then another class's, chosen for few rows).
 struct Product {
   c10::OperatorHandle op;
   std::vector<at::Tensor> args;
   int64_t rows;
   bool takes_wide;
+  std::optional<c10::OperatorHandle> wide_op;
 };
 
 // A quantized projection: its products stacked by rows; wide (the wide bf16 product) from wide_rows bf16 rows.
@@ -53,22 +55,26 @@ struct DecodeStep : torch::CustomClassHolder {
 
   // Make projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` a row-stacking of native products:
   // ops[i] (a schema name) takes counts[i] of args, in order, and rows[i]; takes_wide[i] != 0 where it takes the
-  // wide flag too. Its dense weight slot is then unused.
+  // wide flag too, and wide_ops[i] (a schema name, or empty) runs its wide product where the op is not the
+  // process's. Its dense weight slot is then unused.
   void set_products(int64_t layer, int64_t which, std::vector<std::string> ops, std::vector<int64_t> counts,
-                    std::vector<at::Tensor> args, std::vector<int64_t> rows, std::vector<int64_t> takes_wide, bool wide,
-                    int64_t wide_rows) {
+                    std::vector<at::Tensor> args, std::vector<int64_t> rows, std::vector<int64_t> takes_wide,
+                    std::vector<std::string> wide_ops, bool wide, int64_t wide_rows) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(window_of.size()) && which >= 0 && which < kProjections,
                 "no projection ", which, " of layer ", layer);
-    TORCH_CHECK(!ops.empty() && counts.size() == ops.size() && rows.size() == ops.size() && takes_wide.size() == ops.size(),
-                "one count, row count and wide flag per op");
+    TORCH_CHECK(!ops.empty() && counts.size() == ops.size() && rows.size() == ops.size() && takes_wide.size() == ops.size() &&
+                    wide_ops.size() == ops.size(),
+                "one count, row count, wide flag and wide op per op");
     Products p{{}, wide, wide_rows};
     size_t next = 0;
     for (size_t i = 0; i < ops.size(); ++i) {
       TORCH_CHECK(counts[i] >= 0 && next + counts[i] <= args.size(), "the ops' counts overrun their args");
       std::vector<at::Tensor> mine(args.begin() + next, args.begin() + next + counts[i]);
       next += counts[i];
+      std::optional<c10::OperatorHandle> wide_op;
+      if (!wide_ops[i].empty()) wide_op = c10::Dispatcher::singleton().findSchemaOrThrow(wide_ops[i].c_str(), "");
       p.runs.push_back({c10::Dispatcher::singleton().findSchemaOrThrow(ops[i].c_str(), ""), std::move(mine), rows[i],
-                        takes_wide[i] != 0});
+                        takes_wide[i] != 0, std::move(wide_op)});
     }
     TORCH_CHECK(next == args.size(), "args left over after the ops' counts");
     products[layer * kProjections + which] = std::move(p);
@@ -89,7 +95,7 @@ struct DecodeStep : torch::CustomClassHolder {
       for (const at::Tensor& t : r.args) stack.emplace_back(t);
       stack.emplace_back(r.rows);
       if (r.takes_wide) stack.emplace_back(wide);
-      r.op.callBoxed(&stack);
+      (wide && r.wide_op ? *r.wide_op : r.op).callBoxed(&stack);
       ys.push_back(stack[0].toTensor());
     }
     at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);

@@ -25,7 +25,7 @@ from torch import nn
 
 from metrale.gpu_worker.layers import gguf_quant_types as qt
 from metrale.gpu_worker.layers.linear_method import LinearMethod, set_weight_attrs
-from metrale.gpu_worker.layers.quantization import NativeProduct, _dense_product, _goes_wide, _kernel, _kernel_input, _wide
+from metrale.gpu_worker.layers.quantization import NativeProduct, _dense_product, _goes_wide, _kernel, _kernel_input, _wide, native_product
 
 GGUF_TYPE = "gguf_type"  # the attribute naming a raw tensor's GGUF type (gguf_weights.py sets it)
 
@@ -70,7 +70,7 @@ class GgufLinearMethod(LinearMethod):
             layer.dequantized = weight if self.reference else weight.to(layer.act_dtype)
             layer.gguf_runs = None
         else:
-            layer.gguf_runs = [_run(kernel, parts, ops[kernel]) for kernel, parts in runs]
+            layer.gguf_runs = [_run(kernel, parts, layer.in_features, layer.wide) for kernel, parts in runs]
         single = layer.gguf_runs is not None and len(layer.gguf_runs) == 1 and not layer.wide
         layer.gguf_single = layer.gguf_runs[0].product if single else None
         layer.gguf_staged = {}
@@ -180,8 +180,9 @@ def _triton_runs(segments: list[tuple[str, qt.Blocks]], device: torch.device) ->
     return [_Run(b.codes.shape[0], partial(triton_gguf.product, triton_gguf.pack_for_triton(b, device))) for _, b in segments]
 
 
-def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], op) -> _Run:
-    """One product over parts stacked by rows, packed for its kernel."""
+def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], cols: int, wide: bool) -> _Run:
+    """One product over parts stacked by rows, packed for its kernel, on the class dispatch measured fastest
+    for its shape."""
     rows = sum(b.codes.shape[0] for _, b in parts)
     if kernel == "int8":
         packed = qt.pack_int8_parts(parts)
@@ -191,7 +192,7 @@ def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], op) -> _Run:
         packed = qt.pack_int5(parts)
     else:
         packed = qt.pack_kq8(qt.merged([b for _, b in parts]))
-    return _Run(rows, NativeProduct(op, tuple(packed), rows, kernel in ("int8", "int4")))
+    return _Run(rows, native_product(f"{kernel}_linear", tuple(packed), rows, cols, kernel in ("int8", "int4"), wide))
 
 
 def load_tied_head(head: nn.Module, raw: torch.Tensor, method: GgufLinearMethod, dtype: torch.dtype) -> None:

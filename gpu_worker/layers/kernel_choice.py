@@ -1,17 +1,29 @@
-"""Which kernel class multiplies each quantized weight format: the one this CPU runs fastest, not the widest.
+"""Which kernel class runs each native part of a CPU decode step: the one this CPU runs fastest, not the widest.
 
 The classes rank by instruction set (metrale/cpu_isa.py), but a wider class is not always faster: on some AMD
-CPUs the AVX2 build of the int8 and 4-bit products outruns the AVX-512 one. So for each quantized product (an op
-of cpu_quant.cpp and cpu_quant_k.cpp: `int8_linear`, `int4_linear`, `kq8_linear`) the process takes the class that ran a decode-sized product
-fastest on this CPU model: a short measurement (every candidate class alternated, medians), made once per CPU
-model, kernel sources and torch version and cached under $METRALE_CACHE_DIR (default ~/.cache/metrale)/dispatch,
-so later starts read the answer. The chosen classes are logged and reported with the worker's kernels.
+CPUs the AVX2 build of the int8 and 4-bit products outruns the AVX-512 one, for some weight shapes and not
+others, and the fused decode step's own work (norms, rotary, the KV write, attention, residuals) can run faster
+in a narrower build too. So the process measures, on each candidate class, with the model's own weights:
 
-The candidates are the CPU's best class and avx2 (generic never wins where avx2 runs, and the classes between
-differ from the best in the bf16 paths, not in these products): at most one more class to build on a first start.
-A forced
-METRALE_CPU_ISA, or METRALE_KERNEL_DISPATCH=rank, keeps every op on the process's own class (the tests run so,
-forcing one path at a time); METRALE_KERNEL_DISPATCH=measure (the default) measures.
+- each quantized product (an op of cpu_quant.cpp, cpu_quant_k.cpp, cpu_quant_q5.cpp: `int8_linear`,
+  `int4_linear`, `int5_linear`, `kq8_linear`) per weight shape (`product_class`): the layer's packed weight
+  times one decode row. On the amx class this picks the few-row path only: from WIDE_ROWS bf16 rows an int8 or
+  4-bit layer still takes amx's wide product (AMX tiles, which live in that build alone; quantization.py's
+  NativeProduct holds both ops);
+- the fused decode step (`step_class`, models/fused_decode.py): the model's own step built from each class's
+  library, one row over a small private KV cache, its products as chosen above. Only a step whose every
+  projection is a native product is measured (a dense projection's GEMV and its packed weight belong to the
+  process's class, which keeps that step).
+
+Each choice is a short measurement (the candidate classes alternated, each one's fastest round), made once per CPU model, kernel
+sources and torch version, and cached under $METRALE_CACHE_DIR (default ~/.cache/metrale)/dispatch (one JSON
+object, keyed "op OUTxIN" and "decode_step ..."), so later starts read the answers. Each choice is logged, and
+the ones off the process's class are listed in the worker's kernels description (`describe`, `metrale status`).
+
+The candidates are the CPU's best class and avx2 (generic never wins where avx2 runs; the classes between differ
+from the best in the bf16 paths): at most one more class to build on a first start. A forced METRALE_CPU_ISA,
+or METRALE_KERNEL_DISPATCH=rank, keeps every part on the process's own class (the tests run so, forcing one
+path at a time); METRALE_KERNEL_DISPATCH=measure (the default) measures.
 """
 
 from __future__ import annotations
@@ -22,7 +34,6 @@ import logging
 import os
 import pathlib
 import platform
-import statistics
 import time
 from collections.abc import Callable
 
@@ -34,25 +45,11 @@ from metrale.gpu_worker.layers import cpu_kernels
 log = logging.getLogger(__name__)
 
 ENV = "METRALE_KERNEL_DISPATCH"  # measure (default) | rank
-# The product measured: one row (a decode step's) through a layer of this size, REPEATS alternated rounds of
-# CALLS calls per class.
-ROWS, IN, OUT = 1, 2048, 2048
+# Each measurement: REPEATS alternated rounds of CALLS calls per class.
 REPEATS, CALLS = 5, 8
+STEP_CALLS = 2  # a whole decode step is a few ms: fewer calls a round
 
-# op name -> the arguments of a probe call after x (a packed weight of the op's layout), built on first use.
-_PROBES: dict[str, Callable[[], tuple]] = {}
-_chosen: dict[str, str] = {}
-
-
-def probe(op: str) -> Callable[[Callable[[], tuple]], Callable[[], tuple]]:
-    """Register how to build a packed weight for op `op` (decorator): a function returning the op's arguments
-    after x. An op without a probe stays on the process's class."""
-
-    def register(build: Callable[[], tuple]) -> Callable[[], tuple]:
-        _PROBES[op] = build
-        return build
-
-    return register
+_chosen: dict[str, str] = {}  # key ("int8_linear 2048x2048", "decode_step ...") -> class, this process
 
 
 def mode() -> str:
@@ -63,20 +60,40 @@ def mode() -> str:
     return "rank" if cpu_isa.requested() != "auto" else value
 
 
-def class_for(op: str) -> str:
-    """The kernel class whose build runs op `op` in this process."""
+def product_key(op: str, rows: int, cols: int) -> str:
+    """The cache key of a product: its op and weight shape."""
+    return f"{op} {rows}x{cols}"
+
+
+def product_class(op: str, args: tuple, rows: int, cols: int) -> str:
+    """The kernel class whose build runs op `op` fastest for a weight of `rows` x `cols` at a decode step's row:
+    args are the op's arguments after x (the layer's packed weight, rows, and wide=False where it takes it)."""
     own = cpu_kernels.isa()
-    if op not in _PROBES or mode() == "rank" or own == "amx":
-        return own  # on amx the products' wide path (AMX tiles for many rows) lives in that build alone
-    if op not in _chosen:
-        _chosen[op] = _cached_or_measured(op, own)
-    return _chosen[op]
+    if mode() == "rank":
+        return own
+    key = product_key(op, rows, cols)
+    if key not in _chosen:
+        usable = [c for c in candidates() if cpu_kernels.has(op, c)]
+        _chosen[key] = _cached_or_measured(key, own, usable, lambda: measure_product(op, args, cols, usable))
+    return _chosen[key]
+
+
+def step_class(key: str, runner: Callable[[str], Callable[[], object]]) -> str:
+    """The kernel class whose build runs the fused decode step `key` fastest: runner(cls) builds the step from
+    class cls's library and returns one call of it (measured only where no answer is cached)."""
+    own = cpu_kernels.isa()
+    if mode() == "rank":
+        return own
+    if key not in _chosen:
+        usable = candidates()
+        _chosen[key] = _cached_or_measured(key, own, usable, lambda: measure_calls({c: runner(c) for c in usable}, STEP_CALLS))
+    return _chosen[key]
 
 
 def describe() -> str:
-    """The process's class, with the ops that run on another: "avx512_bf16 (int8_linear: avx2)"."""
+    """The process's class, with the parts that run on another: "amx (kq8_linear 49152x576: avx2)"."""
     own = cpu_kernels.isa()
-    moved = [f"{op}: {cls}" for op, cls in sorted(_chosen.items()) if cls != own]
+    moved = [f"{key}: {cls}" for key, cls in sorted(_chosen.items()) if cls != own]
     return f"{own} ({', '.join(moved)})" if moved else own
 
 
@@ -94,45 +111,54 @@ def candidates() -> list[str]:
     return out
 
 
-def _cached_or_measured(op: str, own: str) -> str:
-    """The cached answer for this CPU, else a fresh measurement (written to the cache)."""
+def _cached_or_measured(key: str, own: str, usable: list[str], timed: Callable[[], dict[str, float]]) -> str:
+    """The cached answer for this CPU, else a fresh measurement (written to the cache); own where there is
+    nothing to choose from."""
+    if len(usable) < 2:
+        return own
     path = _cache_path()
     answers = _read(path)
-    cls = answers.get(op)
-    if cls in candidates() and cpu_kernels.has(op, cls):
-        log.info("kernel dispatch: %s runs on %s (measured before on this CPU: %s)", op, cls, path)
+    cls = answers.get(key)
+    if cls in usable:
+        log.info("kernel dispatch: %s runs on %s (measured before on this CPU: %s)", key, cls, path)
         return cls
-    times = measure(op)
-    if not times:
-        return own
+    times = timed()
     cls = min(times, key=times.get)
-    log.info("kernel dispatch: %s runs on %s (%s, median µs of a %dx%d product)", op, cls,
-             ", ".join(f"{c} {t:.0f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])), OUT, IN)
-    answers[op] = cls
+    log.info("kernel dispatch: %s runs on %s (µs a call, fastest round: %s)", key, cls,
+             ", ".join(f"{c} {t:.0f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])))
+    answers = _read(path)  # another worker may have written its answers meanwhile
+    answers[key] = cls
     _write(path, answers)
     return cls
 
 
-def measure(op: str, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median µs per call of op on each candidate class that has it (classes alternated every round)."""
-    args = _PROBES[op]()
-    x = torch.randn(ROWS, IN, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+def measure_product(op: str, args: tuple, cols: int, classes: list[str] | None = None,
+                    clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """µs per call (measure_calls) of op on each of `classes` (default: the candidates that have it) for one bf16 row
+    times the weight in args."""
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     calls = {}
-    for cls in candidates():
-        if cpu_kernels.has(op, cls):
-            fn = getattr(cpu_kernels.ops(cls), op).default
-            fn(x, *args)  # warm: first-touch of the scratch and the weight
-            calls[cls] = fn
-    if len(calls) < 2:
-        return {cls: 0.0 for cls in calls}
+    for cls in classes if classes is not None else [c for c in candidates() if cpu_kernels.has(op, c)]:
+        fn = getattr(cpu_kernels.ops(cls), op).default
+        calls[cls] = lambda fn=fn: fn(x, *args)
+    return measure_calls(calls, CALLS, clock)
+
+
+def measure_calls(calls: dict[str, Callable[[], object]], per_round: int,
+                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """µs per call of each class's call in its fastest round, the classes alternated every round (each warmed
+    first). The fastest round, not the median: other work on the box only ever adds time (on a shared box a
+    round can lose whole time slices), so each class's best round is the closest to what its kernels cost."""
+    for call in calls.values():
+        call()  # first touch of the scratch and the weight
     samples: dict[str, list[float]] = {cls: [] for cls in calls}
     for _ in range(REPEATS):
-        for cls, fn in calls.items():
+        for cls, call in calls.items():
             start = clock()
-            for _ in range(CALLS):
-                fn(x, *args)
-            samples[cls].append((clock() - start) / CALLS * 1e6)
-    return {cls: statistics.median(s) for cls, s in samples.items()}
+            for _ in range(per_round):
+                call()
+            samples[cls].append((clock() - start) / per_round * 1e6)
+    return {cls: min(s) for cls, s in samples.items()}
 
 
 def _cache_path() -> pathlib.Path:
@@ -175,50 +201,3 @@ def _write(path: pathlib.Path, answers: dict[str, str]) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("kernel dispatch: cannot cache the choice in %s (%s)", path, exc)
-
-
-@probe("int8_linear")
-def _int8_probe() -> tuple:
-    from metrale.gpu_worker.layers.quantization import pack_int8, quantize_int8
-
-    codes, scales = pack_int8(*quantize_int8(_probe_weight()))
-    return codes, scales, OUT, False
-
-
-@probe("int4_linear")
-def _int4_probe() -> tuple:
-    from metrale.gpu_worker.layers.quantization import pack_int4, quantize_int4
-
-    codes, scales, zeros = pack_int4(*quantize_int4(_probe_weight()))
-    return codes, scales, zeros, OUT, False
-
-
-def _probe_weight() -> torch.Tensor:
-    return torch.randn(OUT, IN, generator=torch.Generator().manual_seed(1)) * 0.02
-
-
-@probe("int5_linear")
-def _int5_probe() -> tuple:
-    from metrale.gpu_worker.layers import gguf_quant_types as qt
-
-    return (*qt.pack_int5([("Q5_0", _random_blocks("Q5_0", d_at=0))]), OUT)
-
-
-@probe("kq8_linear")
-def _kq8_probe() -> tuple:
-    from metrale.gpu_worker.layers import gguf_quant_types as qt
-
-    return (*qt.pack_kq8(_random_blocks("Q6_K", d_at=-2)), OUT)
-
-
-def _random_blocks(name: str, d_at: int):
-    """A probe layer of GGUF type `name`: random blocks whose fp16 scale d (at byte d_at of each block) is small."""
-    import numpy as np
-
-    from metrale.gpu_worker.layers import gguf_quant_types as qt
-
-    t = qt.TYPES[name]
-    raw = np.random.default_rng(1).integers(0, 256, size=(OUT, IN // t.block, t.nbytes), dtype=np.uint8)
-    d = np.full(1, 1e-4, dtype=np.float16).view(np.uint8)
-    raw[:, :, d_at : d_at + 2 or None] = d
-    return qt.decode(name, raw.reshape(OUT, -1))

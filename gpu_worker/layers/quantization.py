@@ -68,16 +68,28 @@ class NativeProduct:
     takes one). Held as data, not a closure, so the fused decode step (models/fused_decode.py) calls the same op
     on the same packed weight without a Python frame."""
 
-    op: Any  # a torch OpOverload of a kernel class's namespace
+    op: Any  # a torch OpOverload of a kernel class's namespace: the class dispatch chose for few rows
     args: tuple[torch.Tensor, ...]
     rows: int
     takes_wide: bool
+    wide_op: Any = None  # the process's own op where `op` is another class's and the wide product is needed
 
     def __call__(self, x: torch.Tensor, wide: bool) -> torch.Tensor:
         """x [n, in] (contiguous, as _kernel_input makes it) times the weight: [n, rows] in x's dtype."""
         if self.takes_wide:
-            return self.op(x, *self.args, self.rows, wide)
+            return (self.wide_op if wide and self.wide_op is not None else self.op)(x, *self.args, self.rows, wide)
         return self.op(x, *self.args, self.rows)
+
+
+def native_product(name: str, args: tuple[torch.Tensor, ...], rows: int, cols: int, takes_wide: bool, wide: bool) -> NativeProduct:
+    """Op `name` over a packed weight of rows x cols, on the class dispatch measured fastest for that shape
+    (kernel_choice.product_class); where that is not the process's class and the layer goes wide, the
+    process's op keeps the wide product."""
+    tail = (rows, False) if takes_wide else (rows,)
+    cls = kernel_choice.product_class(name, (*args, *tail), rows, cols)
+    op = getattr(cpu_kernels.ops(cls), name).default
+    wide_op = getattr(cpu_kernels.ops(), name).default if takes_wide and wide and cls != cpu_kernels.isa() else None
+    return NativeProduct(op, tuple(args), rows, takes_wide, wide_op)
 
 
 class Int8LinearMethod(LinearMethod):
@@ -102,7 +114,8 @@ class Int8LinearMethod(LinearMethod):
         layer.wide = _goes_wide(q.device)
         if layer.int8_op is not None:
             layer.packed_codes, layer.packed_scales = pack_int8(q, d)
-            layer.native = NativeProduct(layer.int8_op, (layer.packed_codes, layer.packed_scales), layer.out_features, True)
+            packed = (layer.packed_codes, layer.packed_scales)
+            layer.native = native_product("int8_linear", packed, layer.out_features, q.shape[1], True, layer.wide)
         else:
             layer.dequantized = dequantize_int8(q, d).to(torch.float32 if self.reference else layer.act_dtype)
 
@@ -164,7 +177,7 @@ class Int4LinearMethod(LinearMethod):
         if layer.int4_op is not None:
             layer.packed_codes, layer.packed_scales, layer.packed_zeros = pack_int4(q, s, z)
             packed = (layer.packed_codes, layer.packed_scales, layer.packed_zeros)
-            layer.native = NativeProduct(layer.int4_op, packed, layer.out_features, True)
+            layer.native = native_product("int4_linear", packed, layer.out_features, q.shape[1], True, layer.wide)
         else:
             layer.dequantized = dequantize_int4(q, s, z).to(torch.float32 if self.reference else layer.act_dtype)
 
@@ -185,11 +198,11 @@ class Int4LinearMethod(LinearMethod):
 
 
 def _kernel(name: str, device: torch.device):
-    """The native op `name` of the kernel class that runs it fastest here (kernel_choice.py; the process's own
-    class unless measured otherwise); None off the CPU or where its unit did not load."""
+    """The process's native op `name` (native_product then picks the class per weight shape); None off the CPU
+    or where its unit did not load."""
     if device.type != "cpu" or not cpu_kernels.available() or not cpu_kernels.has(name):
         return None
-    return getattr(cpu_kernels.ops(kernel_choice.class_for(name)), name).default
+    return getattr(cpu_kernels.ops(), name).default
 
 
 def _goes_wide(device: torch.device) -> bool:

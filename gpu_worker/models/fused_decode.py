@@ -9,6 +9,11 @@ same oneDNN products on the same packed weights, in the same order, so the same 
 A quantized projection (GGUF blocks, `--quantization int8/int4`) whose method is a row-stacking of native
 products (`LinearMethod.native_products`) is handed over as those products, which the step calls through the
 dispatcher as the method does: at batch 1 a quantized model's Python per op is as large a share as a dense one's.
+Where every projection is such a product, the step itself (norms, rotary, KV write, attention, residuals) is
+built from the kernel class measured fastest for it on this CPU (layers/kernel_choice.py's `step_class`: the
+model's own step timed on each candidate class over a private cache); otherwise from the process's class. A step
+on another class than the modules rounds its bf16 work in that class's way: the same arithmetic, not always the
+same bits as the module path (the tests run one class, where they are).
 
 It serves a step only when every row decodes one token (no prefill chunk) and the rotary is a plain table
 lookup; any other step, and any model with a layer outside the form (q/k norms, a mixture of experts, soft
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.gpu_worker.layers import cpu_kernels
+from metrale.gpu_worker.layers import cpu_kernels, kernel_choice
 from metrale.gpu_worker.layers.attention_backends import NATIVE_CPU
 from metrale.gpu_worker.layers.attention_metadata import AttentionMetadata
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache, SlotIndex
@@ -90,14 +95,33 @@ class FusedDecode:
         heads, kv_heads, head_dim, eps, post_eps, scale = shapes.pop()
         if eps != post_eps:
             return None
-        step = cpu_kernels.classes().DecodeStep(weights, window_of, heads, kv_heads, head_dim, eps, scale)
-        for index, which, (products, wide) in quantized:
-            step.set_products(
-                index, which, [p.op._schema.name for p in products], [len(p.args) for p in products],
-                [t for p in products for t in p.args], [p.rows for p in products],
-                [int(p.takes_wide) for p in products], bool(wide), WIDE_ROWS,
-            )
-        return cls(step, windows)
+
+        def make(kernel_class: str):
+            step = cpu_kernels.classes(kernel_class).DecodeStep(weights, window_of, heads, kv_heads, head_dim, eps, scale)
+            for index, which, (products, wide) in quantized:
+                step.set_products(
+                    index, which, [p.op._schema.name for p in products], [len(p.args) for p in products],
+                    [t for p in products for t in p.args], [p.rows for p in products],
+                    [int(p.takes_wide) for p in products],
+                    [p.wide_op._schema.name if p.wide_op is not None else "" for p in products], bool(wide), WIDE_ROWS,
+                )
+            return step
+
+        kernel_class = cpu_kernels.isa()
+        if len(quantized) == 4 * len(window_of):  # every projection a native product: the step's class is free
+            hidden = weights[0].numel()
+            intermediate = model.model.layers[0].mlp.down_proj.input_size_per_partition
+            dtype = model.dtype
+            key = f"decode_step {hidden}/{intermediate} heads {heads}/{kv_heads}x{head_dim} {str(dtype).removeprefix('torch.')}"
+            probe: list[_Probe] = []  # made only where the choice is measured, not read from the cache
+
+            def timed(kernel_class: str):
+                if not probe:
+                    probe.append(_Probe(len(window_of), len(windows), hidden, kv_heads, head_dim, dtype))
+                return probe[0].call(make(kernel_class))
+
+            kernel_class = kernel_choice.step_class(key, timed)
+        return cls(make(kernel_class), windows)
 
     def serves(self, meta: AttentionMetadata, rope: StepRope) -> bool:
         """True for a step of one-token rows only (in order), with the rotary a table lookup."""
@@ -116,6 +140,34 @@ class FusedDecode:
         slots = meta.slot_mapping.slots if isinstance(meta.slot_mapping, SlotIndex) else meta.slot_mapping
         first_keys = [decode.first_keys[w] for w in self.windows]
         return self.step.run(h, rope.table, rope.positions, slots, decode.block_ids, decode.seq_lens, first_keys)
+
+
+class _Probe:
+    """One decode row through a step, over a private KV cache of CONTEXT tokens: what kernel_choice times when
+    it chooses the step's class (the keys and values are zeros, the row random: the work, not the answer)."""
+
+    CONTEXT, BLOCK = 128, 16
+
+    def __init__(self, layers: int, windows: int, hidden: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        blocks = self.CONTEXT // self.BLOCK
+        self.k = [torch.zeros(blocks, kv_heads, head_dim, self.BLOCK, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(blocks, self.BLOCK, kv_heads, head_dim, dtype=dtype) for _ in range(layers)]
+        self.h0 = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
+        self.h = self.h0.clone()
+        self.table = torch.randn(self.CONTEXT, 2, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+        last = torch.tensor([self.CONTEXT - 1])
+        self.args = (self.table, last, last.clone(), torch.arange(blocks).view(1, blocks), torch.tensor([self.CONTEXT]),
+                     [torch.zeros(1, dtype=torch.int64) for _ in range(windows)])
+
+    def call(self, step):
+        """A zero-argument call of `step` (a DecodeStep) on this probe's row and cache."""
+        step.bind_cache(self.k, self.v)
+
+        def once():
+            self.h.copy_(self.h0)  # the residual stream is updated in place: the same row every call
+            return step.run(self.h, *self.args)
+
+        return once
 
 
 def _dense_weight(layer) -> torch.Tensor:
