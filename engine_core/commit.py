@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 
 from metrale.ipc.errors import ErrorCode
@@ -24,9 +26,8 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
     token_list = tokens.tolist()
     toks = io.toks
     logprobs = result is not None and result.logprobs is not None
-    for r, seq in enumerate(seqs):
-        tok = token_list[r]
-        if tok < 0 or (skip is not None and skip[r]):
+    for r, (seq, tok, gone) in enumerate(zip(seqs, token_list, skip or repeat(False))):
+        if tok < 0 or gone:
             continue
         req = seq.req
         if req.beam is not None:  # a beam row's step gives its search alternatives; the search picks the tokens
@@ -34,21 +35,25 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
             continue
         out = seq.out
         out.tokens.append(tok)
-        out.pending.append(tok)
         seq.post()
         if logprobs and req.params.logprobs is not None:
             out.pending_logprobs.append(_token_logprob(result, r, tok, req.params.logprobs))
-        if not req.plain:
+        if not req.plain:  # a plain row has no row state and no grammar
             update_row_state(seq, tok, toks)
-        if seq.row_state.grammar is not None:  # structured outputs: the matcher follows the committed tokens
-            ended = advance_grammar(seq, tok)
-            if ended == "stop":
-                seq.finish("stop")
-            elif ended is not None:
-                seq.finish("error", ended, ErrorCode.INTERNAL)
-        _check_stop(io, seq, tok)
-    for seq in seqs:
-        io.pool.cache_full_blocks(seq)
+            if seq.row_state.grammar is not None:  # structured outputs: the matcher follows the committed tokens
+                ended = advance_grammar(seq, tok)
+                if ended == "stop":
+                    seq.finish("stop")
+                elif ended is not None:
+                    seq.finish("error", ended, ErrorCode.INTERNAL)
+        if tok in req.stop_ids or len(out.tokens) >= req.stop_at:  # else no stop can apply
+            _check_stop(io, seq, tok)
+    pool = io.pool
+    if pool.enable_prefix_caching:
+        bs = pool.block_size
+        for seq in seqs:
+            if seq.num_computed >= (seq.kv.hashed_blocks + 1) * bs:  # a block filled since the last call
+                pool.cache_full_blocks(seq)
 
 
 def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:

@@ -46,11 +46,11 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
     otherwise every row is told). Every row holds its positions in flight (num_inflight) until it is settled
     or discarded; num_computed moves only in settle."""
     seqs, num_new, feed, kind = step.seqs, step.num_new, step.fed_from, step.kind
-    if kind == StepKind.BURST:
-        masks = [NO_MASK] * len(seqs)  # burst rows are plain
-    else:
+    masks = [NO_MASK] * len(seqs)  # a plain row's always (burst rows are plain)
+    if kind != StepKind.BURST:
         # A fed row's mask is predicted for after t's (ordinary) token; validate checks it.
-        masks = [row_mask(s, io.toks, io.eos_ids, ahead=int(src != FEED_HOST)) for s, src in zip(seqs, feed)]
+        for i in [i for i, s in enumerate(seqs) if not s.req.plain]:
+            masks[i] = row_mask(seqs[i], io.toks, io.eos_ids, ahead=int(feed[i] != FEED_HOST))
     plan = io.builder.build(seqs, num_new, masks, feed=feed if ahead else None, lookahead=step.steps - 1,
                             drafts=step.drafts)
     try:
@@ -65,8 +65,13 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
         keep_in = ahead or io.device_lost is not None
         io.builder.swap.put_back(plan.swap_out, plan.swap_in if keep_in else plan.swap_in[:0])
         return None
-    written = [s.num_computed + s.num_inflight for s in seqs]
-    held = [k * step.steps for k in num_new]
+    # Each row's num_launched, which the plan's seq_lens are num_new past (its first step's).
+    R = len(seqs)
+    if num_new.count(1) == R:
+        written = (plan.seq_lens - 1).tolist()
+    else:
+        written = [end - k for end, k in zip(plan.seq_lens.tolist(), num_new)]
+    held = num_new if step.steps == 1 else [k * step.steps for k in num_new]
     for s, k in zip(seqs, held):
         s.num_inflight += k
     return Inflight(
@@ -75,8 +80,8 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
         seqs=list(seqs),
         num_new=list(num_new),
         written=written,
-        held=held,
-        samples=[bool(x) for x in plan.sample],
+        held=list(held),
+        samples=plan.sample.tolist(),
         masks=masks,
         fed_from=list(feed),
         discard=[False] * len(seqs),
@@ -121,9 +126,12 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
                 fail_rows(inf.seqs, io, e)
                 return Settled.FAILED
             tokens = repick(logits, inf, result, io)  # RepickOnly repair: the pick under each row's mask as it is now
-        for s, k, gone in zip(inf.seqs, inf.num_new, inf.discard):
+        # Settled: each row's positions leave num_inflight (a discarded row's already did) and, kept, join num_computed.
+        for s, k, h, gone in zip(inf.seqs, inf.num_new, inf.held, inf.discard):
+            s.num_inflight -= h
             if not gone:
                 s.num_computed += k
+        inf.held = [0] * len(inf.held)
         commit_tokens(io, inf.seqs, tokens, result, inf.discard)
         if inf.prompt_lp is not None:
             commit_prompt_logprobs(inf.seqs, inf.written, inf.prompt_lp, result, inf.discard)

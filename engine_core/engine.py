@@ -216,6 +216,8 @@ class EngineCore:
             pool_kind=POOL_KINDS[self.info.pooling] if pooling is not None else POOL_NONE,
             lora_slot=lora_slot,
             lora_key=self.lora_keys[lora] if lora is not None else -1,
+            stop_at=min(len(prompt_token_ids) + params.max_tokens, self.info.max_model_len),
+            stop_ids=frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.info.eos_token_ids),
         )
         self.scheduler.check_admissible(seq)
         self._arrivals += 1
@@ -421,10 +423,12 @@ class EngineCore:
             return False
         if max(shaper.burst_limits) <= 1:
             return True
+        if self.scheduler.has_admissible():
+            return True
         live = [s for s in self.scheduler.running if s.out.finish_reason is None]
-        burst_ready = not self.scheduler.has_admissible() and all(
-            len(s.out.tokens) - s.num_computed - s.num_inflight <= 1 for s in live)
-        return not (burst_ready and shaper.burst_length(live) > 1)
+        # burst_length first: it stops at the first row that rules a burst out (a streamed one, usually).
+        return not (shaper.burst_length(live) > 1 and all(
+            len(s.out.tokens) - s.num_computed - s.num_inflight <= 1 for s in live))
 
     def _quiet_decode(self) -> bool:
         """True when the running rows may go on decoding as they are: no arrival to admit, nothing to
@@ -447,44 +451,54 @@ class EngineCore:
         the tick's cost follows what happened, not how many requests there are).
 
         A finished request stays listed (and in the outbox) until its blocks are freed, so anything committed
-        to it after its finish (which validation exists to prevent) would show, not vanish.
+        to it after its finish (which validation exists to prevent) would show, not vanish. Nothing made here
+        outlives the tick but the deltas: a token list per delta, sliced from the sequence's tokens.
         """
         out = []
         interval = self.options.stream_interval
         outbox = self._outbox
-        for key, seq in list(outbox.items()):
-            rid, o = seq.request_id, seq.out
-            finished = o.finish_reason is not None
-            finishing = finished and not o.reported_finish
-            pending = len(o.pending)
-            # Streamed tokens are due every `interval`; the first ones (nothing reported yet) at once.
-            due = pending and seq.req.stream and (pending >= interval or pending == seq.num_output)
-            if finishing or due:
-                out.append(
-                    RequestOutputDelta(
-                        rid,
-                        o.pending,
-                        o.finish_reason if finishing else None,
-                        o.pending_logprobs or None,
-                        o.error if finishing else None,
-                        o.error_code.value if finishing and o.error_code is not None else None,
-                        seq.num_cached_tokens if finishing or pending == seq.num_output else None,
-                        o.prompt_entries if pending and pending == seq.num_output else None,
-                        o.embedding if finishing else None,
-                        seq.queued_s if finishing or pending == seq.num_output else None,
-                    )
-                )
+        kept = []
+        for seq in outbox.values():
+            o, req = seq.out, seq.req
+            tokens, reported = o.tokens, o.reported
+            reason = o.finish_reason
+            finishing = reason is not None and not o.reported_finish
+            pending = len(tokens) - reported
+            first = pending and reported == req.num_prompt  # nothing of its output reported yet
+            # Streamed tokens are due every `interval`; the first ones at once.
+            if finishing or pending and req.stream and (pending >= interval or first):
+                lps = o.pending_logprobs
+                if lps:
+                    o.pending_logprobs = []
+                at_first = finishing or first
+                out.append(RequestOutputDelta(
+                    req.request_id,
+                    tokens[reported:].tolist(),
+                    reason if finishing else None,
+                    lps or None,
+                    o.error if finishing else None,
+                    o.error_code.value if finishing and o.error_code is not None else None,
+                    seq.num_cached_tokens if at_first else None,
+                    o.prompt_entries if first else None,
+                    o.embedding if finishing else None,
+                    seq.queued_s if at_first else None,
+                ))
                 self.generated_tokens += pending
-                o.pending = []
-                o.pending_logprobs = []
-                o.reported_finish = finished
-            if finished:
+                o.reported = len(tokens)
+                o.reported_finish = reason is not None
+                pending = 0
+            if reason is not None:
                 if not seq.kv.num_blocks:  # its blocks are freed: nothing more can come of it
-                    del outbox[key]
+                    rid = req.request_id
                     if self.requests.get(rid) is seq:
                         del self.requests[rid]
-            elif not o.pending:
-                del outbox[key]
+                    continue
+                kept.append(seq)
+            elif pending:
+                kept.append(seq)
+        outbox.clear()  # the sequences hold this dict (Output.outbox): emptied and refilled, never replaced
+        for seq in kept:
+            outbox[id(seq)] = seq
         return out
 
     # ---- facts ----------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -79,6 +80,7 @@ class Scheduler:
     swapped: list[Sequence] = field(default_factory=list)  # by (priority, arrival)
     _waiting: list[tuple[int, int, Sequence]] = field(default_factory=list)  # heap by (priority, arrival)
     num_preemptions: int = 0
+    _unsorted: bool = False  # a sequence joined running since it was last put in scheduling order
 
     @property
     def num_waiting(self) -> int:
@@ -139,8 +141,10 @@ class Scheduler:
     def retire_finished(self, keep: list[Sequence] = ()) -> list[Sequence]:
         """Remove finished sequences from running and free their blocks (those in `keep`, a step still in
         flight, stay until it is settled)."""
-        kept = set(map(id, keep))
-        done = [s for s in self.running if s.out.finish_reason is not None and id(s) not in kept]
+        done = [s for s in self.running if s.out.finish_reason is not None]
+        if done and keep:
+            kept = set(map(id, keep))
+            done = [s for s in done if id(s) not in kept]
         if done:
             gone = set(map(id, done))
             self.running = [s for s in self.running if id(s) not in gone]
@@ -239,12 +243,13 @@ class Scheduler:
             seq.num_computed = done
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        self._unsorted = True
 
     def schedule(self) -> ScheduledStep:
         """Pick this step's work: every running decode, then prefill chunks up to the token budget."""
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=_order)
+        self._sort_running()
         decodes = [s for s in self.running if s.is_decode]
         partial = [s for s in self.running if not s.is_decode]
         for seq in decodes + partial:
@@ -298,26 +303,36 @@ class Scheduler:
         schedule() would not) when a running row's KV does not fit; the lane then settles first."""
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
-        feeds = {id(s): j for j, (s, smp, gone) in enumerate(zip(inflight, samples, discard)) if smp and not gone}
-        self.running.sort(key=_order)
-        for seq in self.running:
+        self._sort_running()
+        running = self.running
+        # The usual case: the step in flight ran the running rows as they stand, so row j feeds from row j.
+        same = len(inflight) == len(running) and all(map(operator.is_, inflight, running))
+        feeds = None if same else {id(s): j for j, s in enumerate(inflight)}
+        bs, pool = self.pool.block_size, self.pool
+        seqs, num_new, fed_from = step.seqs, step.num_new, step.fed_from
+        for j, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.out.finish_reason is not None:
                 continue
             launched = seq.num_computed + seq.num_inflight
-            src = feeds.get(id(seq), FEED_HOST)
-            if src != FEED_HOST:
-                if not can_feed(seq):
+            src = j if same else feeds.get(id(seq), FEED_HOST)
+            if src != FEED_HOST and samples[src] and not discard[src]:
+                if not (seq.req.plain or can_feed(seq)):
                     continue
-                k = 1
-            else:
-                k = self._lp_chunk(seq, min(len(seq.out.tokens) - launched, budget), step)
-                if k <= 0:
-                    continue
-            if launched + k > seq.kv.num_blocks * self.pool.block_size and not self.pool.allocate(seq, launched + k):
+                if launched >= seq.kv.num_blocks * bs and not pool.allocate(seq, launched + 1):
+                    return None
+                seqs.append(seq)  # past its prompt: no prompt logprobs to count (ScheduledStep.add)
+                num_new.append(1)
+                fed_from.append(src)
+                budget -= 1
+                continue
+            k = self._lp_chunk(seq, min(len(seq.out.tokens) - launched, budget), step)
+            if k <= 0:
+                continue
+            if launched + k > seq.kv.num_blocks * bs and not pool.allocate(seq, launched + k):
                 return None
-            step.add(seq, k, src)
+            step.add(seq, k)
             budget -= k
         self._fill(step, budget)
         return step if step.seqs else None
@@ -388,7 +403,14 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         seq.state_slot = self.state_slots.take()  # its first step starts at position 0 and resets it
         self.running.append(seq)
+        self._unsorted = True
         step.add(seq, k)
+
+    def _sort_running(self) -> None:
+        """Put running in scheduling order; a sequence's order never changes, so only after one joined."""
+        if self._unsorted:
+            self.running.sort(key=_order)
+            self._unsorted = False
 
     def _give_slot(self, seq: Sequence) -> None:
         self.state_slots.give_back(seq.state_slot)

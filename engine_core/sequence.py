@@ -57,6 +57,10 @@ class Request:
     plain: bool = False
     # A beam row: one of a beam search's rows (beam_groups.py), whose commits feed that search, not an output.
     beam: BeamGroup | None = None
+    # Where the commit must look closer (commit._check_stop): at this many tokens (max_tokens or the model's length),
+    # or on one of these ids (EOS unless ignored, stop ids). The defaults look at every token.
+    stop_at: int = 0
+    stop_ids: frozenset[int] = frozenset()
 
 
 def is_plain(p: SamplingParams) -> bool:
@@ -70,7 +74,7 @@ class Output:
     """The committed tokens and what the engine has not reported yet (commit.py fills it, EngineCore takes it)."""
 
     tokens: array  # int32: the prompt, then every committed token; numpy reads it without a copy
-    pending: list[int] = field(default_factory=list)  # committed since the last delta
+    reported: int = 0  # tokens[:reported] are the prompt and what the deltas carried; the rest is pending
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # set once, by finish(); later commits for it are skipped
     error: str | None = None
@@ -144,7 +148,8 @@ class Sequence:
         of the Request's fields."""
         plain = is_plain(params) and request.get("beam") is None  # a beam row is seen after every step
         req = Request(request_id, params, seed, num_prompt, arrival, plain=plain, **request)
-        out = Output(array("i", tokens), outbox=outbox,
+        tokens = array("i", tokens)
+        out = Output(tokens, len(tokens), outbox=outbox,
                      prompt_entries=None if params.prompt_logprobs is None else [None])
         return cls(req, out, RowState(grammar=grammar))
 

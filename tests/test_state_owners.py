@@ -88,7 +88,7 @@ def test_a_write_from_another_module_is_caught(tmp_path):
                                           "    seq.status = 1\n")
     (tmp_path / "engine.py").write_text(
         "from .sequence import Sequence\ndef g(s, xs):\n    s.num_computed += 1\n    xs[0].out.tokens.append(3)\n    s.kv.num_blocks = 2\n"
-        "    s.out.pending = []\n    s.finish('stop')\n    s.row_state.in_think = True\n    s.req.seed = 3\n")
+        "    s.out.reported = 0\n    s.finish('stop')\n    s.row_state.in_think = True\n    s.req.seed = 3\n")
     assert [line.split(" (")[0] for line in strays(tmp_path)] == [
         "engine.py:3 writes Sequence.num_computed", "engine.py:5 writes KvPlacement.num_blocks",
         "engine.py:8 writes RowState.in_think", "engine.py:9 writes Request.seed",
