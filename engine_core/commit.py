@@ -26,7 +26,12 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
     token_list = tokens.tolist()
     toks = io.toks
     logprobs = result is not None and result.logprobs is not None
+    pool = io.pool
+    caching, bs = pool.enable_prefix_caching, pool.block_size
     for r, (seq, tok, gone) in enumerate(zip(seqs, token_list, skip or repeat(False))):
+        # Its settled blocks (below num_computed, all committed before this token) are keyed for the prefix cache.
+        if caching and seq.num_computed >= (seq.kv.hashed_blocks + 1) * bs:  # a block filled since the last commit
+            pool.cache_full_blocks(seq)
         if tok < 0 or gone:
             continue
         req = seq.req
@@ -48,12 +53,6 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
                     seq.finish("error", ended, ErrorCode.INTERNAL)
         if tok in req.stop_ids or len(out.tokens) >= req.stop_at:  # else no stop can apply
             _check_stop(io, seq, tok)
-    pool = io.pool
-    if pool.enable_prefix_caching:
-        bs = pool.block_size
-        for seq in seqs:
-            if seq.num_computed >= (seq.kv.hashed_blocks + 1) * bs:  # a block filled since the last call
-                pool.cache_full_blocks(seq)
 
 
 def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:

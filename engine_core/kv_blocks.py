@@ -67,6 +67,9 @@ class KvBlockPool:
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     tables: np.ndarray = field(init=False)  # [rows, blocks]: row KvPlacement.row is a sequence's block table
     _free_rows: list[int] = field(init=False)
+    # Counts rows given to sequences and taken back: while it stands still, every sequence keeps its row (the plan
+    # builder reuses a step's row indices then).
+    row_moves: int = 0
 
     def __post_init__(self) -> None:
         self.refcount = [0] * self.num_blocks
@@ -128,6 +131,7 @@ class KvBlockPool:
                 self.tables = np.pad(self.tables, ((0, max(rows, 64)), (0, 0)))
                 self._free_rows = list(range(len(self.tables) - 1, rows - 1, -1))
             kv.row = self._free_rows.pop()
+            self.row_moves += 1
         n = kv.num_blocks + len(blocks)
         width = self.tables.shape[1]
         if n > width:
@@ -156,6 +160,7 @@ class KvBlockPool:
                 self._release(block)
             self.tables[kv.row, : kv.num_blocks] = 0
             self._free_rows.append(kv.row)
+            self.row_moves += 1
         kv.row, kv.num_blocks, kv.hashed_blocks, kv.prefix_hash = -1, 0, 0, b""
 
     def share(self, seq: Sequence, parent: Sequence, num_blocks: int) -> None:

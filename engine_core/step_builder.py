@@ -9,7 +9,7 @@ numpy.
 
 from __future__ import annotations
 
-from operator import add
+from operator import add, is_
 
 import numpy as np
 
@@ -65,9 +65,15 @@ class _Rows:
         self.pool = np.zeros(0, np.int32)  # an embeddings request's POOL_* (0: a generating request)
         self.lora = np.zeros(0, np.int32)  # the request's LoRA slot (-1: the base model)
         self.bias: list[tuple[np.ndarray, np.ndarray] | None] = []  # logit_bias as (int32 ids, float32 values)
+        self._last: tuple[list[Sequence], int, np.ndarray] = ([], -1, np.zeros(0, np.intp))  # seqs, row_moves, rows
 
-    def rows(self, seqs: list[Sequence], num_rows: int) -> np.ndarray:
-        """Each sequence's row (intp[R]), its sampling values written if the row was another's."""
+    def rows(self, seqs: list[Sequence], num_rows: int, row_moves: int) -> np.ndarray:
+        """Each sequence's row (intp[R], not to be written), its sampling values written if the row was another's.
+        The last step's rows again when its sequences are these and no sequence got or gave back a row since
+        (KvBlockPool.row_moves): the batch going on as it is costs no pass over its rows."""
+        last, moves, last_rows = self._last
+        if moves == row_moves and len(last) == len(seqs) and all(map(is_, last, seqs)):
+            return last_rows
         rows = [s.kv.row for s in seqs]
         owner = self.owner
         if len(owner) < num_rows:
@@ -76,7 +82,9 @@ class _Rows:
         for seq, row in zip(seqs, rows):
             if owner[row] is not seq:
                 self._write(seq, row)
-        return np.array(rows, np.intp)
+        out = np.array(rows, np.intp)
+        self._last = (list(seqs), row_moves, out)
+        return out
 
     def _grow(self, n: int) -> None:
         extra = n - len(self.owner)
@@ -150,7 +158,7 @@ class StepBuilder:
         starts = [s.num_computed + s.num_inflight for s in seqs]
         width = max(1, -(-(max(map(add, starts, num_new)) + lookahead) // self.block_size))
         src = self.pool.tables
-        rows = self._rows.rows(seqs, len(src))
+        rows = self._rows.rows(seqs, len(src), self.pool.row_moves)
         tables = b.block_tables[: R * width].reshape(R, width)
         w = min(width, src.shape[1])  # a row's entries past its blocks are 0
         tables[:, :w] = src[rows, :w]
@@ -197,6 +205,11 @@ class StepBuilder:
         slots += pos % bs
         np.add(pos, 1, out=b.seq_lens[:R])
         b.query_start[: R + 1] = self._arange[: R + 1]
+        if feed is not None and FEED_HOST not in feed:  # the batch going on: every input is the device's, and samples
+            b.input_ids[:R] = 0
+            b.sample[:R] = True
+            b.feed_from_row[:R] = feed
+            return
         if feed is None:
             toks = [s.out.tokens for s in seqs]
             b.input_ids[:R] = [t[n] for t, n in zip(toks, starts)]
@@ -322,6 +335,8 @@ class StepBuilder:
         """The biased rows' logit_bias, end to end; returns the entries' count (0: no row biased)."""
         R = len(rows)
         b.bias_start[: R + 1] = 0
+        if self._rows.bias.count(None) == len(self._rows.bias):  # no row has ever had a bias: nothing to gather
+            return 0
         entries = [self._rows.bias[r] for r in rows.tolist()]
         if entries.count(None) == R:
             return 0
