@@ -125,7 +125,7 @@ class Supervisor:
         self.client_ports = [free_port(config.host) for _ in range(count)] if config.port == 0 else \
             [config.port + i for i in range(count)]
         config.port = self.client_ports[0]
-        if count > 1 and config.http_port == 0:  # every frontend binds the same port: choose it for them
+        if config.http_port == 0:  # every frontend, and each restart of one, binds the same port: choose it once
             config.http_port = free_port(config.host)
         if config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("binding %s: clients from other machines can reach this server", config.host)
