@@ -13,10 +13,11 @@ requests queued behind the full batch (max_waiting raised to hold them; none can
 prefills and `warmup` ticks, `ticks` ticks are timed with time.process_time() (this process's CPU, all
 threads) around each EngineCore.step(); the device's share is subtracted tick by tick. The configurations
 run in a fresh order each repetition (waiting counts alternated), and the figures are medians over
-repetitions.
+repetitions. Python's collector is set as the engine core process sets it once its engine is built
+(core.tune_gc: that heap frozen, a larger young threshold); --default-gc keeps Python's defaults.
 
     python scripts/bench_tick.py [--running 8,64,256] [--waiting 0,4096] [--ticks 400] [--warmup 50]
-                                 [--reps 3] [--prompt-len 16] [--no-pipeline]
+                                 [--reps 3] [--prompt-len 16] [--no-pipeline] [--default-gc]
 
 Prints one JSON line on stdout (the table goes to stderr): per running count and waiting count, the host's
 CPU microseconds per tick (mean over the window, p50, p99), per running row, what was subtracted for the
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--no-pipeline", action="store_true", help="time the synchronous loop instead of the lane")
+    ap.add_argument("--default-gc", action="store_true",
+                    help="keep Python's collector as it is (the engine core process tunes it: core.tune_gc)")
     return ap.parse_args(argv)
 
 
@@ -109,6 +112,10 @@ def build_engine(running: int, waiting: int, args: argparse.Namespace, seed: int
         pipeline=not args.no_pipeline, max_num_seqs=running, max_num_batched_tokens=max(2048, running),
         max_waiting=waiting + running + 1, enable_prefix_caching=True,
     ))
+    if not args.default_gc:  # as the engine core process does once its engine is built, before any request
+        from metrale.engine_core.core import tune_gc
+        gc.unfreeze()  # the last configuration's engine is garbage now
+        tune_gc()
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(seed)
     prompts = rng.integers(8, VOCAB, size=(running + waiting, args.prompt_len)).tolist()  # distinct: no prefix hits
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "reps": args.reps,
         "prompt_len": args.prompt_len,
+        "gc": "default" if args.default_gc else "engine core (tune_gc)",
         "results": results,
         "waiting_ratio": ratios,
         "waiting_ratio_tolerance": WAITING_RATIO_TOLERANCE,
