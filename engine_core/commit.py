@@ -41,8 +41,8 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
         out = seq.out
         out.tokens.append(tok)
         seq.post()
-        if logprobs and req.params.logprobs is not None:
-            out.pending_logprobs.append(_token_logprob(result, r, tok, req.params.logprobs))
+        if logprobs and req.params.num_logprobs is not None:  # the top-N, or logprob_token_ids' in their order
+            out.pending_logprobs.append(_token_logprob(result, r, tok, req.params.num_logprobs))
         if not req.plain:  # a plain row has no row state and no grammar
             update_row_state(seq, tok, toks)
             if seq.row_state.grammar is not None:  # structured outputs: the matcher follows the committed tokens

@@ -105,13 +105,21 @@ def advance(seq: Sequence, token: int) -> str | None:
     return "stop" if grammar.terminated else None
 
 
-def fill_bitmasks(seqs: list[Sequence], kinds: list[int], out: np.ndarray) -> int:
-    """Write the bitmask of every MASK_GRAMMAR row, in row order, into out's first rows; returns how many."""
+def fill_bitmasks(seqs: list[Sequence], kinds: list[int], allowed: list[np.ndarray | None], out: np.ndarray) -> int:
+    """Write the bitmask of every row that has one, in row order, into out's first rows; returns how many. kinds:
+    the rows' RowMask kinds (MASK_GRAMMAR: its matcher's next tokens); allowed: each row's allowed_token_ids as
+    packed words (None: none). A row with both gets the two ANDed: both constraints apply."""
     g = 0
-    for seq, kind in zip(seqs, kinds):
+    for seq, kind, words in zip(seqs, kinds, allowed):
         if kind & MASK_GRAMMAR:
             xg.fill_bitmask(seq.row_state.grammar.matcher, out, g)
-            g += 1
+            if words is not None:
+                out[g] &= words
+        elif words is not None:
+            out[g] = words
+        else:
+            continue
+        g += 1
     return g
 
 

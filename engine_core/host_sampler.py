@@ -3,8 +3,8 @@
 The host samples a step's logits when a RepickOnly model's step was launched ahead and a row's mask went stale
 (decode_lane.py): the forward stands, the pick is redone under the mask as it is now. So the host must pick what
 the device would have: logit_bias (added in float32 before anything else), penalties (repetition over prompt and
-output, then frequency times the count and presence over the output), a grammar row's bitmask (its matcher's
-allowed tokens), bans, forced tokens, greedy rows (by temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
+output, then frequency times the count and presence over the output), a row's bitmask (its grammar matcher's
+allowed tokens, and/or its allowed_token_ids), bans, forced tokens, greedy rows (by temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
 (seed, position) — the same float32 values at each step, the same splitmix64 noise bits, the same tie rules (a
 cutoff keeps every token at or above it; an argmax takes the first index). The transcendental steps are defined
 in ipc/sampling_rules.py, not borrowed from a library: `log32` (the noise's two logs, min-p's log) and `exp_weights`
@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale.ipc.messages import TokenLogprob
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, StepResult, unpack_bitmask
+from metrale.ipc.plan import (
+    MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, StepResult, pack_bitmask, unpack_bitmask,
+)
 from metrale.ipc.sampling_rules import GOLDEN, GREEDY_EPS, NOISE_BITS, exp_weights, log32, mix64, row_keys
 
 from .grammar import allowed_tokens
@@ -94,10 +96,15 @@ class SamplingRow:
         f32 = np.float32
         history = np.array(seq.tokens, dtype=np.int32) if p.has_penalties else np.zeros(0, np.int32)
         allowed = allowed_tokens(seq, vocab_size) if mask.kind & MASK_GRAMMAR else None
+        kind = mask.kind
+        if p.allowed_token_ids is not None:  # the static bitmask the step builder ANDs in (grammar.fill_bitmasks)
+            static = unpack_bitmask(pack_bitmask(p.allowed_token_ids, vocab_size), vocab_size)
+            allowed = static if allowed is None else allowed & static
+            kind |= MASK_GRAMMAR
         bias = p.logit_bias or {}
         return cls(
             f32(p.temperature), p.top_k if p.top_k > 0 else 0, f32(p.top_p), f32(p.min_p), f32(p.repetition_penalty),
-            f32(p.presence_penalty), f32(p.frequency_penalty), int(seq.req.seed), position, mask.kind, mask.force_token,
+            f32(p.presence_penalty), f32(p.frequency_penalty), int(seq.req.seed), position, kind, mask.force_token,
             mask.ban, history, seq.num_prompt, allowed,
             np.fromiter(bias.keys(), np.int32, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)),
         )
@@ -167,14 +174,18 @@ def _top_k_top_p(x: np.ndarray, top_k: int, top_k_on: bool, top_p: np.float32 | 
     x[x < cutoff] = -np.inf
 
 
-def logprob_of(logits: np.ndarray, token: int, n: int, vocab: int) -> TokenLogprob:
-    """The pick's log-probability under the raw distribution, and the top-n (float64, rounded to float32)."""
+def logprob_of(logits: np.ndarray, token: int, n: int, vocab: int, pinned: np.ndarray | None = None) -> TokenLogprob:
+    """The pick's log-probability under the raw distribution, and the top-n (float64, rounded to float32); pinned
+    (logprob_token_ids): those ids' instead of the top-n, in their order."""
     z = logits.astype(np.float64)
     z = z - z.max()
     logp = (z - np.log(np.exp(z).sum())).astype(np.float32)
-    if not n:
+    if pinned is not None and len(pinned):
+        top = np.asarray(pinned, dtype=np.int64)
+    elif not n:
         return TokenLogprob(token, float(logp[token]))
-    top = np.argsort(-logp, kind="stable")[: min(n, vocab)]
+    else:
+        top = np.argsort(-logp, kind="stable")[: min(n, vocab)]
     return TokenLogprob(token, float(logp[token]), top.tolist(), logp[top].astype(float).tolist())
 
 
@@ -200,9 +211,9 @@ def repick(logits: np.ndarray, inf: Inflight, result: StepResult, io: StepIo) ->
         if tokens[r] < 0 or inf.discard[r]:
             continue
         io.host_repicks += 1
-        n = seq.params.logprobs
+        n = seq.params.num_logprobs
         if n is not None and result.logprobs is not None:
-            lp = logprob_of(logits[r], int(tokens[r]), n, logits.shape[1])
+            lp = logprob_of(logits[r], int(tokens[r]), n, logits.shape[1], seq.params.logprob_token_ids)
             result.logprobs[r] = lp.logprob
             if n and result.top_ids is not None:
                 result.top_ids[r, :n] = lp.top_ids

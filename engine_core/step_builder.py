@@ -13,7 +13,7 @@ from operator import add, is_
 
 import numpy as np
 
-from metrale.ipc.plan import FEED_HOST, MASK_GRAMMAR, POOL_NONE, StepPlan
+from metrale.ipc.plan import FEED_HOST, MASK_GRAMMAR, POOL_NONE, StepPlan, pack_bitmask
 from metrale.ipc.ticket_layout import PLAN_FIELDS
 
 from .grammar import fill_bitmasks
@@ -38,7 +38,8 @@ class _Buffers:
 
     def __init__(self, max_tokens: int, max_rows: int, max_blocks: int, max_hist: int, words: int) -> None:
         shape = {"T": max_tokens, "R": max_rows, "R1": max_rows + 1, "RB": max_rows * max_blocks,  # RB: flat
-                 "RK": (max_rows, MAX_BAN_IDS), "H": max_hist, "GW": (max_rows, words), "S": max_rows, "BI": 1024}
+                 "RK": (max_rows, MAX_BAN_IDS), "H": max_hist, "GW": (max_rows, words), "S": max_rows, "BI": 1024,
+                 "PI": 1024}
         dtypes = {name: dtype for name, dtype, _ in PLAN_FIELDS}
         for group, names in self.GROUPS.items():
             rows = np.zeros((len(names), max_rows), dtypes[names[0]])
@@ -55,7 +56,8 @@ class _Rows:
     once when a sequence is first built in that row (its params never change), so a plan gathers them with a few
     `take`s; grown with the pool's table."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int = 0) -> None:
+        self.vocab_size = vocab_size
         self.owner: list[Sequence | None] = []
         self.floats = np.zeros((len(FLOAT_FIELDS), 0), np.float32)
         self.int32s = np.zeros((2, 0), np.int32)  # top_k, num_logprobs
@@ -65,6 +67,11 @@ class _Rows:
         self.pool = np.zeros(0, np.int32)  # an embeddings request's POOL_* (0: a generating request)
         self.lora = np.zeros(0, np.int32)  # the request's LoRA slot (-1: the base model)
         self.bias: list[tuple[np.ndarray, np.ndarray] | None] = []  # logit_bias as (int32 ids, float32 values)
+        self.allowed: list[np.ndarray | None] = []  # allowed_token_ids as a packed bitmask (int32 words)
+        self.allowing = np.zeros(0, np.bool_)  # the row has allowed_token_ids (one gather tells a step)
+        self.pinned: list[np.ndarray | None] = []  # logprob_token_ids (int32)
+        self.pinning = np.zeros(0, np.bool_)  # the row has logprob_token_ids
+
         self._last: tuple[list[Sequence], int, np.ndarray] = ([], -1, np.zeros(0, np.intp))  # seqs, row_moves, rows
 
     def rows(self, seqs: list[Sequence], num_rows: int, row_moves: int) -> np.ndarray:
@@ -90,7 +97,9 @@ class _Rows:
         extra = n - len(self.owner)
         self.owner += [None] * extra
         self.bias += [None] * extra
-        for name in ("floats", "int32s", "seeds", "penalties", "prompt_lp", "pool", "lora"):
+        self.allowed += [None] * extra
+        self.pinned += [None] * extra
+        for name in ("floats", "int32s", "seeds", "penalties", "prompt_lp", "pool", "lora", "allowing", "pinning"):
             a = getattr(self, name)
             setattr(self, name, np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)]))
 
@@ -99,7 +108,8 @@ class _Rows:
         self.owner[row] = seq
         # Through float32 / int64 arrays first, as the per-step conversion did, so rounding and casts match.
         self.floats[:, row] = np.array([getattr(p, name) for name in FLOAT_FIELDS], dtype=np.float32)
-        top_k, seed, num_logprobs = np.array((max(p.top_k, 0), seq.req.seed, -1 if p.logprobs is None else p.logprobs),
+        n = p.num_logprobs
+        top_k, seed, num_logprobs = np.array((max(p.top_k, 0), seq.req.seed, -1 if n is None else n),
                                              dtype=np.int64)
         self.int32s[:, row] = top_k, num_logprobs
         self.seeds[row] = seed
@@ -110,6 +120,12 @@ class _Rows:
         bias = p.logit_bias
         self.bias[row] = (np.fromiter(bias.keys(), np.int32, len(bias)),
                           np.fromiter(bias.values(), np.float32, len(bias))) if bias else None
+        allowed = p.allowed_token_ids
+        self.allowed[row] = pack_bitmask(allowed, self.vocab_size) if allowed is not None else None
+        self.allowing[row] = allowed is not None
+        pinned = p.logprob_token_ids
+        self.pinned[row] = np.array(pinned, np.int32) if pinned is not None else None
+        self.pinning[row] = pinned is not None
 
 
 class StepBuilder:
@@ -134,7 +150,7 @@ class StepBuilder:
         ]
         self._turn = 0
         self.pool = pool
-        self._rows = _Rows()
+        self._rows = _Rows(vocab_size)
         self._arange = np.arange(max_rows + 1, dtype=np.int32)
 
     def build(
@@ -172,6 +188,7 @@ class StepBuilder:
             b.num_drafts[:R] = [len(d) for d in drafts]
         h = self._history(b, seqs, rows, feed)
         n_bias = self._bias(b, rows)
+        n_pinned = self._pinned(b, rows)
         self._prompt_logprobs(b, seqs, rows, starts, num_new, feed)
         self._pool(b, rows)
         swap_out, swap_in = self.swap.take_copies()
@@ -192,6 +209,7 @@ class StepBuilder:
             state_slots=state_slots,
             bias_ids=b.bias_ids[:n_bias],
             bias_values=b.bias_values[:n_bias],
+            pinned_ids=b.pinned_ids[:n_pinned],
         )
 
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], tables: np.ndarray,
@@ -251,27 +269,35 @@ class StepBuilder:
         b.feed_from_row[:R] = feed
 
     def _sampling(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, masks: list[RowMask]) -> int:
-        """Each row's sampling values (from the mirror) and mask; returns the grammar rows (their bitmasks filled)."""
+        """Each row's sampling values (from the mirror) and mask; returns the bitmask rows (filled): a grammar row's
+        (RowMask MASK_GRAMMAR) and an allowed_token_ids row's, which needs no row state (a plain row may have one,
+        its bitmask the same every step, so it is fed ahead and bursts as any plain row)."""
         R, m = len(rows), self._rows
         m.floats.take(rows, axis=1, out=b.floats[:, :R])
         m.int32s.take(rows, axis=1, out=b.int32s[:, :R])
         m.seeds.take(rows, out=b.seeds[:R])
         b.ban_ids[:R] = -1
         b.num_drafts[:R] = 0
+        allowing = m.allowing[rows]
         if masks.count(NO_MASK) == R:  # the usual step: no row constrained
             b.mask_kind[:R] = NO_MASK.kind
             b.force_token[:R] = NO_MASK.force_token
-            return 0
-        kinds = [mask.kind for mask in masks]
-        b.mask_kind[:R] = kinds
-        b.force_token[:R] = [mask.force_token for mask in masks]
-        for r, mask in enumerate(masks):
-            if mask.ban:
-                ban = mask.ban[:MAX_BAN_IDS]
-                b.ban_ids[r, : len(ban)] = ban
-        if not any(kind & MASK_GRAMMAR for kind in kinds):
-            return 0
-        return fill_bitmasks(seqs, kinds, b.grammar_bitmask)
+            if not allowing.any():
+                return 0
+            kinds = [NO_MASK.kind] * R
+        else:
+            kinds = [mask.kind for mask in masks]
+            b.mask_kind[:R] = kinds
+            b.force_token[:R] = [mask.force_token for mask in masks]
+            for r, mask in enumerate(masks):
+                if mask.ban:
+                    ban = mask.ban[:MAX_BAN_IDS]
+                    b.ban_ids[r, : len(ban)] = ban
+            if not allowing.any() and not any(kind & MASK_GRAMMAR for kind in kinds):
+                return 0
+        b.mask_kind[:R][allowing] |= MASK_GRAMMAR
+        allowed = [m.allowed[r] for r in rows.tolist()] if allowing.any() else [None] * R
+        return fill_bitmasks(seqs, kinds, allowed, b.grammar_bitmask)
 
     def _history(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, feed: list[int] | None) -> int:
         """Token histories of the rows with penalties; returns their total length.
@@ -330,6 +356,24 @@ class StepBuilder:
         self._rows.pool.take(rows, out=out)
         if out.any():
             b.sample[:R][out != POOL_NONE] = False
+
+    def _pinned(self, b: _Buffers, rows: np.ndarray) -> int:
+        """The logprob_token_ids of the rows that have them, end to end; returns the entries' count (0: none)."""
+        R = len(rows)
+        b.pinned_start[: R + 1] = 0
+        if not self._rows.pinning[rows].any():
+            return 0
+        entries = [self._rows.pinned[r] for r in rows.tolist()]
+        need = sum(len(e) for e in entries if e is not None)
+        if need > len(b.pinned_ids):  # rare: grow, and keep the larger size from now on
+            b.pinned_ids = np.zeros(need * 2, np.int32)
+        n = 0
+        for r, e in enumerate(entries):
+            if e is not None:
+                b.pinned_ids[n : n + len(e)] = e
+                n += len(e)
+            b.pinned_start[r + 1] = n
+        return n
 
     def _bias(self, b: _Buffers, rows: np.ndarray) -> int:
         """The biased rows' logit_bias, end to end; returns the entries' count (0: no row biased)."""

@@ -41,7 +41,7 @@ def burst_length(active: list[Sequence], final_limit: int, stream_limit: int, ma
     after every token."""
     steps = max(final_limit, stream_limit)
     for s in active:
-        if (s.params.logprobs or 0) > MAX_LOGPROBS:  # wide alternatives: the ticket ring holds one step of them
+        if (s.params.num_logprobs or 0) > MAX_LOGPROBS:  # wide alternatives: the ticket ring holds one step of them
             return 1
         if not s.req.plain or s.finished:
             return 1

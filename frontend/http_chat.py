@@ -17,7 +17,7 @@ from .chat import ChatTemplate, ChatTemplateError, ReasoningSplitter, ReasoningT
 from .http_errors import ApiError, json_response
 from .http_access_log import CHOICES
 from .http_beam import beam_search
-from .http_extensions import (needs_prompt_ids, pin, pinned_logprobs, prompt_ids, prompt_logprob_dicts, refuse_unserved,
+from .http_extensions import (check_pinned, needs_prompt_ids, pin, prompt_ids, prompt_logprob_dicts, refuse_unserved,
                               token_label)
 from .http_params import (SamplingFields, ServedModel, check_count, check_stream_options, decode_body, sampling_params,
                           seeded)
@@ -121,10 +121,9 @@ class ChatCompletions:
             raise ApiError(400, "top_logprobs must be a positive value or -1, with logprobs true", param="top_logprobs",
                            code="invalid_value")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        if body.logprob_token_ids is not None and body.use_beam_search:
-            raise ApiError(400, "logprob_token_ids cannot be used with use_beam_search", param="logprob_token_ids",
-                           code="unsupported_value")
-        logprobs = pinned_logprobs(body, logprobs, self.server.vocab_size, self.server.max_logprobs)
+        check_pinned(body, logprobs, self.server.vocab_size, self.server.max_logprobs)
+        if body.logprob_token_ids is not None:  # they take top_logprobs' place (vLLM's)
+            logprobs = 0
         self.model.adapter(body.model, body.use_beam_search)
         if body.use_beam_search:
             return await self._beam_search(request, body, prompt, max_tokens if explicit_max else None, logprobs)

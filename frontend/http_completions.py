@@ -20,7 +20,7 @@ from .detokenizer import IncrementalDetokenizer
 from .http_errors import ApiError, json_response
 from .http_access_log import CHOICES
 from .http_beam import beam_search
-from .http_extensions import needs_prompt_ids, prompt_ids, prompt_logprob_dicts, refuse_unserved, token_label
+from .http_extensions import check_pinned, needs_prompt_ids, prompt_ids, prompt_logprob_dicts, refuse_unserved, token_label
 from .http_params import (SamplingFields, ServedModel, check_count, check_stream_options, decode_body, sampling_params,
                           seeded)
 from .http_reply import Reply, TokenTexts, stream
@@ -102,7 +102,9 @@ class Completions:
         # Given, max_tokens must fit beside the prompt (400 otherwise); null: the rest of the context.
         max_tokens = body.max_tokens if body.max_tokens is not None else self.server.max_model_len or 16
         prompt_only = body.echo and max_tokens == 0  # each choice runs the one token the engine must, then drops it
-        params = sampling_params(body, 1 if prompt_only else max_tokens, body.logprobs, self.server.vocab_size,
+        check_pinned(body, body.logprobs, self.server.vocab_size, self.server.max_logprobs)
+        logprobs = 0 if body.logprob_token_ids is not None else body.logprobs  # the ids take the top-N's place
+        params = sampling_params(body, 1 if prompt_only else max_tokens, logprobs, self.server.vocab_size,
                                  defaults=self.model.sampling_defaults, prompt_logprobs=_prompt_logprobs(body),
                                  max_logprobs=self.server.max_logprobs)
         adapter = self.model.adapter(body.model)
@@ -145,7 +147,7 @@ class Completions:
         entry = _text_choice(c.index, text, msg.finish_reason)
         if kept or (shown is not None and shown.starts is not None):
             entry["logprobs"] = _logprobs(c, shown, [item for item, _ in kept], [offset for _, offset in kept],
-                                          label, body.logprobs)
+                                          label, _listed(body))
         if body.return_token_ids:
             entry["token_ids"] = msg.token_ids
             if not c.started:  # a choice's first chunk names its prompt's tokens
@@ -160,7 +162,7 @@ class Completions:
         entry = _text_choice(c.index, prefix + "".join(c.text), c.finish_reason)
         if body.logprobs is not None:  # asked for: an object even when no token is listed
             entry["logprobs"] = _logprobs(c, shown, c.logprobs, [len(prefix) + o for o in c.offsets], label,
-                                          body.logprobs)
+                                          _listed(body))
         # vLLM's fields, null when not asked for (clients read them as attributes)
         entry["prompt_logprobs"] = None if body.prompt_logprobs is None else \
             prompt_logprob_dicts(c.prompt_logprobs or [], body.prompt_logprobs, self.texts)
@@ -194,6 +196,11 @@ class PromptOnly:
     def close(self) -> None:
         """Abort what still runs."""
         self.run.close()
+
+
+def _listed(body: CompletionRequest) -> int:
+    """The alternatives each token lists besides itself: logprobs, or every logprob_token_ids id (vLLM's)."""
+    return len(body.logprob_token_ids) if body.logprob_token_ids is not None else body.logprobs
 
 
 def _logprobs(c: Choice, shown: Echo | None, items: list[TokenLogprob], offsets: list[int], label, top: int) -> dict:
@@ -298,8 +305,8 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
                        param="echo", code="unsupported_value")
     if body.logprobs is not None and body.logprobs < 0:
         raise ApiError(400, "`logprobs` must be a positive value.", param="logprobs", code="invalid_value")
-    if body.logprob_token_ids is not None:
-        raise ApiError(400, "logprob_token_ids is served on /v1/chat/completions only", param="logprob_token_ids",
-                       code="unsupported_value")
+    if body.logprob_token_ids is not None and body.echo and body.max_tokens == 0:
+        raise ApiError(400, "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
+                       "output tokens are generated.", param="logprob_token_ids", code="unsupported_value")
     check_stream_options(body)
     refuse_unserved(body)

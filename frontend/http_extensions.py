@@ -1,9 +1,9 @@
 """vLLM's request extensions on both endpoints: honoured (return_token_ids, return_tokens_as_token_ids,
 truncate_prompt_tokens with truncation_side, prompt_logprobs in whole answers, use_beam_search with its length_penalty,
-early_stopping and include_stop_str_in_output: the search is http_beam.py's; logprob_token_ids on chat), or refused
-with a 400 that names them (prompt_logprobs with stream, the beam search fields without use_beam_search,
-logprob_token_ids on completions or where --max-logprobs does not cover the vocabulary) — never silently ignored,
-since a client that sends one relies on it.
+early_stopping and include_stop_str_in_output: the search is http_beam.py's; allowed_token_ids and logprob_token_ids,
+which the engine serves: http_params.py passes them on), or refused with a 400 that names them (bad_words,
+prompt_logprobs with stream, the beam search fields without use_beam_search, allowed_token_ids and logprob_token_ids
+with use_beam_search) — never silently ignored, since a client that sends one relies on it.
 """
 
 from __future__ import annotations
@@ -29,9 +29,13 @@ def refuse_unserved(body: SamplingFields) -> None:
                              ("include_stop_str_in_output", (None, False))):
             if getattr(body, name) not in unused:
                 raise ApiError(400, f"{name} applies only with use_beam_search", param=name, code="unsupported_value")
-    for name in ("allowed_token_ids", "bad_words"):  # they change what is sampled: never dropped silently
-        if getattr(body, name):
-            raise ApiError(400, f"{name} is not supported by this server", param=name, code="unsupported_value")
+    if body.bad_words:  # it changes what is sampled: never dropped silently
+        raise ApiError(400, "bad_words is not supported by this server", param="bad_words", code="unsupported_value")
+    if body.use_beam_search:  # a search ranks its beams' raw alternatives: no mask, no pinned ids
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            if getattr(body, name) is not None:
+                raise ApiError(400, f"`{name}` is not supported with beam search.", param=name,
+                               code="unsupported_value")
     if body.prompt_logprobs is not None:
         if body.stream:  # vLLM's words (it takes 0 and then sends none; here nothing asked for is dropped)
             raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs",
@@ -69,38 +73,34 @@ async def prompt_ids(server: FrontendServer, body: SamplingFields, text: str | N
     return list(ids[:k]) if body.truncation_side == "right" else list(ids[-k:])
 
 
-def pinned_logprobs(body: SamplingFields, logprobs: int | None, vocab_size: int, max_logprobs: int) -> int | None:
-    """The logprobs count to ask the engine for: logprobs, or with logprob_token_ids (vLLM's: the alternatives listed
-    are these ids, wherever they rank) the whole vocabulary, which pin() then picks them from. 400 naming the field
-    when logprobs are not asked for, an id is out of the vocabulary, or --max-logprobs does not cover the vocabulary
-    (the engine reports no alternatives beyond it)."""
+def check_pinned(body: SamplingFields, logprobs: int | None, vocab_size: int, max_logprobs: int) -> None:
+    """400 naming logprob_token_ids (vLLM's: each token's alternatives are these ids, wherever they rank; the engine
+    reports their logprobs) when logprobs are not asked for, or it is not 1 to max_logprobs distinct ids of the
+    vocabulary (the ticket ring carries at most max_logprobs alternatives per row)."""
     ids = body.logprob_token_ids
     if ids is None:
-        return logprobs
+        return
     def refuse(why: str) -> ApiError:
         return ApiError(400, f"logprob_token_ids {why}", param="logprob_token_ids", code="invalid_value")
     if logprobs is None:
         raise refuse("needs logprobs: true")
     if not ids or len(ids) > max(max_logprobs, 0) or len(set(ids)) != len(ids):
-        raise refuse(f"must be 1 to {max_logprobs} distinct token ids (got {len(ids)})")
+        raise refuse(f"must be 1 to {max_logprobs} distinct token ids (this server's --max-logprobs; got {len(ids)})")
     bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < vocab_size)]
     if bad:
         raise refuse(f"has ids out of vocabulary (size {vocab_size}): {bad[:8]}")
-    if max_logprobs < vocab_size:
-        raise refuse(f"needs a server started with --max-logprobs -1 (this one lists at most {max_logprobs} of the "
-                     f"{vocab_size} tokens)")
-    return -1
 
 
 def pin(items: list[TokenLogprob], ids: list[int] | None) -> list[TokenLogprob]:
-    """items with their alternatives replaced by those of ids, in that order (logprob_token_ids; items carry the
-    whole vocabulary's then); items unchanged when ids is None."""
+    """items with their alternatives as vLLM lists them for logprob_token_ids: the token itself first, then the
+    asked ids the engine reported (in their order, the token not twice); items unchanged when ids is None."""
     if ids is None:
         return items
     out = []
     for t in items:
-        of = dict(zip(t.top_ids, t.top_logprobs))
-        out.append(TokenLogprob(t.token_id, t.logprob, list(ids), [of[i] for i in ids]))
+        pairs = [(i, lp) for i, lp in zip(t.top_ids, t.top_logprobs) if i != t.token_id]
+        out.append(TokenLogprob(t.token_id, t.logprob, [t.token_id] + [i for i, _ in pairs],
+                                [t.logprob] + [lp for _, lp in pairs]))
     return out
 
 

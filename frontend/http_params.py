@@ -66,8 +66,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     early_stopping: bool | str | None = None  # beam search: False, True or "never" (transformers')
     include_stop_str_in_output: bool | None = None  # beam search: keep the eos that ended a hypothesis
     prompt_logprobs: int | None = None  # each prompt token's logprob and top-N (not streamed; not with beams)
-    logprob_token_ids: list[int] | None = None  # vLLM's: the alternatives listed are these ids (chat only)
-    allowed_token_ids: list[int] | None = None  # vLLM's: sampling only among these (not served: a 400)
+    logprob_token_ids: list[int] | None = None  # vLLM's: the alternatives listed are these ids (with logprobs)
+    allowed_token_ids: list[int] | None = None  # vLLM's: sampling only among these
     bad_words: list[str] | None = None  # vLLM's: words never generated (not served: a 400)
     # Structured outputs: OpenAI's response_format (json_object, json_schema) or vLLM's structured_outputs
     # (json, json_object, regex, choice, grammar); at most one of the two.
@@ -217,7 +217,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
     params = SamplingParams(max_tokens=max_tokens, logprobs=_num_logprobs(logprobs, vocab_size, max_logprobs),
                             stop=stop, prompt_logprobs=_num_logprobs(prompt_logprobs, vocab_size, max_logprobs,
                                                                      "prompt_logprobs"),
-                            stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias(body, vocab_size), **kw)
+                            stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias(body, vocab_size),
+                            allowed_token_ids=body.allowed_token_ids, logprob_token_ids=body.logprob_token_ids, **kw)
     try:
         params.validate(vocab_size, max_logprobs)
     except ValueError as exc:

@@ -443,7 +443,7 @@ class LiveRequests:
         accepted = req.detok.output_ids[before:]
         if accepted:
             self._tokens_came(req, len(accepted))
-        wants_logprobs = out.logprobs is not None and req.params.logprobs is not None
+        wants_logprobs = out.logprobs is not None and req.params.num_logprobs is not None
         logprobs = out.logprobs[: len(accepted)] if wants_logprobs else None
         prompt_logprobs = self._prompt_logprobs(req, out)
         if stopped:

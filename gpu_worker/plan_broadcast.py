@@ -22,9 +22,9 @@ from metrale.ipc.worker_group import KEEPALIVE_S  # noqa: F401 - how often rank 
 from .errors import GroupLost
 
 PLAN, IDLE, STOP = 1, 2, 3
-_HEADER = 16  # int64s: message kind, StepKind, steps, the plan's eleven counts (ticket_layout.plan_counts), payload bytes
+_HEADER = 16  # int64s: message kind, StepKind, steps, the plan's twelve counts (ticket_layout.plan_counts), payload bytes
 _ALIGN = 8
-PLAN_COUNTS = ("T", "R", "B", "K", "H", "SO", "SI", "G", "W", "S", "BI")  # what counts_of gives, in order
+PLAN_COUNTS = ("T", "R", "B", "K", "H", "SO", "SI", "G", "W", "S", "BI", "PI")  # what counts_of gives, in order
 
 
 def _layout(counts: tuple[int, ...]) -> tuple[list[tuple[int, int]], int]:
@@ -39,10 +39,11 @@ def _layout(counts: tuple[int, ...]) -> tuple[list[tuple[int, int]], int]:
 
 
 def counts_of(plan: StepPlan) -> tuple[int, ...]:
-    """The plan's eleven counts (T, R, B, K, H, SO, SI, G, W, S, BI), as the ring's control block holds them."""
+    """The plan's twelve counts (T, R, B, K, H, SO, SI, G, W, S, BI, PI), as the ring's control block holds them."""
     g, w = plan.grammar_bitmask.shape
     return (plan.num_tokens, plan.num_rows, plan.block_tables.shape[1], plan.ban_ids.shape[1], len(plan.hist_tokens),
-            len(plan.swap_out), len(plan.swap_in), g, w, len(plan.state_slots), len(plan.bias_ids))
+            len(plan.swap_out), len(plan.swap_in), g, w, len(plan.state_slots), len(plan.bias_ids),
+            len(plan.pinned_ids))
 
 
 def pack(plan: StepPlan, counts: tuple[int, ...], raw: np.ndarray) -> None:
@@ -55,7 +56,7 @@ def pack(plan: StepPlan, counts: tuple[int, ...], raw: np.ndarray) -> None:
 def unpack(counts: tuple[int, ...], raw: np.ndarray) -> StepPlan:
     """The plan pack wrote into raw, as views of it."""
     layout, _ = _layout(counts)
-    t, r, b, k, h, so, si, g, w, s, _ = counts
+    t, r, b, k, h, so, si, g, w, s, _, _ = counts
     shapes = {"block_tables": (r, b), "ban_ids": (r, k), "swap_out": (so, 2), "swap_in": (si, 2), "grammar_bitmask": (g, w)}
     arrays = []
     for (name, dtype, _), (at, n) in zip(PLAN_FIELDS, layout):

@@ -157,6 +157,7 @@ class _Batch:
     top_p_on: np.ndarray  # bool [S]
     min_p_on: np.ndarray  # bool [S]
     max_logprobs: int  # -1 when no row wants logprobs
+    pinned: np.ndarray  # bool [S]: the row's alternatives are its logprob_token_ids (plan.pinned_*)
     keys: np.ndarray  # int [S]: the position each pick's noise is keyed by (its KV length once its token is in)
 
 
@@ -180,6 +181,7 @@ def _gather(plan: StepPlan, rows: np.ndarray, vocab_size: int, keys: np.ndarray 
         top_p_on=~greedy & (plan.top_p[rows] < 1.0),
         min_p_on=~greedy & (plan.min_p[rows] > 0.0),
         max_logprobs=int(num_logprobs.max()) if len(rows) else -1,
+        pinned=plan.pinned_start[rows + 1] > plan.pinned_start[rows],
         keys=plan.seq_lens[rows] if keys is None else keys,
     )
 
@@ -253,7 +255,7 @@ class Sampler:
         if batch.forced.any():
             forced = self._to_device(plan.force_token[batch.rows].astype(np.int64))
             tokens = torch.where(self._to_device(batch.forced), forced, tokens)
-        return self._with_logprobs(raw, tokens, batch.max_logprobs)
+        return self._with_logprobs(raw, tokens, plan, batch)
 
     @staticmethod
     def plain_greedy(plan: StepPlan) -> bool:
@@ -528,8 +530,11 @@ class Sampler:
         torch.lt(relative, self._to_device(log_min_p)[:, None], out=self._mask[:n])
         work.masked_fill_(self._mask[:n], -math.inf)
 
-    def _with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, max_logprobs: int) -> SamplerOutput:
-        """Attach the picks' log-probs and the top-N under the raw (unprocessed) distribution."""
+    def _with_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan, batch: _Batch) -> SamplerOutput:
+        """Attach the picks' log-probs and the top-N under the raw (unprocessed) distribution: a row's allowed
+        tokens, bias or penalties change its pick, not these. A row with logprob_token_ids lists those ids instead
+        of its top-N (in their order, the rest of its N columns its top ones, which the commit never reads)."""
+        max_logprobs = batch.max_logprobs
         if max_logprobs < 0:
             return SamplerOutput(tokens, None, None, None)
         raw = torch.log_softmax(logits.float(), dim=-1)
@@ -537,4 +542,19 @@ class Sampler:
         if max_logprobs == 0:
             return SamplerOutput(tokens, picked, None, None)
         top = torch.topk(raw, min(max_logprobs, self.vocab_size), dim=-1, sorted=True)
-        return SamplerOutput(tokens, picked, top.indices, top.values)
+        ids, values = top.indices, top.values
+        if batch.pinned.any():
+            at = self._to_device(np.flatnonzero(batch.pinned))
+            pinned = self._to_device(self._pinned_ids(plan, batch, ids.shape[1]))  # int64 [P, N]
+            ids[at] = pinned
+            values[at] = raw[at].gather(1, pinned)
+        return SamplerOutput(tokens, picked, ids, values)
+
+    @staticmethod
+    def _pinned_ids(plan: StepPlan, batch: _Batch, width: int) -> np.ndarray:
+        """int64 [P, width]: each pinning row's logprob_token_ids (plan.pinned_*), padded with its first id."""
+        at = batch.rows[batch.pinned]
+        starts, ends = plan.pinned_start[at].astype(np.int64), plan.pinned_start[at + 1].astype(np.int64)
+        columns = np.minimum(starts[:, None] + np.arange(width), ends[:, None] - 1)
+        columns = np.where(columns >= starts[:, None], columns, starts[:, None])
+        return plan.pinned_ids[columns].astype(np.int64)

@@ -21,7 +21,9 @@ MASK_NONE = 0
 MASK_BAN = 1  # ban the ids in ban_ids[r] (min_tokens not reached: EOS and stop ids)
 MASK_FORCE = 2  # the pick is force_token[r] (thinking budget spent: the think-end token)
 MASK_GREEDY = 4  # take the argmax whatever the temperature (adaptive sampling in a fence or tool call)
-MASK_GRAMMAR = 8  # only the tokens of the row's grammar bitmask (grammar_bitmask, one per such row in row order)
+# Only the tokens of the row's bitmask (grammar_bitmask, one per such row in row order): a structured output's
+# grammar, a request's allowed_token_ids, or both ANDed (engine_core/grammar.py fill_bitmasks).
+MASK_GRAMMAR = 8
 
 NO_SEED = -1
 
@@ -164,6 +166,11 @@ class StepPlan:
     pool: np.ndarray | None = None  # int32[R]; None: no row pools (all POOL_NONE)
     # Multi-LoRA: each row's adapter slot (-1: the base model alone), the slots the device loaded (--lora-modules).
     lora_slots: np.ndarray | None = None  # int32[R]; None: no row has an adapter (all -1)
+    # logprob_token_ids: row r's alternatives (StepResult.top_ids[r, :k]) are pinned_ids[pinned_start[r]:
+    # pinned_start[r+1]] (k of them, k <= num_logprobs[r]) in that order, with their raw log-probabilities, in place
+    # of its top k; a row with none lists its top num_logprobs[r].
+    pinned_start: np.ndarray | None = None  # int32[R+1]; None: no row pins (all zeros)
+    pinned_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # int32[PI]
 
     def __post_init__(self) -> None:
         if self.num_drafts is None:
@@ -179,6 +186,8 @@ class StepPlan:
             self.pool = np.zeros(len(self.seq_lens), dtype=np.int32)
         if self.lora_slots is None:
             self.lora_slots = np.full(len(self.seq_lens), -1, dtype=np.int32)
+        if self.pinned_start is None:
+            self.pinned_start = np.zeros(len(self.seq_lens) + 1, dtype=np.int32)
 
     @property
     def num_rows(self) -> int:
@@ -193,6 +202,13 @@ def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
     """bool [..., vocab_size] from packed grammar bitmask rows (bit i % 32 of word i // 32 is token i)."""
     bits = np.unpackbits(np.ascontiguousarray(words, dtype=np.int32).view(np.uint8), axis=-1, bitorder="little")
     return bits[..., :vocab_size].astype(bool)
+
+
+def pack_bitmask(ids: list[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+    """int32 [ceil(vocab_size / 32)]: the packed bitmask (unpack_bitmask's layout) with the bits of ids set."""
+    bits = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+    bits[np.asarray(ids, dtype=np.int64)] = True
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 _NO_SWAP = np.zeros((0, 2), dtype=np.int32)

@@ -16,6 +16,7 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # lower runs first and may preempt highe
 MAX_GRAMMAR_CHARS = 65536  # a schema, regex or grammar's text (a choice list's, as JSON)
 MAX_CHOICES = 256
 MAX_LOGIT_BIAS = 300  # ids one request may bias (OpenAI's limit)
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids' length (a bitmask holds any set: this bounds the message only)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range of a bias value
 
 
@@ -96,6 +97,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Added to the named tokens' logits before every other stage (penalties, bans, temperature), as vLLM's
     # logits processor does; logprobs stay those of the raw logits. -100 all but bans a token, +100 all but forces it.
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: every pick is among these ids (the others' logits are -inf before every stage but
+    # logit_bias; logprobs stay the raw logits'). Rides the plan as a static bitmask row (step_builder.py).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's logprob_token_ids: each output token's logprobs list these ids (raw logits, in this order) in place of
+    # the top-N; at most the server's max_logprobs of them (the ticket ring's alternatives per row).
+    logprob_token_ids: list[int] | None = None
     # Samples per prompt (the offline LLM; over HTTP the body's `n`). Sample j runs with seed + j when seeded
     # (seeded_for_choice), so they differ yet repeat; greedy samples are copies. A ZMQ request is one sample.
     n: int = 1
@@ -104,6 +111,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def greedy(self) -> bool:
         """True when the sampler takes the argmax."""
         return self.temperature == 0.0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The alternatives each output token's logprobs list (vLLM's num_logprobs): len(logprob_token_ids) when
+        given (those ids), else logprobs; None: no logprobs are reported."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids is not None else self.logprobs
 
     @property
     def has_penalties(self) -> bool:
@@ -143,6 +156,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.structured_outputs.validate()
         if self.logit_bias:
             self._validate_logit_bias(vocab_size)
+        where = "[0, ...)" if vocab_size is None else f"[0, {vocab_size})"
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids",
+                   f"must list 1 to {MAX_ALLOWED_TOKEN_IDS} token ids", len(ids))
+            bad = _outside(ids, vocab_size)
+            _check(not bad, "allowed_token_ids", f"ids must be token ids of the vocabulary {where}", bad[:8])
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            _check(0 < len(ids) <= max(max_logprobs, 0) and len(set(ids)) == len(ids), "logprob_token_ids",
+                   f"must list 1 to {max_logprobs} distinct token ids (the server's max_logprobs)", len(ids))
+            bad = _outside(ids, vocab_size)
+            _check(not bad, "logprob_token_ids", f"ids must be token ids of the vocabulary {where}", bad[:8])
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids must be in [0, {vocab_size})", bad)
@@ -170,6 +196,12 @@ def seeded_for_choice(params: SamplingParams, j: int) -> SamplingParams:
     if j == 0 or params.seed is None:
         return params
     return msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
+
+
+def _outside(ids: list[int], vocab_size: int | None) -> list:
+    """The entries of ids that are not token ids (of a vocabulary of vocab_size, when known)."""
+    return [i for i in ids if not (isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                   and (vocab_size is None or i < vocab_size))]
 
 
 def _finite(x: object) -> bool:

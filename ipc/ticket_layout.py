@@ -23,18 +23,19 @@ from .plan import StepPlan, StepResult
 from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 11  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
+VERSION = 12  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
 # 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND);
 # 8: prompt logprobs (StepPlan.prompt_lp_*, StepResult.prompt_*); 9: embeddings (StepPlan.pool, StepResult.pooled,
 # RingGeometry.max_pool_dim; the worker's counters moved to H_WORKER 24; StepPlan.lora_slots); 10: LoRA tickets (C_KIND LORA, C_LORA_SLOT, the request text region)
 # 11: the alternatives regions (RNS, PN) hold a bounded number of rows (RingGeometry.sample_logprob_rows / prompt_logprob_rows)
+# 12: StepPlan.pinned_start and pinned_ids (logprob_token_ids), counted by C_PI in the control block's third line
 
 STATUS_OK = 0
 STATUS_ERROR = 1
 
 ALIGN = 64
 HEADER_BYTES = 4096
-CTRL_BYTES = 256  # two 128-byte halves: engine-written and worker-written (no false sharing)
+CTRL_BYTES = 384  # 128-byte lines: engine-written, worker-written, engine-written again (no false sharing)
 
 # Header int64 indices.
 H_MAGIC, H_VERSION, H_OWNER_PID, H_SLOT_BYTES = 0, 1, 2, 3
@@ -51,6 +52,7 @@ C_LORA_SLOT = 15  # a LoRA ticket: the adapter slot; its adapter's path is the s
 C_RESULT_SEQ, C_STATUS, C_RES_R, C_RES_N, C_RES_FLAGS, C_ERR_LEN, C_EXEC_NS, C_RES_STEPS = range(16, 24)
 C_RES_P, C_RES_PN = 24, 25  # prompt logprobs: positions, and alternatives per position
 C_RES_Q, C_RES_QD = 26, 27  # pooled vectors: rows, and their width
+C_PI = 32  # the third line (engine-written): logprob_token_ids entries (pinned_ids)
 HAS_LOGPROBS, HAS_TOP, HAS_PROMPT, HAS_POOLED = 1, 2, 4, 8
 # Alternatives (an id and a log-probability each) one slot's sample region, and again its prompt region, holds at
 # most: a --max-logprobs of the whole vocabulary would otherwise size them for every token of a step (GiBs). Rows
@@ -60,7 +62,7 @@ LOGPROB_ALTERNATIVES = 1 << 22
 # Every StepPlan field: (name, dtype, length kind). Kinds: T tokens, R rows, R1 rows + 1,
 # RB rows × block-table width, RK rows × ban width, H history tokens, SO / SI swap pairs × 2,
 # GW grammar rows × bitmask words, S state slots (R for a model with recurrent state, else 0), BI logit_bias entries
-# (at most MAX_LOGIT_BIAS per row).
+# (at most MAX_LOGIT_BIAS per row), PI logprob_token_ids entries (at most max_logprobs per row).
 PLAN_FIELDS = (
     ("input_ids", np.int32, "T"),
     ("positions", np.int32, "T"),
@@ -98,6 +100,8 @@ PLAN_FIELDS = (
     ("prompt_lp_next", np.int32, "R"),
     ("pool", np.int32, "R"),
     ("lora_slots", np.int32, "R"),
+    ("pinned_start", np.int32, "R1"),
+    ("pinned_ids", np.int32, "PI"),
 )
 assert tuple(f[0] for f in PLAN_FIELDS) == tuple(f.name for f in dataclasses.fields(StepPlan)), (
     "StepPlan changed: update the ticket layout"
@@ -157,6 +161,7 @@ class RingGeometry:
             "GW": self.max_rows * self.max_bitmask_words,
             "S": self.max_rows,
             "BI": self.max_rows * MAX_LOGIT_BIAS,
+            "PI": self.max_rows * self.max_logprobs,
             "P": self.max_tokens,
             "PN": self.prompt_logprob_rows * self.max_logprobs,
             "QD": self.max_rows * self.max_pool_dim,
@@ -213,15 +218,15 @@ def regions(base: np.ndarray, slot_at: int, offsets: dict[str, int], g: RingGeom
 
 
 def region_lengths(
-    t: int, r: int, b: int, k: int, h: int, so: int, si: int, g: int, w: int, s: int, bi: int,
+    t: int, r: int, b: int, k: int, h: int, so: int, si: int, g: int, w: int, s: int, bi: int, pi: int,
 ) -> dict[str, int]:
     """Element count of each length kind for a plan's counts."""
     return {"T": t, "R": r, "R1": r + 1, "RB": r * b, "RK": r * k, "H": h, "SO": 2 * so, "SI": 2 * si, "GW": g * w,
-            "S": s, "BI": bi}
+            "S": s, "BI": bi, "PI": pi}
 
 
 def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
-    """(T, R, B, K, H, SO, SI, G, W, S, BI) of a plan, checked against its own arrays and the ring's capacity."""
+    """(T, R, B, K, H, SO, SI, G, W, S, BI, PI) of a plan, checked against its own arrays and the ring's capacity."""
     t, r, h = len(plan.input_ids), len(plan.seq_lens), len(plan.hist_tokens)
     so, si = len(plan.swap_out), len(plan.swap_in)
     gr, w = plan.grammar_bitmask.shape if plan.grammar_bitmask.ndim == 2 else (-1, -1)
@@ -234,6 +239,9 @@ def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
     bi = len(plan.bias_ids)
     if bi > g.capacity("BI"):
         raise ValueError(f"plan has {bi} logit_bias entries, the ticket ring holds at most {g.capacity('BI')}")
+    pi = len(plan.pinned_ids)
+    if pi > g.capacity("PI"):
+        raise ValueError(f"plan has {pi} logprob_token_ids entries, the ticket ring holds at most {g.capacity('PI')}")
     if so > g.max_swaps or si > g.max_swaps:
         raise ValueError(f"plan has {max(so, si)} block copies, the ticket ring holds at most {g.max_swaps}")
     b = _width(plan.block_tables, r, "block_tables")
@@ -250,12 +258,12 @@ def plan_counts(plan: StepPlan, g: RingGeometry) -> tuple[int, ...]:
                 raise ValueError(f"plan has {value} {what}, the ticket ring holds at most {limit}")
     shapes = {
         "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
-        "GW": (gr, w), "S": (s,), "BI": (bi,),
+        "GW": (gr, w), "S": (s,), "BI": (bi,), "PI": (pi,),
     }
     for name, _, kind in PLAN_FIELDS:
         if getattr(plan, name).shape != shapes[kind]:
             raise ValueError(f"plan.{name} has shape {getattr(plan, name).shape}, expected {shapes[kind]}")
-    return t, r, b, k, h, so, si, gr, w, s, bi
+    return t, r, b, k, h, so, si, gr, w, s, bi, pi
 
 
 def result_counts(results: list[StepResult], g: RingGeometry) -> tuple[int, int, int]:

@@ -40,6 +40,7 @@ from .segments import (
 from .ticket_layout import (
     C_B,
     C_BI,
+    C_PI,
     C_ERR_LEN,
     C_EXEC_NS,
     C_G,
@@ -236,7 +237,7 @@ class TicketRing:
             view[...] = getattr(plan, name)
         c = self._ctrl[slot]
         self._q[c + C_T : c + C_STEPS + 1] = (*counts[:9], steps)
-        self._q[c + C_S], self._q[c + C_BI], self._q[c + C_KIND] = counts[9], counts[10], kind
+        self._q[c + C_S], self._q[c + C_BI], self._q[c + C_PI], self._q[c + C_KIND] = *counts[9:12], kind
 
     def publish_plan(self, slot: int, seq: int) -> None:
         """Make the plan written in a slot visible as ticket seq (after write_plan)."""
@@ -291,7 +292,7 @@ class TicketRing:
         c = self._ctrl[slot]
         q = self._seqs
         counts = (q[c + C_T], q[c + C_R], q[c + C_B], q[c + C_K], q[c + C_H], q[c + C_SO], q[c + C_SI], q[c + C_G],
-                  q[c + C_W], q[c + C_S], q[c + C_BI])
+                  q[c + C_W], q[c + C_S], q[c + C_BI], q[c + C_PI])
         return StepPlan(*self._plan_views(slot, counts))
 
     def _plan_views(self, slot: int, counts: tuple[int, ...]) -> list[np.ndarray]:

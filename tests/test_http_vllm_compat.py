@@ -121,9 +121,10 @@ def test_max_logprobs_minus_one_serves_the_whole_vocabulary(api, tokenizer):
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
 
 
-def test_logprob_token_ids_lists_exactly_those_ids_with_their_logprobs(api):
-    """vLLM's logprob_token_ids on chat: each token's alternatives are the given ids in the given order, wherever
-    they rank, with the same log-probabilities the whole vocabulary's list gives them."""
+def test_logprob_token_ids_lists_the_token_then_those_ids_with_their_logprobs(api):
+    """vLLM's logprob_token_ids on chat: each token's alternatives are the token itself, then the given ids in the
+    given order (the token not twice), wherever they rank, with the same log-probabilities the whole vocabulary's
+    list gives them."""
     asked = [100, 1000, 5, 1500]
     messages = [{"role": "user", "content": "Hello"}]
     kw = dict(model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True)
@@ -131,16 +132,19 @@ def test_logprob_token_ids_lists_exactly_those_ids_with_their_logprobs(api):
                                                                             "return_tokens_as_token_ids": True})
     whole = api.chat.completions.create(**kw, top_logprobs=-1, extra_body={"return_tokens_as_token_ids": True})
     assert pinned.choices[0].message.content == whole.choices[0].message.content
+    listed = []
     for p, w in zip(pinned.choices[0].logprobs.content, whole.choices[0].logprobs.content, strict=True):
         assert p.token == w.token and p.logprob == pytest.approx(w.logprob)
         of = {e.token: e.logprob for e in w.top_logprobs}
-        assert [e.token for e in p.top_logprobs] == [f"token_id:{i}" for i in asked]
-        assert [e.logprob for e in p.top_logprobs] == pytest.approx([of[f"token_id:{i}"] for i in asked])
+        names = [p.token] + [n for n in (f"token_id:{i}" for i in asked) if n != p.token]
+        assert [e.token for e in p.top_logprobs] == names
+        assert [e.logprob for e in p.top_logprobs] == pytest.approx([of[n] for n in names])
+        listed.append(names)
     streamed = api.chat.completions.create(**kw, top_logprobs=2, stream=True,
                                            extra_body={"logprob_token_ids": asked, "return_tokens_as_token_ids": True})
     tops = [[e.token for e in t.top_logprobs] for c in streamed if c.choices and c.choices[0].logprobs
             for t in c.choices[0].logprobs.content]
-    assert tops == [[f"token_id:{i}" for i in asked]] * len(pinned.choices[0].logprobs.content)
+    assert tops == listed
 
 
 @pytest.mark.parametrize("body, words", [
@@ -154,8 +158,9 @@ def test_a_logprob_token_ids_that_cannot_be_served_is_a_400_naming_it(server, bo
     assert_error(status, out, 400, param="logprob_token_ids")
     assert words in out["error"]["message"]
     status, out = post(server, "v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1,
-                                                  "logprob_token_ids": [3, 4]})
+                                                  **body, "logprobs": 0 if "logprobs" in body else None})
     assert_error(status, out, 400, param="logprob_token_ids")
+    assert words in out["error"]["message"]
 
 
 def test_prompt_logprobs_follow_max_logprobs_past_twenty(api, tokenizer):

@@ -6,6 +6,7 @@ the prompt)."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 
@@ -133,6 +134,76 @@ def test_each_positions_own_token_is_its_first_listed_alternative(api):
     tops = logprobs.top_logprobs[1:]
     assert [next(iter(t)) for t in tops] == logprobs.tokens[1:]
     assert any(len(t) == 2 for t in tops)  # some token was not the top pick: listed beside it, after it
+
+
+# ---- allowed_token_ids and logprob_token_ids (vLLM's test_logprob_token_ids.py shapes) -------------------------
+
+
+def _id(name: str) -> int:
+    return int(name.removeprefix("token_id:"))
+
+
+def test_allowed_token_ids_hold_every_sampled_token_among_them(api):
+    allowed = [7, 19, 300, 301]
+    chat = api.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=1.0, seed=5,
+                                       extra_body={"allowed_token_ids": allowed, "return_token_ids": True,
+                                                   "ignore_eos": True})
+    out = api.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0.8, seed=5, stream=True,
+                                 extra_body={"allowed_token_ids": allowed, "return_token_ids": True,
+                                             "ignore_eos": True})
+    streamed = [t for chunk in out for t in chunk.choices[0].model_extra["token_ids"] or ()]
+    for ids in (chat.choices[0].token_ids, streamed):
+        assert len(ids) == 12 and set(ids) <= set(allowed)
+    assert len(set(streamed)) > 1  # sampled: the mask leaves a choice, it does not force one token
+
+
+@pytest.mark.parametrize("asked, sampled", [([50], 42), ([100, 1000, 500], 42), ([100, 1000, 500], 500)])
+def test_logprob_token_ids_list_the_token_and_those_ids_with_finite_logprobs(api, asked, sampled):
+    """vLLM's test: the only allowed id is the pick, and its alternatives are the asked ids and itself, each a finite
+    logprob of the raw distribution (the mask changes the pick, not the logprobs). The server lists 20 alternatives
+    at most (--max-logprobs): the engine reports the asked ids' logprobs, not the whole vocabulary's."""
+    extra = {"logprob_token_ids": asked, "allowed_token_ids": [sampled]}
+    chat = api.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, temperature=0, logprobs=True,
+                                       top_logprobs=5, extra_body=extra)
+    token = chat.choices[0].logprobs.content[0]
+    assert _id(token.token) == sampled
+    assert [_id(e.token) for e in token.top_logprobs] == [sampled, *(i for i in asked if i != sampled)]
+    assert all(math.isfinite(e.logprob) and e.logprob < 0 for e in token.top_logprobs)
+    for stream in (False, True):
+        out = api.completions.create(model=MODEL, prompt="Hello", max_tokens=1, temperature=0, logprobs=5,
+                                     stream=stream, extra_body=extra)
+        chunks = out if stream else [out]
+        tops = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs or ()]
+        assert len(tops) == 1 and {_id(k) for k in tops[0]} == {*asked, sampled}
+        assert all(math.isfinite(v) for v in tops[0].values())
+
+
+def test_logprob_token_ids_are_the_logprobs_the_top_n_gives_them(api):
+    top = api.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0, logprobs=True,
+                                      top_logprobs=5)
+    for position, entry in enumerate(top.choices[0].logprobs.content):
+        of = {_id(e.token): e.logprob for e in entry.top_logprobs}
+        asked = list(of)[::-1]  # another order than the ranking's
+        pinned = api.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0, logprobs=True,
+                                             extra_body={"logprob_token_ids": asked})
+        listed = pinned.choices[0].logprobs.content[position].top_logprobs
+        token = _id(entry.token)
+        assert [_id(e.token) for e in listed] == [token, *(i for i in asked if i != token)]
+        assert [e.logprob for e in listed[1:]] == pytest.approx([of[i] for i in asked if i != token], abs=1e-5)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("allowed_token_ids", [], "1 to"),
+    ("allowed_token_ids", [3, 10**7], "vocabulary"),
+    ("logprob_token_ids", list(range(21)), "1 to 20 distinct"),
+])
+def test_token_id_lists_that_cannot_be_served_are_a_400_naming_them(server, field, value, words):
+    for route, body in (("chat/completions", {"messages": HELLO, "logprobs": True}),
+                        ("completions", {"prompt": "Hello", "logprobs": 1})):
+        status, out = http("POST", f"{server.http}/v1/{route}", {"model": MODEL, "max_tokens": 1, **body,
+                                                                 field: value})
+        assert_error(status, out, 400, param=field)
+        assert words in out["error"]["message"]
 
 
 # ---- fields the server does not know ------------------------------------------------------------

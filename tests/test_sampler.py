@@ -18,7 +18,7 @@ from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, MA
 ROW_DEFAULTS = dict(
     temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
     frequency_penalty=0.0, seed=0, position=10, mask_kind=MASK_NONE, force_token=0, ban=(),
-    num_logprobs=-1, prompt=(), output=(), allowed=None, bias={},
+    num_logprobs=-1, prompt=(), output=(), allowed=None, bias={}, pinned=(),
 )
 
 
@@ -81,6 +81,8 @@ def make_plan(rows: list[dict]) -> StepPlan:
         bias_start=np.concatenate([[0], np.cumsum([len(r["bias"]) for r in rows])]).astype(np.int32),
         bias_ids=np.array([t for r in rows for t in r["bias"]], dtype=np.int32),
         bias_values=np.array([v for r in rows for v in r["bias"].values()], dtype=np.float32),
+        pinned_start=np.concatenate([[0], np.cumsum([len(r["pinned"]) for r in rows])]).astype(np.int32),
+        pinned_ids=np.array([t for r in rows for t in r["pinned"]], dtype=np.int32),
     )
 
 
@@ -460,6 +462,26 @@ def test_greedy_mask_takes_the_argmax_whatever_the_temperature(device_path):
     assert (tokens == 6).all()
     banned = draws(logits, 50, temperature=1.0, mask_kind=MASK_GREEDY | MASK_BAN, ban=[6])
     assert (banned == 0).all()  # the argmax of what the ban left (all zeros: the first)
+
+
+def test_logprob_token_ids_report_those_ids_raw_logprobs_beside_top_n_rows(device_path):
+    """A pinning row lists its ids (in their order) with their raw log-probabilities, its pick limited by its bitmask
+    (allowed_token_ids) yet its logprobs those of the unmasked logits; a top-N row beside it lists its own top N."""
+    logits = rand_logits(3, 96, seed=9)  # the bitmask's 3 words cover 96 ids
+    raw = torch.log_softmax(logits, -1)
+    rows = [dict(num_logprobs=3, pinned=(90, 2, 77), mask_kind=MASK_GRAMMAR, allowed=[77]),
+            dict(num_logprobs=2, temperature=0.8, seed=4),
+            dict(num_logprobs=1, pinned=(9,), temperature=1.1, seed=2)]
+    out = sample(logits, rows)
+    assert out.tokens[0] == 77
+    assert out.logprobs[0] == pytest.approx(float(raw[0, 77]), abs=1e-6)
+    assert out.top_ids[0].tolist() == [90, 2, 77]
+    assert out.top_logprobs[0].tolist() == pytest.approx(raw[0, [90, 2, 77]].tolist(), abs=1e-6)
+    assert out.top_ids[1, :2].tolist() == raw[1].topk(2).indices.tolist()
+    assert out.top_ids[2, :1].tolist() == [9]
+    assert out.top_logprobs[2, 0] == pytest.approx(float(raw[2, 9]), abs=1e-6)
+    plain = sample(logits, [dict(r, pinned=()) for r in rows])
+    assert out.tokens.tolist() == plain.tokens.tolist()  # pinning changes what is reported, never the picks
 
 
 # --- logit_bias -----------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ def random_plan(
     shapes = {
         "T": (t,), "R": (r,), "R1": (r + 1,), "RB": (r, b), "RK": (r, k), "H": (h,), "SO": (so, 2), "SI": (si, 2),
         "GW": (g, 4 if g else 0), "S": (r if state else 0,), "BI": (int(rng.integers(0, 3 * r + 1)),),
+        "PI": (int(rng.integers(0, 3 * r + 1)),),
     }
     arrays = {}
     for name, (dtype, kind) in PLAN_FIELDS.items():
@@ -371,7 +372,7 @@ def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_hea
         ring.write_plan(1, plan, StepKind.BURST, steps=3)
         other = TicketRing.attach(ring.name)
         try:
-            assert other.geometry == geometry and ticket_layout.VERSION == 11
+            assert other.geometry == geometry and ticket_layout.VERSION == 12
             assert other.plan_kind(1) == StepKind.BURST and other.plan_steps(1) == 3
             assert_plans_equal(other.read_plan(1), plan)
             ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
@@ -387,7 +388,8 @@ def test_control_block_fields_are_distinct_and_in_the_engine_half():
                                                    "C_G", "C_W", "C_STEPS", "C_S", "C_LOGITS_OF", "C_BI",
                                                    "C_KIND", "C_LORA_SLOT")]
     assert len(set(engine)) == len(engine) and max(engine) < ticket_layout.C_RESULT_SEQ
-    assert ticket_layout.C_RESULT_SEQ * 8 >= ticket_layout.CTRL_BYTES // 2
+    assert ticket_layout.C_RESULT_SEQ * 8 == 128 and ticket_layout.CTRL_BYTES == 384  # the worker's line between
+    assert 256 <= ticket_layout.C_PI * 8 < ticket_layout.CTRL_BYTES  # the engine's third line
     assert ticket_layout.N_GEOMETRY == len(dataclasses.fields(RingGeometry))
     assert ticket_layout.H_GEOMETRY + ticket_layout.N_GEOMETRY <= ticket_layout.H_WORKER
 

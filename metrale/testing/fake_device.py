@@ -296,6 +296,9 @@ class FakeDevice:
             z -= z.max(axis=1, keepdims=True)
             logp = (z - np.log(np.exp(z).sum(axis=1, keepdims=True))).astype(np.float32)
             top = np.argsort(-logp, axis=1, kind="stable")[:, :n]
+            for r in np.flatnonzero(plan.pinned_start[1:] > plan.pinned_start[:-1]):  # logprob_token_ids' rows
+                ids = plan.pinned_ids[plan.pinned_start[r] : plan.pinned_start[r + 1]]
+                top[r, : len(ids)] = ids
             results[0].top_ids = top.astype(np.int32)
             results[0].top_logprobs = np.take_along_axis(logp, top, axis=1)
             results[0].logprobs = np.take_along_axis(logp, np.maximum(tokens, 0)[:, None], axis=1)[:, 0]
