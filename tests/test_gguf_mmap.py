@@ -147,13 +147,17 @@ def test_release_pages_drops_the_maps_resident_pages(tiny_gguf):
 # ---- the C repacking against the torch path it replaces --------------------------------------------------------
 
 
-def _random_blocks(name: str, rows: int, cols: int, seed: int) -> qt.Blocks:
+def _random_blocks_raw(name: str, rows: int, cols: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     t = qt.TYPES[name]
     raw = rng.integers(0, 256, size=(rows, cols // t.block, t.nbytes), dtype=np.uint8)
     for at in t.halves:  # finite scales
         raw[:, :, at : at + 2] = rng.uniform(-0.1, 0.1, size=(rows, cols // t.block)).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
-    return qt.decode(name, raw.reshape(rows, -1))
+    return raw.reshape(rows, -1)
+
+
+def _random_blocks(name: str, rows: int, cols: int, seed: int) -> qt.Blocks:
+    return qt.decode(name, _random_blocks_raw(name, rows, cols, seed))
 
 
 def _packers():
@@ -178,6 +182,38 @@ def test_c_repacking_gives_the_torch_paths_bytes(monkeypatch, kernel, types, row
     assert len(packed) == len(reference)
     for got, want in zip(packed, reference):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.skipif(not gguf_repack.available(), reason="no C compiler")
+@pytest.mark.parametrize("kernel,types", [
+    ("int8", ["Q8_0"]), ("int4", ["Q4_1"]), ("int4", ["Q4_0"]), ("int4", ["Q4_K"]), ("int4", ["Q4_K", "Q4_1", "Q4_0"]),
+    ("int5", ["Q5_0"]), ("int5", ["Q5_1", "Q5_0"]), ("kq8", ["Q6_K"]), ("kq8", ["Q5_K"]), ("kq8", ["Q5_K", "Q6_K"]),
+])
+@pytest.mark.parametrize("rows", [16, 37, 300])
+def test_stored_blocks_go_straight_to_the_decoded_paths_bytes(kernel, types, rows):
+    # Rows read where they lie (here: every other row of a larger array, one row unfilled: zero blocks).
+    raws, parts, held = [], [], []
+    for i, t in enumerate(types):
+        spaced = _random_blocks_raw(t, 2 * (rows + 5 * i), 512, seed=i)
+        held.append(spaced)  # the addresses point into it
+        raw = spaced[::2].copy()
+        raw[3] = 0
+        addresses = spaced.ctypes.data + np.arange(0, len(spaced), 2, dtype=np.int64) * spaced.strides[0]
+        spaced[::2] = raw
+        addresses[3] = 0
+        raws.append((t, raw))
+        parts.append((t, addresses))
+    got = gguf_repack.from_stored(kernel, parts, 512)
+    want = _packers()[kernel]([(t, qt.decode(t, raw)) for t, raw in raws])
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
+def test_types_the_c_decoder_lacks_are_left_to_the_common_form():
+    addresses = np.zeros(16, dtype=np.int64)
+    assert gguf_repack.from_stored("kq8", [("Q6_K", addresses), ("Q3_K", addresses)], 256) is None
+    assert gguf_repack.from_stored("int8", [("IQ4_NL", addresses)], 256) is None
 
 
 # ---- metadata ---------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from metrale import LLM, SamplingParams
 from metrale.gpu_worker.layers import gguf_linear
 from metrale.gpu_worker.layers import gguf_quant_types as qt
 from metrale.gpu_worker.layers.gguf_linear import GgufLinearMethod, tagged
-from metrale.gpu_worker.layers.linear import ColumnParallelLinear, QKVParallelLinear
+from metrale.gpu_worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from metrale.gpu_worker.layers.parallel import ParallelGroup
 from metrale.gpu_worker.layers.quantization import _wide, quantize_activations
 
 CPU = torch.device("cpu")
@@ -112,6 +113,31 @@ def test_a_stacked_layer_keeps_each_parts_type(kernel_isa, v_type):
     for dtype in DTYPES:
         x = torch.randn(3, cols).to(dtype)
         _check(layer(x), _reference(x, weight), dtype)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q6_K", "Q8_0"])
+def test_a_row_parallel_ranks_columns_of_the_blocks_multiply_as_its_share(kernel_isa, name):
+    # Its loader cuts the stored rows by columns (whole blocks): those go through it into a copy, the rest of a
+    # layer's rows are read in place.
+    cols, rows = 512, 48
+    raw = random_blocks(name, rows, cols, seed=3)
+    weight = gguf_dequantized(name, raw)
+    for rank in range(2):
+        layer = RowParallelLinear(cols, rows, dtype=torch.float32, device=CPU, quant_method=GgufLinearMethod(),
+                                  group=ParallelGroup(rank=rank, size=2))
+        layer.weight.weight_loader(layer.weight, tagged(raw, name))
+        layer.process_weights_after_loading()
+        x = torch.randn(3, cols // 2)
+        _check(layer.quant_method.apply(layer, x), _reference(x, weight[:, rank * cols // 2 : (rank + 1) * cols // 2]), torch.float32)
+
+
+def test_rows_loaded_twice_are_refused():
+    raw = random_blocks("Q8_0", 16, 64)
+    layer = ColumnParallelLinear(64, 16, dtype=torch.float32, device=CPU, quant_method=GgufLinearMethod())
+    layer.weight.weight_loader(layer.weight, tagged(raw, "Q8_0"))
+    layer.weight.weight_loader(layer.weight, tagged(raw, "Q8_0"))
+    with pytest.raises(ValueError, match="loaded twice"):
+        layer.process_weights_after_loading()
 
 
 def test_a_type_without_a_row_is_refused_by_the_method():

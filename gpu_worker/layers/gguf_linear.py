@@ -2,9 +2,13 @@
 
 `GgufLinearMethod` takes the file's blocks (gguf_weights.py yields them raw, as uint8 rows tagged with their
 type's name) part by part, fused or split, through the layer's own weight loader, so a stacked layer whose
-parts differ in type (a Q4_K_M file's Q4_K q/k beside its Q6_K v) keeps each in its own. After loading, each
-run of rows whose types share a kernel (gguf_quant_types.TYPES) is decoded once into that kernel's layout and
-multiplied by it: one product per run, the runs' outputs side by side. No type is dequantized to floats.
+parts differ in type (a Q4_K_M file's Q4_K q/k beside its Q6_K v) keeps each in its own. The loader places
+each part's rows (a column of each row's index goes through it, not the blocks: `_stage`), so a row is read
+where the file's map holds it; only a part the loader cuts by columns (a row-parallel rank's share) is copied.
+After loading, each run of rows whose types share a kernel (gguf_quant_types.TYPES) is written once into that
+kernel's layout and multiplied by it: one product per run, the runs' outputs side by side. The common types go
+from their stored blocks straight to the layout in C (gguf_repack.from_stored); the rest, and every type
+without the C library, through gguf_quant_types' decoded form. No type is dequantized to floats.
 
 `reference=True` (or no kernels: a GPU, no compiler) multiplies the dequantized weight dense instead, with x
 quantized per block as the kernels do (quantization.py's _dense_product): the kernels' arithmetic up to the
@@ -24,10 +28,22 @@ import torch
 from torch import nn
 
 from metrale.gpu_worker.layers import gguf_quant_types as qt
+from metrale.gpu_worker.layers import gguf_repack
 from metrale.gpu_worker.layers.linear_method import LinearMethod, set_weight_attrs
 from metrale.gpu_worker.layers.quantization import NativeProduct, _dense_product, _goes_wide, _kernel, _kernel_input, _wide, native_product
 
 GGUF_TYPE = "gguf_type"  # the attribute naming a raw tensor's GGUF type (gguf_weights.py sets it)
+
+
+@dataclass(slots=True)
+class _Part:
+    """One loaded part of a layer, of one type: which of the layer's rows it filled (`index`: 1 + the row of
+    `source` each holds, 0 for a row it did not fill) and the rows of stored blocks themselves (a view of the
+    file's map, or a copy), kept until the layer is packed."""
+
+    name: str
+    index: torch.Tensor  # int64 [rows]
+    source: torch.Tensor  # uint8 [n, bytes per row], rows contiguous
 
 
 @dataclass(slots=True)
@@ -52,28 +68,28 @@ class GgufLinearMethod(LinearMethod):
         weight = nn.Parameter(torch.empty(sum(output_partition_sizes), 0, dtype=torch.uint8, device=device), requires_grad=False)
         set_weight_attrs(weight, output_dim=0, input_dim=None, weight_loader=partial(_stage, layer, weight_loader))
         layer.register_parameter("weight", weight)
-        layer.gguf_staged = {}
+        layer.gguf_staged = []
 
     def process_weights_after_loading(self, layer):
-        """Decode each run of rows of one kernel into its layout (or the dequantized weight), then drop the blocks."""
-        segments = _segments(layer)
-        layer.gguf_types = [t for t, _ in segments]
+        """Pack each run of rows of one kernel into its layout (or the dequantized weight), then drop the blocks."""
+        spans = _spans(layer)
+        layer.gguf_types = [t for t, _, _ in spans]
         layer.out_features = layer.weight.shape[0]
         device = layer.weight.device
-        runs = _by_kernel(segments)
+        runs = _by_kernel(spans)
         ops = {kernel: None if self.reference else _kernel(f"{kernel}_linear", device) for kernel, _ in runs}
         layer.wide = _goes_wide(device) and all(k in ("int8", "int4") for k, _ in runs)
-        if not self.reference and device.type == "cuda" and (triton_runs := _triton_runs(segments, device)):
+        if not self.reference and device.type == "cuda" and (triton_runs := _triton_runs(_segments(layer), device)):
             layer.gguf_runs = triton_runs
         elif any(op is None for op in ops.values()):
-            weight = torch.cat([qt.dequantize(b) for _, b in segments]).to(device)
+            weight = torch.cat([qt.dequantize(b) for _, b in _segments(layer)]).to(device)
             layer.dequantized = weight if self.reference else weight.to(layer.act_dtype)
             layer.gguf_runs = None
         else:
-            layer.gguf_runs = [_run(kernel, parts, layer.in_features, layer.wide) for kernel, parts in runs]
+            layer.gguf_runs = [_run(layer, kernel, parts) for kernel, parts in runs]
         single = layer.gguf_runs is not None and len(layer.gguf_runs) == 1 and not layer.wide
         layer.gguf_single = layer.gguf_runs[0].product if single else None
-        layer.gguf_staged = {}
+        layer.gguf_staged = []
         layer.weight = nn.Parameter(layer.weight.new_empty((0, 0)), requires_grad=False)
 
     def apply(self, layer, x, bias=None):
@@ -101,61 +117,96 @@ class GgufLinearMethod(LinearMethod):
 
 
 def _stage(layer: nn.Module, weight_loader, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    """Copy a raw tensor's rows (this rank's, at its part's place) into the staging rows of its type, through
-    the layer's own loader, and mark them (a second pass of ones over the same rows)."""
+    """Note where the layer's own loader puts a raw tensor's rows (this rank's, at its part's place): a column of
+    1 + each row's index goes through it, and the rows stay where they are (the file's map), unless the loader
+    cuts them by columns (a row-parallel rank's share: then their blocks go through it into a copy)."""
     name = getattr(loaded, GGUF_TYPE, None)
     if name not in qt.TYPES:
         raise ValueError(f"a GGUF-typed layer takes its file's blocks of a known type (got {name or loaded.dtype})")
     t = qt.TYPES[name]
     if layer.in_features % t.block:
         raise ValueError(f"{layer.in_features} inputs are not whole {name} blocks of {t.block}")
-    if name not in layer.gguf_staged:
-        rows = param.shape[0]
-        layer.gguf_staged[name] = (
-            torch.zeros(rows, layer.in_features // t.block * t.nbytes, dtype=torch.uint8),
-            torch.zeros(rows, 1, dtype=torch.uint8),
-        )
-    raw, filled = layer.gguf_staged[name]
-    for target, source, input_dim in ((raw, loaded, 1), (filled, torch.ones(loaded.shape[0], 1, dtype=torch.uint8), None)):
-        staged = nn.Parameter(target, requires_grad=False)
-        set_weight_attrs(staged, output_dim=0, input_dim=input_dim)
-        weight_loader(staged, source, shard_id)
+    rows, width = param.shape[0], layer.in_features // t.block * t.nbytes
+    index = torch.zeros(rows, 1, dtype=torch.int64)
+    ids = torch.arange(1, loaded.shape[0] + 1, dtype=torch.int64).view(-1, 1)
+    _through(weight_loader, index, ids, None, shard_id)
+    source = loaded
+    if loaded.shape[1] != width or loaded.stride(1) != 1:
+        source = torch.zeros(rows, width, dtype=torch.uint8)
+        _through(weight_loader, source, loaded, 1, shard_id)
+        index = torch.where(index > 0, torch.arange(1, rows + 1).view(-1, 1), 0)
+    layer.gguf_staged.append(_Part(name, index.view(-1), source))
 
 
-def _segments(layer: nn.Module) -> list[tuple[str, qt.Blocks]]:
-    """The layer's rows as consecutive runs of one type each, decoded: rows no part filled (a padded
-    vocabulary's) join the run before them as zero blocks (a zero scale: zero weights)."""
+def _through(weight_loader, target: torch.Tensor, source: torch.Tensor, input_dim: int | None, shard_id) -> None:
+    """The layer's loader copying source into target as it would into its weight."""
+    staged = nn.Parameter(target, requires_grad=False)
+    set_weight_attrs(staged, output_dim=0, input_dim=input_dim)
+    weight_loader(staged, source, shard_id)
+
+
+def _spans(layer: nn.Module) -> list[tuple[str, int, int]]:
+    """The layer's rows as consecutive spans [start, end) of one type each: rows no part filled (a padded
+    vocabulary's) join the span before them as zero blocks (a zero scale: zero weights)."""
     staged = layer.gguf_staged
     if not staged:
         raise ValueError("a GGUF-typed layer got no blocks")
-    names = list(staged)
+    names = list(dict.fromkeys(p.name for p in staged))
     owner = torch.zeros(layer.weight.shape[0], dtype=torch.int64)  # 1 + the type's index; 0: no part filled
-    for i, (_, filled) in enumerate(staged.values()):
-        mine = filled[:, 0].bool()
-        if bool((mine & (owner > 0)).any()):
-            raise ValueError(f"rows loaded twice, as {names[int(owner[mine].max()) - 1]} and {names[i]}")
-        owner[mine] = i + 1
+    for part in staged:
+        mine = part.index > 0
+        taken = owner[mine]
+        if bool((taken > 0).any()):
+            raise ValueError(f"rows loaded twice, as {names[int(taken.max()) - 1]} and {part.name}")
+        owner[mine] = names.index(part.name) + 1
     filled_at = torch.nonzero(owner).flatten()
     # An unfilled row takes the type of the filled row before it (the first filled row's, at the top).
-    before = torch.searchsorted(filled_at, torch.arange(len(owner)), right=True).clamp_(min=1) - 1
-    owner = owner[filled_at[before]]
+    if len(filled_at) < len(owner):
+        before = torch.searchsorted(filled_at, torch.arange(len(owner)), right=True).clamp_(min=1) - 1
+        owner = owner[filled_at[before]]
     edges = [0, *(torch.nonzero(owner[1:] != owner[:-1]).flatten() + 1).tolist(), len(owner)]
-    segments = []
-    for start, end in zip(edges[:-1], edges[1:]):
-        name = names[int(owner[start]) - 1]
-        segments.append((name, qt.decode(name, staged[name][0][start:end].numpy())))
-    return segments
+    return [(names[int(owner[start]) - 1], start, end) for start, end in zip(edges[:-1], edges[1:])]
 
 
-def _by_kernel(segments: list[tuple[str, qt.Blocks]]) -> list[tuple[str, list[tuple[str, qt.Blocks]]]]:
-    """Consecutive segments grouped by their type's kernel."""
+def _addresses(layer: nn.Module, name: str, start: int, end: int) -> np.ndarray:
+    """int64 [end - start]: the address of each row's stored blocks (0 where no part of this type filled it)."""
+    out = np.zeros(end - start, dtype=np.int64)
+    for part in layer.gguf_staged:
+        if part.name != name:
+            continue
+        index = part.index[start:end].numpy()
+        mine = index > 0
+        out[mine] = part.source.data_ptr() + (index[mine] - 1) * part.source.stride(0)
+    return out
+
+
+def _rows(layer: nn.Module, name: str, start: int, end: int) -> np.ndarray:
+    """uint8 [end - start, bytes per row]: the rows' stored blocks, copied (zero where no part filled a row)."""
+    t = qt.TYPES[name]
+    out = np.zeros((end - start, layer.in_features // t.block * t.nbytes), dtype=np.uint8)
+    for part in layer.gguf_staged:
+        if part.name != name:
+            continue
+        index = part.index[start:end].numpy()
+        mine = np.nonzero(index > 0)[0]
+        out[mine] = part.source.numpy()[index[mine] - 1]
+    return out
+
+
+def _segments(layer: nn.Module) -> list[tuple[str, qt.Blocks]]:
+    """The layer's spans of one type each, decoded to the common form."""
+    return [(name, qt.decode(name, _rows(layer, name, start, end))) for name, start, end in _spans(layer)]
+
+
+def _by_kernel(spans: list[tuple[str, int, int]]) -> list[tuple[str, list[tuple[str, int, int]]]]:
+    """Consecutive spans grouped by their type's kernel."""
     runs: list[tuple[str, list]] = []
-    for name, blocks in segments:
-        kernel = qt.TYPES[name].kernel
+    for span in spans:
+        kernel = qt.TYPES[span[0]].kernel
         if runs and runs[-1][0] == kernel:
-            runs[-1][1].append((name, blocks))
+            runs[-1][1].append(span)
         else:
-            runs.append((kernel, [(name, blocks)]))
+            runs.append((kernel, [span]))
     return runs
 
 
@@ -180,19 +231,24 @@ def _triton_runs(segments: list[tuple[str, qt.Blocks]], device: torch.device) ->
     return [_Run(b.codes.shape[0], partial(triton_gguf.product, triton_gguf.pack_for_triton(b, device))) for _, b in segments]
 
 
-def _run(kernel: str, parts: list[tuple[str, qt.Blocks]], cols: int, wide: bool) -> _Run:
-    """One product over parts stacked by rows, packed for its kernel, on the class dispatch measured fastest
-    for its shape."""
-    rows = sum(b.codes.shape[0] for _, b in parts)
-    if kernel == "int8":
-        packed = qt.pack_int8_parts(parts)
-    elif kernel == "int4":
-        packed = qt.int4_pack(parts)
-    elif kernel == "int5":
-        packed = qt.pack_int5(parts)
-    else:
-        packed = qt.pack_kq8(qt.merged([b for _, b in parts]))
-    return _Run(rows, native_product(f"{kernel}_linear", tuple(packed), rows, cols, kernel in ("int8", "int4"), wide))
+def _run(layer: nn.Module, kernel: str, spans: list[tuple[str, int, int]]) -> _Run:
+    """One product over spans stacked by rows, packed for its kernel (from the stored blocks where gguf_repack
+    decodes their types, else through the common form), on the class dispatch measured fastest for its shape."""
+    cols = layer.in_features
+    rows = sum(end - start for _, start, end in spans)
+    packed = gguf_repack.from_stored(kernel, [(name, _addresses(layer, name, start, end)) for name, start, end in spans], cols)
+    if packed is None:
+        parts = [(name, qt.decode(name, _rows(layer, name, start, end))) for name, start, end in spans]
+        if kernel == "int8":
+            packed = qt.pack_int8_parts(parts)
+        elif kernel == "int4":
+            packed = qt.int4_pack(parts)
+        elif kernel == "int5":
+            packed = qt.pack_int5(parts)
+        else:
+            packed = qt.pack_kq8(qt.merged([b for _, b in parts]))
+    takes_wide = kernel in ("int8", "int4")
+    return _Run(rows, native_product(f"{kernel}_linear", tuple(packed), rows, cols, takes_wide, layer.wide))
 
 
 def load_tied_head(head: nn.Module, raw: torch.Tensor, method: GgufLinearMethod, dtype: torch.dtype) -> None:

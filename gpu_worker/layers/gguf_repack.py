@@ -1,8 +1,11 @@
-"""The GGUF repacking loops in C (gguf_repack.c): rows of codes into the quantized kernels' panel layouts.
+"""The GGUF repacking loops in C (gguf_repack.c): a file's stored blocks, or rows of codes, into the quantized
+kernels' panel layouts.
 
 Written with torch ops the same shuffles take several passes over every weight, each a temporary as large as the
 layer (most of a GGUF's load time). Here each layout is one pass, split over torch's thread count by panels
-(ctypes releases the GIL). The library is plain C, built once with the system compiler into the kernel cache
+(ctypes releases the GIL). `from_stored` goes from the stored blocks of the common types (STORED) straight to
+a kernel's layout, reading each row where the file's map (or a part's copy) holds it: no decoded form, no staging
+copy. The library is plain C, built once with the system compiler into the kernel cache
 (`repack/`, keyed by the source) and loaded with ctypes. `available()` is False without a compiler; callers then
 keep their torch path (gguf_quant_types.py), which gives the same bytes (the tests check).
 """
@@ -59,6 +62,11 @@ def _library():
     lib.panel_int8.argtypes = [ptr, i64, i64, i64, i64, ptr]
     lib.panel_int4.argtypes = [ptr, i64, i64, i64, i64, i64, ptr]
     lib.panel_bits5.argtypes = [ptr, i64, i64, i64, i64, i64, ptr]
+    lib.stored_int8.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
+    lib.stored_int4.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
+    lib.stored_kq8.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.f16_exact.argtypes = [ptr, i64, ptr]
+    lib.f16_exact.restype = i64
     return lib
 
 
@@ -112,3 +120,62 @@ def panel_bits5(codes: np.ndarray, bias: int) -> torch.Tensor:
     lib = _library()
     _over_panels(lambda p0, p1: lib.panel_bits5(codes.ctypes.data, bias, rows, cols, p0, p1, out.data_ptr()), panels)
     return out
+
+
+# The types gguf_repack.c decodes from their stored blocks (its TYPE_* numbers), and the kernels whose layouts it
+# writes them in (gguf_quant_types.TYPES names each type's kernel; kq8 takes Q5_K and Q6_K mixed).
+STORED = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_0": 4, "Q5_1": 5, "Q5_K": 6, "Q6_K": 7}
+_STORED_KERNELS = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1", "Q4_K"), "int5": ("Q5_0", "Q5_1"), "kq8": ("Q5_K", "Q6_K")}
+
+
+def from_stored(kernel: str, parts: list[tuple[str, np.ndarray]], cols: int) -> tuple[torch.Tensor, ...] | None:
+    """The packed layout of one kernel's run of rows (what gguf_quant_types.pack_int8_parts, int4_pack, pack_int5
+    or pack_kq8 give for the same rows, byte for byte) straight from the stored blocks: parts are (type name,
+    int64 addresses of its rows' blocks, 0 for a row no part filled: zero blocks), stacked by rows. None where the
+    library is not built or a part's type is not one it decodes; ValueError as pack_int5 raises it."""
+    if not available() or any(t not in _STORED_KERNELS.get(kernel, ()) for t, _ in parts):
+        return None
+    rows = sum(len(a) for _, a in parts)
+    panels = -(-rows // PANEL)
+    ptrs = np.zeros(panels * PANEL, dtype=np.int64)
+    types = np.full(panels * PANEL, -1, dtype=np.int8)  # -1: the last panel's padding rows
+    at = 0
+    for name, addresses in parts:
+        ptrs[at : at + len(addresses)] = addresses
+        types[at : at + len(addresses)] = STORED[name]
+        at += len(addresses)
+    lib, rows_at = _library(), (ptrs.ctypes.data, types.ctypes.data, cols)
+    if kernel == "int8":
+        codes = torch.empty(panels, cols // 4, PANEL, 4, dtype=torch.int8)
+        d = torch.empty(panels, cols // 32, PANEL, dtype=torch.int16)
+        _over_panels(lambda p0, p1: lib.stored_int8(*rows_at, p0, p1, codes.data_ptr(), d.data_ptr()), panels)
+        return codes, d
+    if kernel in ("int4", "int5"):
+        codes = torch.empty(panels, cols // 8, PANEL, 4, dtype=torch.uint8)
+        bits = torch.empty(panels, cols // 8, 16, dtype=torch.uint8) if kernel == "int5" else None
+        s, z = (torch.empty(panels, cols // 32, PANEL, dtype=torch.float32) for _ in range(2))
+        bits_at = bits.data_ptr() if bits is not None else None
+        _over_panels(lambda p0, p1: lib.stored_int4(*rows_at, p0, p1, codes.data_ptr(), bits_at, s.data_ptr(), z.data_ptr()), panels)
+        halves = _f16_bits(s), _f16_bits(z)
+        if kernel == "int5":
+            if halves[0] is None or halves[1] is None:
+                raise ValueError("int5: scales and offsets must be exact in fp16")
+            return codes, bits, *halves
+        # pack_int4's rule: fp16 bits where every scale and offset is exact, else float32
+        return (codes, s, z) if halves[0] is None or halves[1] is None else (codes, *halves)
+    sub = min(16 if name == "Q6_K" else 32 for name, _ in parts)  # gguf_quant_types.merged's finer sub-block
+    with_mn = any(name == "Q5_K" for name, _ in parts)
+    codes = torch.empty(panels, cols // 4, PANEL, 4, dtype=torch.int8)
+    sc = torch.empty(panels, cols // sub, PANEL, dtype=torch.int8)
+    mn = torch.empty(panels, cols // sub, PANEL, dtype=torch.int8) if with_mn else torch.empty(0, dtype=torch.int8)
+    d = torch.empty(panels, cols // 256, PANEL, dtype=torch.int16)
+    dm = torch.empty(panels, cols // 256, PANEL, dtype=torch.int16) if with_mn else torch.empty(0, dtype=torch.int16)
+    outs = (codes.data_ptr(), sc.data_ptr(), mn.data_ptr() if with_mn else None, d.data_ptr(), dm.data_ptr() if with_mn else None)
+    _over_panels(lambda p0, p1: lib.stored_kq8(*rows_at, sub, int(with_mn), p0, p1, *outs), panels)
+    return codes, sc, mn, d, dm
+
+
+def _f16_bits(x: torch.Tensor) -> torch.Tensor | None:
+    """x's fp16 bits (int16, x's shape) when every value is exactly an fp16 number, else None."""
+    out = torch.empty(x.shape, dtype=torch.int16)
+    return out if _library().f16_exact(x.data_ptr(), x.numel(), out.data_ptr()) else None
