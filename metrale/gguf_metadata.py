@@ -17,7 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from metrale.gguf_reader import GgufError, reader_class
 from metrale.gguf_rope import rope_scaling_from_factors
+
+__all__ = ["GgufError", "field", "gguf_file", "hf_config", "open_gguf", "eos_token_ids"]
 
 SUFFIX = ".gguf"
 
@@ -57,10 +60,6 @@ _CONFIG_KEYS = {
 _ALL_F32 = 0
 
 
-class GgufError(ValueError):
-    """The GGUF file cannot be read or served; the message says what (and which tensor, where one is at fault)."""
-
-
 def gguf_file(path: str | Path) -> Path | None:
     """The GGUF file a --model path names: the file itself, or the one *.gguf of a folder without config.json.
 
@@ -87,103 +86,11 @@ def open_gguf(path: str | Path):
 def _open(path: str):
     """open_gguf for a resolved path."""
     try:
-        return _reader_class()(path)
+        return reader_class()(path)
     except GgufError:
         raise
     except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
         raise GgufError(f"{path}: not a readable GGUF file ({e})") from None
-
-
-@functools.cache
-def _reader_class():
-    """gguf's GGUFReader, checking each tensor's type and extent first (so a bad one is named), and slicing a
-    plain ndarray view of its memory map (numpy's memmap subclass costs a Python call per slice, and a
-    vocabulary is a hundred thousand slices)."""
-    from gguf import GGUFReader
-
-    class CheckedReader(GGUFReader):
-        _plain: np.ndarray | None = None
-
-        def _get(self, offset, dtype, count=1, override_order=None):
-            if self._plain is None:
-                self._plain = self.data.view(np.ndarray)
-            count, dt = int(count), np.dtype(dtype)
-            arr = self._plain[offset : offset + dt.itemsize * count].view(dtype=dt)[:count]
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-        def _get_field_parts(self, orig_offs, raw_type):
-            if raw_type == _ARRAY and self.byte_order == "I":
-                parts = _array_parts(self, orig_offs)
-                if parts is not None:
-                    return parts
-            return super()._get_field_parts(orig_offs, raw_type)
-
-        def _build_tensors(self, start_offs, fields):
-            _check_tensor_infos(self, start_offs, fields)
-            super()._build_tensors(start_offs, fields)
-
-    return CheckedReader
-
-
-_ARRAY, _STRING = 9, 8  # GGUFValueType.ARRAY / STRING
-_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-            7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-
-
-def _array_parts(reader, orig_offs: int):
-    """GGUFReader._get_field_parts of a flat array (of strings or scalars) in the host's byte order, the same
-    parts, types and data indices, built in one pass: gguf's reader makes a Python call chain per element, and a
-    vocabulary is a few hundred thousand elements (seconds). None for anything else (nested arrays)."""
-    from gguf import GGUFValueType
-
-    plain = reader._plain if reader._plain is not None else reader.data.view(np.ndarray)
-    reader._plain = plain
-    head = plain[orig_offs : orig_offs + 12]
-    itype = head[:4].view(np.uint32)
-    alen = head[4:12].view(np.uint64)
-    count, offs = int(alen[0]), orig_offs + 12
-    kind = int(itype[0])
-    if kind in _SCALARS:
-        values = plain[offs : offs + count * np.dtype(_SCALARS[kind]).itemsize].view(_SCALARS[kind])
-        if len(values) != count:
-            raise ValueError(f"array of {count} runs past the end of the file")
-        parts = [itype, alen, *values.reshape(count, 1)]
-        return 12 + values.nbytes, parts, list(range(2, 2 + count)), [GGUFValueType.ARRAY, GGUFValueType(kind)]
-    if kind != _STRING:
-        return None
-    parts, data, buf, u64 = [itype, alen], [], memoryview(plain), np.uint64
-    for _ in range(count):
-        n = int.from_bytes(buf[offs : offs + 8], "little")
-        if offs + 8 + n > len(plain):
-            raise ValueError("a string runs past the end of the file")
-        parts.append(plain[offs : offs + 8].view(u64))
-        data.append(len(parts))
-        parts.append(plain[offs + 8 : offs + 8 + n])
-        offs += 8 + n
-    return offs - orig_offs, parts, data, [GGUFValueType.ARRAY, GGUFValueType.STRING]
-
-
-def _check_tensor_infos(reader, start_offs: int, fields: list) -> None:
-    """Raise GgufError naming the first tensor whose type is unknown or whose bytes lie past the file's end."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    size = len(reader.data)
-    for field in fields:
-        _len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
-        name = bytes(name_data).decode("utf-8", errors="replace")
-        try:
-            qtype = GGMLQuantizationType(int(raw_dtype[0]))
-        except ValueError:
-            raise GgufError(f"tensor {name}: unknown ggml type {int(raw_dtype[0])} (corrupt file?)") from None
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(dims.astype(np.int64)))
-        if n % block:
-            raise GgufError(f"tensor {name}: {n} elements is not a whole number of {qtype.name} blocks")
-        end = start_offs + int(offset[0]) + n // block * type_size
-        if end > size:
-            raise GgufError(
-                f"tensor {name}: its data ends at byte {end} but the file has {size} bytes (truncated file)"
-            )
 
 
 def field(reader, key: str, default=None):
@@ -367,13 +274,12 @@ def eos_token_ids(reader) -> list[int]:
     llama.cpp treats as end of generation by their text."""
     ids = [field(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     named = [int(i) for i in ids if isinstance(i, int)]
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    by_text = []
-    if tokens is not None:
-        for i, index in enumerate(tokens.data):
-            part = tokens.parts[index]
-            if 3 <= len(part) <= 24 and bytes(part).decode("utf-8", errors="replace") in _EOG_TEXTS:
-                by_text.append(i)
+    try:
+        tokens = field(reader, "tokenizer.ggml.tokens") or []
+    except UnicodeDecodeError:  # a token that is not UTF-8 (the tokenizer refuses the file; the ids still stand)
+        tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8", errors="replace")
+                  for i in reader.fields["tokenizer.ggml.tokens"].data]
+    by_text = [i for i, text in enumerate(tokens) if text in _EOG_TEXTS]
     return list(dict.fromkeys(named + by_text))
 
 
