@@ -34,20 +34,30 @@ _ALWAYS_RENDERED = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|cons
 
 def token_types(reader, tokens: list[str]) -> list[int]:
     """Each token's llama.cpp type: the file's, with llama.cpp's promotions by text (control-looking, gpt-oss)."""
-    types = [int(t) for t in field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)]
+    types = list(field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     types += [NORMAL] * (len(tokens) - len(types))
-    for i, text in enumerate(tokens):
+    present = set(tokens)
+    promoted = present & (_ALWAYS_RENDERED | _CONTROL_LOOKING)
+    if not promoted:  # (most vocabularies have a few; the loops below only visit those)
+        return types
+    for i in _where(tokens, promoted):
+        text = tokens[i]
         if text in _ALWAYS_RENDERED:
             types[i] = USER_DEFINED
-        elif text in _CONTROL_LOOKING and types[i] != CONTROL:
+        elif types[i] != CONTROL:
             types[i] = CONTROL
-    present = set(tokens)
-    for i, text in enumerate(tokens):  # llama.cpp's exceptions to its own promotions
+    for i in _where(tokens, promoted & {"</s>", "<|end|>"}):  # llama.cpp's exceptions to its own promotions
+        text = tokens[i]
         if text == "</s>" and present & {"<|tool_response>", "<|plamo:eos|>"}:
             types[i] = NORMAL  # gemma4 and plamo: a plain </s>
         elif text == "<|end|>" and ({"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present):
             types[i] = USER_DEFINED  # gpt-oss, solar-open: rendered as text
     return types
+
+
+def _where(tokens: list[str], texts: set[str]) -> list[int]:
+    """The ids of the tokens whose text is one of texts, in order."""
+    return [i for i, text in enumerate(tokens) if text in texts] if texts else []
 
 
 def add_special_tokens(backend: HfTokenizer, reader, tokens: list[str], types: list[int]) -> None:

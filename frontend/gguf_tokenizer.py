@@ -30,7 +30,10 @@ and Unigram. Other kinds (rwkv, plamo2, whitespace, ...) are a GgufError naming 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+import re
 from dataclasses import dataclass
 
 from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
@@ -208,14 +211,12 @@ def _byte_level_bpe(reader, tokens: list[str], types: list[int], found: Pre) -> 
     if found.raw_utf8:
         return _spm_style_bpe(tokens, merges, found)
     spelling = _byte_spelling()
-    alphabet = set(spelling.values())
     # A normal token outside the byte alphabet is re-spelled byte by byte; a matched-whole one (control,
     # user-defined) keeps its text, which is how it appears in the input and how it decodes.
-    spelled = [
-        t if set(t) <= alphabet or k in (CONTROL, USER_DEFINED, UNKNOWN)
-        else "".join(spelling[b] for b in t.encode("utf-8"))
-        for t, k in zip(tokens, types)
-    ]
+    spelled = list(tokens)
+    for i in _outside_alphabet(tokens, spelling):
+        if types[i] not in (CONTROL, USER_DEFINED, UNKNOWN):
+            spelled[i] = "".join(spelling[b] for b in tokens[i].encode("utf-8"))
     backend = HfTokenizer(BPE(
         vocab=_first_ids(spelled), merges=merges, fuse_unk=False, byte_fallback=False,
         ignore_merges=found.ignore_merges,
@@ -312,9 +313,23 @@ def _scores(reader, n_tokens: int) -> list[float]:
     return scores + [0.0] * (n_tokens - len(scores))
 
 
+def _outside_alphabet(tokens: list[str], spelling: dict[int, str]) -> list[int]:
+    """The ids of the tokens with a character outside GPT-2's byte alphabet, in order (one regex pass over them
+    all, joined by a character inside it, so only the tokens' own characters match)."""
+    outside = re.compile("[^" + re.escape("".join(spelling.values())) + "]")
+    hits = [m.start() for m in outside.finditer("!".join(tokens))]
+    if not hits:
+        return []
+    ends = list(itertools.accumulate(len(t) + 1 for t in tokens))  # token i lies in [ends[i - 1], ends[i] - 1)
+    return sorted({bisect.bisect_right(ends, at) for at in hits})
+
+
 def _first_ids(texts: list[str]) -> dict[str, int]:
     """text -> id, the first id when a text repeats (llama.cpp refuses such files; we keep the first)."""
-    vocab: dict[str, int] = {}
+    vocab = dict(zip(texts, range(len(texts))))
+    if len(vocab) == len(texts):  # no text repeats (every file llama.cpp loads)
+        return vocab
+    vocab = {}
     for i, text in enumerate(texts):
         vocab.setdefault(text, i)
     return vocab

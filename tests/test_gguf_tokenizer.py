@@ -179,3 +179,15 @@ def test_an_unsupported_tokenizer_model_is_one_error_naming_it(kind):
     supported = r"\(supported: llama, gpt2, bert, t5, gemma4\)"
     with pytest.raises(GgufError, match=rf"tokenizer model '{kind}' is not supported {supported}"):
         load(DATA / "gguf_tok_bpe.gguf", {"tokenizer.ggml.model": kind})
+
+
+def test_tokens_outside_the_byte_alphabet_are_found_in_one_pass():
+    # Found by one regex pass over the joined vocabulary, the ids must be those whose characters are not all in
+    # GPT-2's alphabet (a space, a newline, a CJK character, at either end or alone), and no others.
+    from metrale.frontend.gguf_tokenizer import _byte_spelling, _outside_alphabet
+
+    spelling = _byte_spelling()
+    tokens = ["Ġthe", "a b", "é", "\n", "x中", "ĊĊ", "", "<|im_start|>", "中", " ", "ok!", "end "]
+    alphabet = set(spelling.values())
+    assert _outside_alphabet(tokens, spelling) == [i for i, t in enumerate(tokens) if not set(t) <= alphabet]
+    assert _outside_alphabet(["Ġa", "b"], spelling) == []
