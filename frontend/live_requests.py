@@ -370,17 +370,21 @@ class LiveRequests:
         if not self.replicas.has_other(k):
             return 0
         lost = [req for req in self._each() if req.engine_id and req.replica == k]
-        if self.replicas.links[k].up:  # its engine core lives (its worker died): it must not run them later
+        engine_lives = self.replicas.links[k].up  # then its worker died: it must not run them later
+        if engine_lives:
             self.replicas.links[k].abort([req.engine_id for req in lost])
-        for req in lost:
-            self._resubmit(req, exclude=k)
+        for req in lost:  # a worker's death is no engine core's (with one replica it would not even move them)
+            self._resubmit(req, exclude=k, engine_died=not engine_lives)
         if lost:
             log.warning("frontend: moved %d requests off replica %d", len(lost), k)
         return len(lost)
 
-    def _resubmit(self, req: RequestState, exclude: int | None = None) -> None:
-        """Submit a request whose engine core died again, or fail it at its MAX_ENGINE_DEATHS-th death in a row
-        (or its MAX_ENGINE_DEATHS_IN_ALL-th)."""
+    def _resubmit(self, req: RequestState, exclude: int | None = None, engine_died: bool = True) -> None:
+        """Submit a request whose engine core died (or, engine_died False, whose replica lost its worker) again, or
+        fail it at its MAX_ENGINE_DEATHS-th engine-core death in a row (or its MAX_ENGINE_DEATHS_IN_ALL-th)."""
+        if not engine_died:
+            self._submit(req, exclude)
+            return
         req.engine_deaths += 1
         req.engine_deaths_in_all += 1
         if req.engine_deaths >= MAX_ENGINE_DEATHS or req.engine_deaths_in_all >= MAX_ENGINE_DEATHS_IN_ALL:

@@ -744,3 +744,54 @@ def test_a_replica_whose_worker_is_being_replaced_is_not_ready(stack):
     assert ready_becomes([False])
     stack.engine.say(WorkerBack())
     assert ready_becomes([True])
+
+
+def test_a_request_moved_by_two_worker_losses_is_not_failed_as_a_poison(model_dir):
+    """Data parallel: a replica that loses its worker has its requests moved to another (move_off); that is no
+    engine-core death (with one replica the same loss moves nothing and counts nothing), so a request moved twice
+    without a token between, as under faults seconds apart at a thousand streams, streams on instead of failing."""
+    ipc_dir = tempfile.mkdtemp(prefix="mfe-")
+    server, thread = start_server(model_dir, ipc_dir, ready_probe_s=60.0,
+                                  replica_addresses=[[f"ipc://{ipc_dir}/in-1", f"ipc://{ipc_dir}/out-1"]])
+    engines: list[FakeEngine] = []
+    try:
+        s = Stack(server, None, None, server.tokenizer, server.client_endpoint, ipc_dir, {})
+        s.scripts["queued"] = Script(finish="hold")  # waits in the engine core's queue: no token
+        engines = [s.new_engine(), FakeEngine(f"ipc://{ipc_dir}/in-1", f"ipc://{ipc_dir}/out-1", s._reply,
+                                              vocab_size=s.tok.vocab_size, max_model_len=s.max_model_len)]
+        for e in engines:
+            e.start()
+        assert server.engine_ready.wait(WAIT_S)
+        queued = server.tokenizer.encode("queued")
+        with Client(address=server.client_endpoint, timeout=WAIT_S) as client:
+
+            def replicas_ready(want: list[bool]) -> bool:  # the frontend has taken in a WorkerLost / WorkerBack
+                deadline = time.monotonic() + WAIT_S
+                while client.health().replicas_ready != want:
+                    if time.monotonic() > deadline:
+                        return False
+                return True
+
+            assert replicas_ready([True, True])
+            stream = client.generate("queued", params=SamplingParams(max_tokens=6))
+            deadline = time.monotonic() + WAIT_S
+            while not any(e.add_for_prompt(queued) for e in engines) and time.monotonic() < deadline:
+                engines[0].wait_for(lambda: engines[0].add_for_prompt(queued) is not None or bool(engines[1].adds))
+            first = next(e for e in engines if e.add_for_prompt(queued) is not None)
+            k = engines.index(first)
+            other = engines[1 - k]
+            first.say(WorkerLost(why="a test"))  # moved to the other replica
+            assert other.wait_for(lambda: other.add_for_prompt(queued) is not None)
+            first.say(WorkerBack())
+            assert replicas_ready([True, True])
+            s.scripts["queued"] = Script(s.story_ids())  # where it goes next, it runs
+            before = len([a for a in first.adds.values() if a.prompt_token_ids == queued])
+            other.say(WorkerLost(why="a test"))  # moved back: a second move without a token between
+            assert first.wait_for(lambda: len([a for a in first.adds.values() if a.prompt_token_ids == queued]) > before)
+            tokens = [t for delta in stream for t in delta.token_ids]
+            assert tokens == s.story_ids()[:6]
+    finally:
+        for e in engines:
+            e.stop()
+        stop_server(server, thread)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
