@@ -17,8 +17,10 @@ from .sequence import Sequence
 from .step_io import StepIo
 
 
-def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: StepResult | None, skip: list[bool] | None) -> None:
-    """Append each sampling row's token to its sequence, skipping discarded rows.
+def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: StepResult | None,
+                  skip: list[bool] | None) -> int:
+    """Append each sampling row's token to its sequence, skipping discarded rows; returns how many rows it ended
+    (a stop, a length, a grammar's end).
 
     A finished row is skipped only through its discard flag (set by validation or an abort): the lane's
     correctness rests on that flag, and a test without validation must be able to see the difference.
@@ -28,6 +30,7 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
     logprobs = result is not None and result.logprobs is not None
     pool = io.pool
     caching, bs = pool.enable_prefix_caching, pool.block_size
+    num_ended = 0
     for r, (seq, tok, gone) in enumerate(zip(seqs, token_list, skip or repeat(False))):
         # Its settled blocks (below num_computed, all committed before this token) are keyed for the prefix cache.
         if caching and seq.num_computed >= (seq.kv.hashed_blocks + 1) * bs:  # a block filled since the last commit
@@ -53,6 +56,10 @@ def commit_tokens(io: StepIo, seqs: list[Sequence], tokens: np.ndarray, result: 
                     seq.finish("error", ended, ErrorCode.INTERNAL)
         if tok in req.stop_ids or len(out.tokens) >= req.stop_at:  # else no stop can apply
             _check_stop(io, seq, tok)
+            num_ended += out.finish_reason is not None
+        elif not req.plain:
+            num_ended += out.finish_reason is not None
+    return num_ended
 
 
 def _check_stop(io: StepIo, seq: Sequence, tok: int) -> None:

@@ -47,12 +47,18 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
     or discarded; num_computed moves only in settle."""
     seqs, num_new, feed, kind = step.seqs, step.num_new, step.fed_from, step.kind
     masks = [NO_MASK] * len(seqs)  # a plain row's always (burst rows are plain)
-    if kind != StepKind.BURST:
+    starts = None
+    if step.goes_on:  # its first rows are plain and their starts known; the rest were admitted behind them
+        head = len(step.starts)
+        starts = step.starts.tolist() + [s.num_computed + s.num_inflight for s in seqs[head:]]
+        for i in [i for i, s in enumerate(seqs[head:], head) if not s.req.plain]:
+            masks[i] = row_mask(seqs[i], io.toks, io.eos_ids)
+    elif kind != StepKind.BURST:
         # A fed row's mask is predicted for after t's (ordinary) token; validate checks it.
         for i in [i for i, s in enumerate(seqs) if not s.req.plain]:
             masks[i] = row_mask(seqs[i], io.toks, io.eos_ids, ahead=int(feed[i] != FEED_HOST))
     plan = io.builder.build(seqs, num_new, masks, feed=feed if ahead else None, lookahead=step.steps - 1,
-                            drafts=step.drafts)
+                            drafts=step.drafts, starts=starts)
     try:
         ticket = io.device.launch(plan, kind, step.steps)
     except DeviceError as e:
@@ -88,6 +94,7 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
         drafts=step.drafts,
         prompt_lp=plan.prompt_lp_count.copy() if plan.prompt_lp_count.any() else None,
         pool=plan.pool.copy() if plan.pool.any() else None,
+        goes_on=step.goes_on,
     )
 
 
@@ -132,14 +139,19 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
             if not gone:
                 s.num_computed += k
         inf.held = [0] * len(inf.held)
-        commit_tokens(io, inf.seqs, tokens, result, inf.discard)
+        ended = commit_tokens(io, inf.seqs, tokens, result, inf.discard)
         if inf.prompt_lp is not None:
             commit_prompt_logprobs(inf.seqs, inf.written, inf.prompt_lp, result, inf.discard)
         if inf.pool is not None:
             commit_pooled(inf.seqs, inf.written, inf.pool, result, inf.discard)
     finally:
         _release(inf)  # its positions are settled or gone (a no-op once given back)
-    if nxt is not None:
+    if nxt is not None and nxt.goes_on and ended == 0 and True not in inf.discard and True not in nxt.discard \
+            and [s.out.tokens[-1] for s in inf.seqs] == device_tokens.tolist():
+        # Every row of t committed the token its successor was fed, none finished or was dropped: nothing of the
+        # step launched ahead is an over-run or stale (its fed rows are plain; rows admitted behind them host-fed).
+        pipeline.inflight, pipeline.next = nxt, None
+    elif nxt is not None:
         poisoned = validate_next(nxt, device_tokens, io)
         for s in poisoned:
             # A RepickOnly model ran this row from an input the host did not commit; its recurrent

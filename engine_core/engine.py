@@ -335,7 +335,8 @@ class EngineCore:
         if inf is not None:
             if inf.kind == StepKind.STEP and self._may_run_ahead(inf):
                 self.scheduler.retire_finished(keep=inf.seqs)
-                ahead = self.scheduler.schedule_ahead(inf.seqs, inf.samples, inf.discard, can_feed)
+                ahead = self.scheduler.schedule_ahead(inf.seqs, inf.samples, inf.discard, can_feed, inf.written,
+                                                      inf.num_new)
                 if ahead is not None:
                     pipeline.next = launch(ahead, pipeline, io, ahead=True)
             # What this commits is delivered (and aborts that it prompts are seen) before the next launch:

@@ -65,6 +65,7 @@ class Inflight:
     kept: list[int] | None = None  # a settled VERIFY's committed picks per row
     prompt_lp: np.ndarray | None = None  # positions per row whose prompt logprobs the step reports (None: none)
     pool: np.ndarray | None = None  # POOL_* per row whose pooled vector the step reports (None: no row pools)
+    goes_on: bool = False  # scheduled as the batch going on as it is (ScheduledStep.goes_on)
 
 
 @dataclass(slots=True)

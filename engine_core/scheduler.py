@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 import operator
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from metrale.ipc.errors import ErrorCode, Refused
@@ -51,6 +53,10 @@ class ScheduledStep:
     steps: int = 1  # a BURST's decode steps
     drafts: list[list[int]] | None = None  # a VERIFY's draft tokens per row (num_new = 1 + len(drafts[r]))
     prompt_lp_rows: int = 0  # tokens of rows still in a prompt that asks prompt logprobs (bounded: lp_chunk)
+    # The batch going on as it is: its first rows are every running row, plain, each fed from its own row of the
+    # step in flight (whose one position each it follows), so their masks are NO_MASK and their starts known.
+    goes_on: bool = False
+    starts: np.ndarray | None = None  # with goes_on: the num_launched of those first rows
 
     def add(self, seq: Sequence, k: int, src: int = FEED_HOST) -> None:
         if _wants_prompt_logprobs(seq):
@@ -294,19 +300,23 @@ class Scheduler:
     def _has_work_swapped(self) -> bool:
         return self._swapped_head() is not None
 
-    def schedule_ahead(self, inflight: list[Sequence], samples: list[bool], discard: list[bool], can_feed) -> ScheduledStep | None:
+    def schedule_ahead(self, inflight: list[Sequence], samples: list[bool], discard: list[bool], can_feed,
+                       written: list[int] = (), num_new: list[int] = ()) -> ScheduledStep | None:
         """The step to launch while the step in flight (its rows, whether each samples, whether each was
-        discarded) runs: each of its rows that will have a new token decodes, fed from that token (if
-        can_feed(seq): a grammar row's next bitmask needs its commit, so it waits a step); a prefill goes
-        on with its next chunk; running rows it did not run join with their committed input; then swapped and
-        waiting requests are admitted into what is left. No preemption: None (nothing allocated that
-        schedule() would not) when a running row's KV does not fit; the lane then settles first."""
+        discarded; where each started and how many positions it runs) runs: each of its rows that will have a new
+        token decodes, fed from that token (if can_feed(seq): a grammar row's next bitmask needs its commit, so it
+        waits a step); a prefill goes on with its next chunk; running rows it did not run join with their committed
+        input; then swapped and waiting requests are admitted into what is left. No preemption: None (nothing
+        allocated that schedule() would not) when a running row's KV does not fit; the lane then settles first."""
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
         self._sort_running()
         running = self.running
         # The usual case: the step in flight ran the running rows as they stand, so row j feeds from row j.
         same = len(inflight) == len(running) and all(map(operator.is_, inflight, running))
+        if same and self._goes_on(step, samples, discard, written, num_new, budget):
+            self._fill(step, budget - len(running))
+            return step
         feeds = None if same else {id(s): j for j, s in enumerate(inflight)}
         bs, pool = self.pool.block_size, self.pool
         seqs, num_new, fed_from = step.seqs, step.num_new, step.fed_from
@@ -336,6 +346,32 @@ class Scheduler:
             budget -= k
         self._fill(step, budget)
         return step if step.seqs else None
+
+    def _goes_on(self, step: ScheduledStep, samples: list[bool], discard: list[bool], written: list[int],
+                 num_new: list[int], budget: int) -> bool:
+        """Schedule every running row, fed from its own row of the step in flight, when that step decoded each of
+        them (one position from `written`, sampled, none discarded) and each is plain and unfinished: the batch goes
+        on as it is, with Python only for the rows that cross into a new KV block. False (nothing done) otherwise,
+        and when such a row's block does not fit (the row by row path then says None)."""
+        running = self.running
+        R = len(running)
+        if not (0 < R <= budget and len(written) == R and num_new.count(1) == R and all(samples)
+                and True not in discard):
+            return False
+        if any(s.out.finish_reason is not None or not s.req.plain for s in running):
+            return False
+        # Position written + 1 is each row's next; every position up to it is reserved, so a row needs a block only
+        # when that position starts one.
+        bs = self.pool.block_size
+        ends = np.fromiter(written, np.int64, R) + 1
+        for j in np.flatnonzero(ends % bs == 0).tolist():
+            if not self.pool.allocate(running[j], int(ends[j]) + 1):
+                return False
+        step.seqs.extend(running)
+        step.num_new.extend([1] * R)
+        step.fed_from.extend(range(R))
+        step.goes_on, step.starts = True, ends
+        return True
 
     def _swap_in(self, seq: Sequence, budget: int, step: ScheduledStep) -> bool:
         """Resume the head of the swapped queue into fresh device blocks; False if they do not fit."""

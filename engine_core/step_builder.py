@@ -155,7 +155,7 @@ class StepBuilder:
 
     def build(
         self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, feed: list[int] | None = None,
-        lookahead: int = 0, drafts: list[list[int]] | None = None,
+        lookahead: int = 0, drafts: list[list[int]] | None = None, starts: list[int] | None = None,
     ) -> StepPlan:
         """A plan running num_new[r] tokens of seqs[r] from its num_launched (behind the step in flight, if any).
 
@@ -165,13 +165,15 @@ class StepBuilder:
         lookahead: the block tables also cover that many positions past the step's (a decode burst's).
         drafts: per row, draft tokens that follow its committed ones (a verify step, engine_core/speculative.py):
         the row runs its last token and its drafts (num_new = 1 + len(drafts)) and samples at each.
+        starts: each row's num_launched, when the caller knows them already (ScheduledStep.goes_on).
         """
         b = self._sets[self._turn]
         self._turn = (self._turn + 1) % len(self._sets)
         R = len(seqs)
         T = sum(num_new)
         assert R <= self.max_rows and T <= self.max_tokens, "step larger than the builder's capacity"
-        starts = [s.num_computed + s.num_inflight for s in seqs]
+        if starts is None:
+            starts = [s.num_computed + s.num_inflight for s in seqs]
         width = max(1, -(-(max(map(add, starts, num_new)) + lookahead) // self.block_size))
         src = self.pool.tables
         rows = self._rows.rows(seqs, len(src), self.pool.row_moves)
