@@ -97,6 +97,11 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
     if p.min_tokens and seq.num_output + ahead < p.min_tokens:
         kind |= MASK_BAN
         ban = tuple(dict.fromkeys((*eos_ids, *p.stop_token_ids)))
+    if p.bad_words_token_ids:
+        words = bad_word_bans(seq, ahead)
+        if words:
+            kind |= MASK_BAN
+            ban = tuple(dict.fromkeys((*ban, *words)))
     if p.adaptive_sampling and (st.in_fence or st.in_tool):
         kind |= MASK_GREEDY
     # A grammar's bitmask is made from the matcher as it is: one launched ahead is made a token early (stale).
@@ -105,6 +110,22 @@ def row_mask(seq: Sequence, toks: SpecialTokens, eos_ids: tuple[int, ...], ahead
         kind |= MASK_GRAMMAR
         grammar_at = st.grammar.accepted
     return RowMask(kind, -1, ban, grammar_at) if kind else NO_MASK
+
+
+def bad_word_bans(seq: Sequence, ahead: int = 0) -> list[int]:
+    """The ids bad_words ban from seq's next pick (vLLM's rule, over the output only): every one-token word, and a
+    longer word's last token when the output ends with the tokens before it. ahead=1 (the pick after a token not yet
+    known) bans the one-token words only: a longer word's prefix would end with that token, and validation compares
+    the mask with the one made once it is committed."""
+    out, n = seq.out.tokens, seq.num_output
+    bans = []
+    for word in seq.params.bad_words_token_ids:
+        k = len(word) - 1
+        if k == 0:
+            bans.append(word[0])
+        elif not ahead and k <= n and out[len(out) - k :].tolist() == word[:k]:
+            bans.append(word[k])
+    return bans
 
 
 def can_feed(seq: Sequence) -> bool:

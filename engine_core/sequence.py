@@ -66,7 +66,7 @@ class Request:
 def is_plain(p: SamplingParams) -> bool:
     """True when params make every mask NO_MASK, need no penalties and read no row state."""
     return not (p.has_penalties or p.min_tokens or p.adaptive_sampling or p.max_thinking_tokens is not None
-                or p.structured_outputs is not None)
+                or p.structured_outputs is not None or bool(p.bad_words_token_ids))
 
 
 @dataclass(slots=True)

@@ -66,6 +66,10 @@ class ChatCompletions:
         self.reasoning = ReasoningTags.of(tokenizer, tokenizer.chat_template)
         self.decoder = tag_keeping_decoder(tokenizer, self.reasoning)
 
+    def _encode(self, text: str) -> list[int]:
+        """text's token ids without special tokens (bad_words)."""
+        return self.server.tokenizer.encode(text, False)
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
         body = await decode_body(request, ChatRequest)
@@ -130,7 +134,7 @@ class ChatCompletions:
         forced = StructuredOutputs(json=tools.schema) if tools.schema is not None else None  # the call must parse
         params = sampling_params(body, max_tokens, logprobs, self.server.vocab_size, forced,
                                  defaults=self.model.sampling_defaults, prompt_logprobs=body.prompt_logprobs,
-                                 max_logprobs=self.server.max_logprobs)
+                                 max_logprobs=self.server.max_logprobs, encode=self._encode)
         check_count(body.n)
         decoder = self.decoder if params.skip_special_tokens else None
         opens_reasoning = self.reasoning is not None and self.reasoning.open_at_end_of(prompt)

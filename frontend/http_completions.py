@@ -61,6 +61,10 @@ class Completions:
         self.model = model
         self.texts = texts
 
+    def _encode(self, text: str) -> list[int]:
+        """text's token ids without special tokens (bad_words)."""
+        return self.server.tokenizer.encode(text, False)
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
         body = await decode_body(request, CompletionRequest)
@@ -106,7 +110,7 @@ class Completions:
         logprobs = 0 if body.logprob_token_ids is not None else body.logprobs  # the ids take the top-N's place
         params = sampling_params(body, 1 if prompt_only else max_tokens, logprobs, self.server.vocab_size,
                                  defaults=self.model.sampling_defaults, prompt_logprobs=_prompt_logprobs(body),
-                                 max_logprobs=self.server.max_logprobs)
+                                 max_logprobs=self.server.max_logprobs, encode=self._encode)
         adapter = self.model.adapter(body.model)
         run = Run(self.server, self.texts)
         try:

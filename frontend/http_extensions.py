@@ -1,9 +1,9 @@
 """vLLM's request extensions on both endpoints: honoured (return_token_ids, return_tokens_as_token_ids,
 truncate_prompt_tokens with truncation_side, prompt_logprobs in whole answers, use_beam_search with its length_penalty,
-early_stopping and include_stop_str_in_output: the search is http_beam.py's; allowed_token_ids and logprob_token_ids,
-which the engine serves: http_params.py passes them on), or refused with a 400 that names them (bad_words,
-prompt_logprobs with stream, the beam search fields without use_beam_search, allowed_token_ids and logprob_token_ids
-with use_beam_search) — never silently ignored, since a client that sends one relies on it.
+early_stopping and include_stop_str_in_output: the search is http_beam.py's; allowed_token_ids, logprob_token_ids and
+bad_words, which the engine serves: http_params.py passes them on), or refused with a 400 that names them
+(prompt_logprobs with stream, the beam search fields without use_beam_search, allowed_token_ids, logprob_token_ids and
+bad_words with use_beam_search) — never silently ignored, since a client that sends one relies on it.
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ def refuse_unserved(body: SamplingFields) -> None:
                              ("include_stop_str_in_output", (None, False))):
             if getattr(body, name) not in unused:
                 raise ApiError(400, f"{name} applies only with use_beam_search", param=name, code="unsupported_value")
-    if body.bad_words:  # it changes what is sampled: never dropped silently
-        raise ApiError(400, "bad_words is not supported by this server", param="bad_words", code="unsupported_value")
     if body.use_beam_search:  # a search ranks its beams' raw alternatives: no mask, no pinned ids
-        for name in ("allowed_token_ids", "logprob_token_ids"):
-            if getattr(body, name) is not None:
+        for name in ("allowed_token_ids", "logprob_token_ids", "bad_words"):
+            if getattr(body, name):
                 raise ApiError(400, f"`{name}` is not supported with beam search.", param=name,
                                code="unsupported_value")
     if body.prompt_logprobs is not None:

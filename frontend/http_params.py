@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import msgspec
 from aiohttp import web
 
 from metrale.ipc.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputs, seeded_for_choice
 
+from .bad_words import bad_words_token_ids
 from .http_errors import ApiError
 
 log = logging.getLogger("metrale.frontend.http")
@@ -68,7 +69,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None  # each prompt token's logprob and top-N (not streamed; not with beams)
     logprob_token_ids: list[int] | None = None  # vLLM's: the alternatives listed are these ids (with logprobs)
     allowed_token_ids: list[int] | None = None  # vLLM's: sampling only among these
-    bad_words: list[str] | None = None  # vLLM's: words never generated (not served: a 400)
+    bad_words: list[str] | None = None  # vLLM's: words never generated (tokenized here: bad_words.py)
     # Structured outputs: OpenAI's response_format (json_object, json_schema) or vLLM's structured_outputs
     # (json, json_object, regex, choice, grammar); at most one of the two.
     response_format: dict | None = None
@@ -198,11 +199,13 @@ def _field(path: str | None) -> str:
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int,
                     structured: StructuredOutputs | None = None, defaults: dict | None = None,
-                    prompt_logprobs: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+                    prompt_logprobs: int | None = None, max_logprobs: int = MAX_LOGPROBS,
+                    encode: Callable[[str], list[int]] | None = None) -> SamplingParams:
     """The request's SamplingParams (defaults, the model's generation config, for what it leaves out); 400
     naming the field when one is out of range. structured: a constraint the route adds (a forced tool call's
     schema) where the body asks for none. prompt_logprobs: the top-N each prompt token lists (-1: the whole
-    vocabulary), None for none. max_logprobs: the server's cap (--max-logprobs as a count), for both."""
+    vocabulary), None for none. max_logprobs: the server's cap (--max-logprobs as a count), for both. encode(text):
+    the tokenizer's ids of a text without special tokens, for bad_words (a route without it refuses them)."""
     if body.seed is not None and not 0 <= body.seed <= _MAX_SEED:  # pydantic's words too, which vLLM's clients match
         side = "greater_than_equal 0" if body.seed < 0 else f"less_than_equal {_MAX_SEED}"
         raise ApiError(400, f"seed {body.seed} is out of range: a seed must be an integer from 0 to {_MAX_SEED} "
@@ -214,6 +217,13 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                        "structured_outputs", param="tool_choice", code="invalid_value")
     kw["structured_outputs"] = asked or structured
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if body.bad_words:
+        if encode is None:
+            raise ApiError(400, "bad_words is not supported here", param="bad_words", code="unsupported_value")
+        try:
+            kw["bad_words_token_ids"] = bad_words_token_ids(body.bad_words, encode)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="bad_words", code="invalid_value") from None
     params = SamplingParams(max_tokens=max_tokens, logprobs=_num_logprobs(logprobs, vocab_size, max_logprobs),
                             stop=stop, prompt_logprobs=_num_logprobs(prompt_logprobs, vocab_size, max_logprobs,
                                                                      "prompt_logprobs"),

@@ -18,7 +18,7 @@ FEED_HOST = -1  # feed_from_row value: the input token is in input_ids, written 
 
 # mask_kind bits: what a committed token can change about the next pick (the seed's RowMask).
 MASK_NONE = 0
-MASK_BAN = 1  # ban the ids in ban_ids[r] (min_tokens not reached: EOS and stop ids)
+MASK_BAN = 1  # ban the ids in ban_ids[r] (min_tokens not reached: EOS and stop ids; bad_words' next tokens)
 MASK_FORCE = 2  # the pick is force_token[r] (thinking budget spent: the think-end token)
 MASK_GREEDY = 4  # take the argmax whatever the temperature (adaptive sampling in a fence or tool call)
 # Only the tokens of the row's bitmask (grammar_bitmask, one per such row in row order): a structured output's

@@ -16,6 +16,8 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # lower runs first and may preempt highe
 MAX_GRAMMAR_CHARS = 65536  # a schema, regex or grammar's text (a choice list's, as JSON)
 MAX_CHOICES = 256
 MAX_LOGIT_BIAS = 300  # ids one request may bias (OpenAI's limit)
+MAX_BAD_WORDS = 24  # bad_words_token_ids sequences: with EOS and stop ids their bans fit a plan row's ban list
+MAX_BAD_WORD_TOKENS = 64
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids' length (a bitmask holds any set: this bounds the message only)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range of a bias value
 
@@ -103,6 +105,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # vLLM's logprob_token_ids: each output token's logprobs list these ids (raw logits, in this order) in place of
     # the top-N; at most the server's max_logprobs of them (the ticket ring's alternatives per row).
     logprob_token_ids: list[int] | None = None
+    # vLLM's bad_words as the token sequences it bans (the frontend tokenizes HTTP's bad_words: frontend/bad_words.py):
+    # a one-token sequence is never picked; a longer one's last token is banned while the output ends with the
+    # tokens before it.
+    bad_words_token_ids: list[list[int]] | None = None
     # Samples per prompt (the offline LLM; over HTTP the body's `n`). Sample j runs with seed + j when seeded
     # (seeded_for_choice), so they differ yet repeat; greedy samples are copies. A ZMQ request is one sample.
     n: int = 1
@@ -163,6 +169,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                    f"must list 1 to {MAX_ALLOWED_TOKEN_IDS} token ids", len(ids))
             bad = _outside(ids, vocab_size)
             _check(not bad, "allowed_token_ids", f"ids must be token ids of the vocabulary {where}", bad[:8])
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            _check(len(words) <= MAX_BAD_WORDS, "bad_words", f"at most {MAX_BAD_WORDS} token sequences", len(words))
+            _check(all(0 < len(w) <= MAX_BAD_WORD_TOKENS for w in words), "bad_words",
+                   f"each word must be 1 to {MAX_BAD_WORD_TOKENS} tokens", [len(w) for w in words])
+            bad = _outside([t for w in words for t in w], vocab_size)
+            _check(not bad, "bad_words", f"ids must be token ids of the vocabulary {where}", bad[:8])
         if self.logprob_token_ids is not None:
             ids = self.logprob_token_ids
             _check(0 < len(ids) <= max(max_logprobs, 0) and len(set(ids)) == len(ids), "logprob_token_ids",

@@ -272,8 +272,7 @@ def test_return_tokens_as_token_ids_names_logprobs_by_id(api):
 @pytest.mark.parametrize("route,field,fields", [
     ("completions", "prompt_logprobs", {"prompt_logprobs": 1, "stream": True}),  # served in whole answers only
     ("completions", "truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
-    ("completions", "bad_words", {"bad_words": ["x"]}),  # it changes what is sampled: never ignored
-    ("chat/completions", "bad_words", {"bad_words": ["x"]}),
+    ("completions", "bad_words", {"bad_words": ["x"], "use_beam_search": True, "n": 2}),  # a search bans nothing
     ("completions", "allowed_token_ids", {"allowed_token_ids": []}),  # served, but an empty set allows nothing
     ("chat/completions", "allowed_token_ids", {"allowed_token_ids": [1], "use_beam_search": True, "n": 2}),
 ])

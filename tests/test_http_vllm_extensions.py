@@ -192,10 +192,29 @@ def test_logprob_token_ids_are_the_logprobs_the_top_n_gives_them(api):
         assert [e.logprob for e in listed[1:]] == pytest.approx([of[i] for i in asked if i != token], abs=1e-5)
 
 
+def test_bad_words_are_never_generated(server, api):
+    """A word the logit_bias makes the pick at every step (both spellings: alone and after a space) is never
+    generated once it is a bad word; the frontend tokenizes it as vLLM does."""
+    ids = {t for text in ("the", " the") for t in http("POST", f"{server.http}/tokenize",
+                                                         {"prompt": text, "add_special_tokens": False})[1]["tokens"]}
+    bias = {str(t): 100 for t in ids}
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logit_bias=bias)
+    free = api.completions.create(**kw, extra_body={"return_token_ids": True})
+    assert set(free.choices[0].token_ids) <= ids
+    banned = api.completions.create(**kw, extra_body={"return_token_ids": True, "bad_words": ["the"]})
+    chat = api.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logit_bias=bias,
+                                       stream=True, extra_body={"return_token_ids": True, "bad_words": [" the"]})
+    streamed = [t for chunk in chat if chunk.choices for t in chunk.choices[0].model_extra["token_ids"] or ()]
+    for out in (banned.choices[0].token_ids, streamed):
+        assert len(out) == 6 and not set(out) & ids
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("allowed_token_ids", [], "1 to"),
     ("allowed_token_ids", [3, 10**7], "vocabulary"),
     ("logprob_token_ids", list(range(21)), "1 to 20 distinct"),
+    ("bad_words", ["  "], "non-empty"),
+    ("bad_words", [f"w{i}" for i in range(30)], "at most 24"),
 ])
 def test_token_id_lists_that_cannot_be_served_are_a_400_naming_them(server, field, value, words):
     for route, body in (("chat/completions", {"messages": HELLO, "logprobs": True}),
