@@ -27,9 +27,14 @@ from .sequence import KvPlacement, Sequence
 BlockHash = bytes
 
 
-def block_hash(parent: BlockHash, tokens) -> BlockHash:
-    """The digest of one full block: its parent's digest and its token ids."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+def block_hash(parent: BlockHash, tokens: bytes) -> BlockHash:
+    """The digest of one full block: its parent's digest and its token ids (their int32 bytes: block_bytes)."""
+    return hashlib.blake2b(parent + tokens, digest_size=16).digest()
+
+
+def block_bytes(tokens: array) -> bytes:
+    """A block's token ids as the digest and the collision check read them: a slice of Output.tokens (int32), as is."""
+    return tokens.tobytes()
 
 
 def chain_root(cache_salt: str | None, lora_key: int = -1) -> BlockHash:
@@ -63,7 +68,7 @@ class KvBlockPool:
     _cached: OrderedDict[int, None] = field(init=False)  # refcount-0 hashed blocks, LRU first
     _hash_of: dict[int, BlockHash] = field(init=False)  # block -> digest of (parent digest, its tokens)
     _block_of: dict[BlockHash, int] = field(init=False)  # digest -> block
-    _content: dict[int, tuple[BlockHash, tuple[int, ...]]] = field(init=False)  # block -> (parent, tokens)
+    _content: dict[int, tuple[BlockHash, bytes]] = field(init=False)  # block -> (parent, its tokens: block_bytes)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     tables: np.ndarray = field(init=False)  # [rows, blocks]: row KvPlacement.row is a sequence's block table
     _free_rows: list[int] = field(init=False)
@@ -216,10 +221,10 @@ class KvBlockPool:
         parent = root = chain_root(seq.req.cache_salt, seq.req.lora_key)
         hits = []
         for i in range(full):
-            chunk = seq.tokens[i * bs : (i + 1) * bs]
+            chunk = block_bytes(seq.tokens[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
             block = self._block_of.get(h)
-            if block is None or self._content[block] != (parent, tuple(chunk)):
+            if block is None or self._content[block] != (parent, chunk):
                 break  # a miss, or a digest collision: never share a block whose tokens differ
             if self.refcount[block] == 0:
                 del self._cached[block]
@@ -244,13 +249,13 @@ class KvBlockPool:
             kv.prefix_hash = chain_root(seq.req.cache_salt, seq.req.lora_key)
         table = self.tables[kv.row]
         for i in range(kv.hashed_blocks, upto):  # incremental: each block is hashed once
-            chunk = seq.tokens[i * bs : (i + 1) * bs]
+            chunk = block_bytes(seq.tokens[i * bs : (i + 1) * bs])
             h = block_hash(kv.prefix_hash, chunk)
             block = int(table[i])
             if h not in self._block_of and block not in self._hash_of:
                 self._block_of[h] = block  # else another sequence holds the same content already
                 self._hash_of[block] = h
-                self._content[block] = (kv.prefix_hash, tuple(chunk))
+                self._content[block] = (kv.prefix_hash, chunk)
             kv.prefix_hash = h
         kv.hashed_blocks = max(kv.hashed_blocks, upto)
 
