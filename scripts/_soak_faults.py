@@ -4,21 +4,30 @@
 Fault kinds: `worker_kill` (SIGKILL a worker rank), `worker_stop` (SIGSTOP one: the engine core's hang watch
 must find and kill it), `rank_kill` (SIGKILL a tensor-parallel rank other than 0), `engine_kill` (SIGKILL an
 engine core), `replica_kill` (SIGKILL a replica's engine core and every rank of its worker at once) and
-`client_reset` (the traffic side resets live HTTP connections: scripts/_soak_traffic.py). Targets are found
-from the supervisor's process tree each time, so a fault lands on whatever incarnation is live.
+`client_reset` (the traffic side resets live HTTP connections, scripts/_soak_traffic.py, or closes ZMQ clients
+with live requests, scripts/_soak_streams.py). With ZMQ clients (which re-attach to their requests after a frontend
+restart) also `frontend_kill` (SIGKILL the frontend: the supervisor starts a new one on the same ports) and
+`frontend_stop` (SIGSTOP the frontend, SIGCONT after the fault's stop_s: nothing in metrale watches a frontend's
+progress, so a frontend stopped for good would stop the server for good; the fault is a pause and its recovery).
+Targets are found from the supervisor's process tree each time, so a fault lands on whatever incarnation is live.
+`fault_loop` delivers a schedule and times each fault's recovery as /health sees it.
 
 Not a benchmark of its own: scripts/soak.py drives it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import random
 import signal
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import aiohttp
 import psutil
 
 WORKER, ENGINE, FRONTEND = "metrale.gpu_worker.worker", "metrale.engine_core.core", "metrale.frontend_process"
@@ -35,28 +44,43 @@ class Fault:
     pids: tuple[int, ...] = ()  # the processes it hit
     resumed_s: float | None = None  # injection -> every stream live then has a new token
     healthy_s: float | None = None  # injection -> /health healthy, every replica ready, its targets replaced
+    stop_s: float = 0.0  # frontend_stop: how long the frontend stays stopped
 
 
-def fault_kinds(tp: int, dp: int) -> list[tuple[str, float]]:
-    """The kinds this shape can take, with their weights."""
+def fault_kinds(tp: int, dp: int, frontend: bool = False) -> list[tuple[str, float]]:
+    """The kinds this shape can take, with their weights (the frontend's only for clients that re-attach)."""
     kinds = [("worker_kill", 3.0), ("worker_stop", 1.5), ("engine_kill", 1.5), ("client_reset", 1.0)]
     if tp > 1:
         kinds.append(("rank_kill", 1.5))
     if dp > 1:
         kinds.append(("replica_kill", 1.0))
+    if frontend:
+        kinds += [("frontend_kill", 2.0), ("frontend_stop", 1.5)]
     return kinds
 
 
-def draw_faults(seed: int, duration_s: float, count: int, tp: int, dp: int, min_gap_s: float) -> list[Fault]:
-    """count faults at seeded times in the middle 80 % of the run, at least min_gap_s apart (fewer if it is short)."""
+def draw_faults(seed: int, duration_s: float, count: int, tp: int, dp: int, min_gap_s: float, *,
+                frontend: bool = False, every_kind: bool = False,
+                stop_s: tuple[float, float] = (2.0, 20.0)) -> list[Fault]:
+    """count faults at seeded times in the middle 80 % of the run, at least min_gap_s apart (fewer if it is short).
+    every_kind: each kind at least once (in a seeded order) when count allows, the rest drawn by weight; a
+    frontend_stop's pause is drawn from stop_s (uniform)."""
     rng = random.Random(seed * 7919 + 1)
-    kinds = fault_kinds(tp, dp)
+    kinds = fault_kinds(tp, dp, frontend)
     lo, hi = 0.1 * duration_s, 0.9 * duration_s
     count = max(0, min(count, int((hi - lo) / min_gap_s)))
     slack = (hi - lo) - count * min_gap_s
     offsets = sorted(rng.uniform(0, slack) for _ in range(count))
-    return [Fault(lo + off + i * min_gap_s, rng.choices([k for k, _ in kinds], [w for _, w in kinds])[0])
-            for i, off in enumerate(offsets)]
+    names = [k for k, _ in kinds]
+    drawn = rng.sample(names, len(names))[:count] if every_kind else []
+    drawn += rng.choices(names, [w for _, w in kinds], k=count - len(drawn))
+    if every_kind:
+        rng.shuffle(drawn)
+    faults = [Fault(lo + off + i * min_gap_s, kind) for i, (off, kind) in enumerate(zip(offsets, drawn))]
+    for f in faults:
+        if f.kind == "frontend_stop":
+            f.stop_s = round(rng.uniform(*stop_s), 1)
+    return faults
 
 
 @dataclass
@@ -113,11 +137,14 @@ def inject(fault: Fault, supervisor_pid: int, rng: random.Random) -> bool:
     elif fault.kind == "replica_kill":
         replica = rng.choice(engines).replica if engines else None
         targets = [p for p in engines + workers if p.replica == replica]
+    elif fault.kind in ("frontend_kill", "frontend_stop"):
+        frontends = [p for p in procs if p.role == "frontend"]
+        targets = [rng.choice(frontends)] if frontends else []
     else:
         raise ValueError(fault.kind)
     if not targets:
         return False
-    sig = signal.SIGSTOP if fault.kind == "worker_stop" else signal.SIGKILL
+    sig = signal.SIGSTOP if fault.kind in ("worker_stop", "frontend_stop") else signal.SIGKILL
     for p in targets:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, sig)
@@ -127,22 +154,107 @@ def inject(fault: Fault, supervisor_pid: int, rng: random.Random) -> bool:
     return True
 
 
-def rss_by_role(supervisor_pid: int) -> dict[str, int]:
-    """Resident bytes of the server's processes, summed by role."""
+def resume(fault: Fault) -> None:
+    """SIGCONT what a frontend_stop stopped (gone already: nothing to do)."""
+    for pid in fault.pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+async def healthy(session: aiohttp.ClientSession, base: str, gone: tuple[int, ...] = ()) -> bool:
+    """/health is 200 with every replica ready, and none of the processes `gone` is among its processes."""
+    try:
+        async with session.get(f"{base}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            body = await resp.json()
+            return (resp.status == 200 and all(body.get("replicas_ready") or [True])
+                    and not {p["pid"] for p in body.get("processes", [])} & set(gone))
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return False
+
+
+async def fault_loop(session: aiohttp.ClientSession, base: str, sup_pid: int, faults: list[Fault], start: float,
+                     deadline_s: float, seed: int, reset: Callable[[random.Random], Awaitable[str]],
+                     on_inject: Callable[[Fault], None] = lambda f: None, note: Callable[[str], None] = print) -> None:
+    """Deliver each fault at its time (reset() does a client_reset and says what it cut; on_inject is called as a
+    fault lands), then wait for /health to be healthy without the processes it hit (a frontend_stop: SIGCONT after
+    its stop_s first). A stopped frontend is always continued, even when the loop is cancelled."""
+    rng = random.Random(seed)  # which target of several a fault hits
+    for f in faults:
+        await asyncio.sleep(max(0.0, start + f.at - time.monotonic()))
+        f.injected_at = time.monotonic()
+        if f.kind == "client_reset":
+            f.target = await reset(rng)
+        elif not inject(f, sup_pid, rng):
+            f.target = "no target was live"
+        on_inject(f)
+        note(f"fault at {f.injected_at - start:.0f} s: {f.kind} -> {f.target}"
+             + (f" for {f.stop_s:.1f} s" if f.kind == "frontend_stop" else ""))
+        gone = f.pids
+        if f.kind == "frontend_stop":
+            try:
+                await asyncio.sleep(f.stop_s)
+            finally:
+                resume(f)
+            gone = ()  # the same process serves on
+        while time.monotonic() - f.injected_at < deadline_s:
+            if await healthy(session, base, gone):
+                f.healthy_s = time.monotonic() - f.injected_at
+                break
+            await asyncio.sleep(0.2)  # a poll of /health: the server has no event to wait on
+
+
+async def sample_series(session: aiohttp.ClientSession, base: str, sup_pid: int, start: float, series: list[dict],
+                        done: asyncio.Event, fd_roles: tuple[str, ...] = (), seen: set[int] | None = None) -> None:
+    """Once a second until done: RSS by role, health (and open fds of fd_roles) into series; every pid of the
+    server's tree into seen."""
+    while not done.is_set():
+        t = time.monotonic()
+        point = {"t": t - start, "rss": rss_by_role(sup_pid, seen), "healthy": await healthy(session, base)}
+        if fd_roles:
+            point["fds"] = open_fds(sup_pid, fd_roles)
+            point["by_pid"] = by_pid(sup_pid, fd_roles)
+        series.append(point)
+        with contextlib.suppress(TimeoutError):  # a sampling period, not a wait on work
+            await asyncio.wait_for(done.wait(), max(0.0, 1.0 - (time.monotonic() - t)))
+
+
+def rss_by_role(supervisor_pid: int, seen: set[int] | None = None) -> dict[str, int]:
+    """Resident bytes of the server's processes, summed by role (their pids added to seen)."""
     out: dict[str, int] = {}
     for p in server_processes(supervisor_pid):
+        if seen is not None:
+            seen.add(p.pid)
         with contextlib.suppress(psutil.Error):
             out[p.role] = out.get(p.role, 0) + psutil.Process(p.pid).memory_info().rss
     return out
 
 
-def open_fds(supervisor_pid: int) -> dict[str, int]:
-    """Open file descriptors of the long-lived processes (supervisor and frontend), by role."""
+def open_fds(supervisor_pid: int, roles: tuple[str, ...] = ("supervisor", "frontend")) -> dict[str, int]:
+    """Open file descriptors of the server's processes of these roles (by default the long-lived ones), by role."""
     out: dict[str, int] = {}
     for p in server_processes(supervisor_pid):
-        if p.role in ("supervisor", "frontend"):
+        if p.role in roles:
             with contextlib.suppress(psutil.Error):
-                out[p.role] = psutil.Process(p.pid).num_fds()
+                out[p.role] = out.get(p.role, 0) + psutil.Process(p.pid).num_fds()
+    return out
+
+
+def owned_by(entries: set[str] | list[str], pids: set[int]) -> list[str]:
+    """The entries named for one of pids (metrale-PID-...): the box may hold other servers' segments meanwhile."""
+    from metrale.ipc.segments import owner_pid_of
+
+    return sorted(e for e in entries if owner_pid_of(e) in pids)
+
+
+def by_pid(supervisor_pid: int, roles: tuple[str, ...]) -> dict[int, tuple[str, int, int]]:
+    """pid -> (role, RSS bytes, open fds) of the server's processes of these roles: a leak shows in one process's own
+    life, which a restart (a fault) would hide in a sum by role."""
+    out: dict[int, tuple[str, int, int]] = {}
+    for p in server_processes(supervisor_pid):
+        if p.role in roles:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(p.pid)
+                out[p.pid] = (p.role, proc.memory_info().rss, proc.num_fds())
     return out
 
 

@@ -17,6 +17,13 @@ Prints one JSON line (progress on stderr) and writes it, with a PNG of throughpu
                            [--preset bench-tiny | --model DIR] [--out out/soak]
 
 `--duration-s 300` is the CI-sized setting (tests/test_soak.py, marked slow).
+
+`--simulate A,B,C` soaks the simulated device instead (scripts/_soak_sim.py): `--concurrency` (1,024) closed-loop ZMQ
+streams, each checked against the tokens the simulated device gives its prompt (no replay), the frontend's SIGKILL
+and SIGSTOP among the faults (the clients re-attach), then a shorter fault-free phase for TTFT:
+
+    python scripts/soak.py --simulate 3,0.003,0.002 [--concurrency 1024] [--duration-s 3600] [--faults 40]
+                           [--min-gap-s 45] [--dp 2] [--tp 1] [--baseline-s 300] [--frontend-stop-s 2,20]
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -36,8 +42,9 @@ import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _bench_common import ServeProcess, build_model, emit, git_commit, note  # noqa: E402
-from _soak_faults import Fault, draw_faults, inject, open_fds, rss_by_role, shm_entries  # noqa: E402
+from _bench_common import LoadMeter, ServeProcess, build_model, emit, git_commit, note  # noqa: E402
+from _soak_plot import draw as _plot  # noqa: E402
+from _soak_faults import Fault, draw_faults, fault_loop, open_fds, sample_series, shm_entries  # noqa: E402
 from _soak_traffic import Outcome, Spec, draw_requests, reset_live, run_request  # noqa: E402
 
 MODEL_NAME = "soak"
@@ -48,17 +55,6 @@ def start_server(model: Path, args: argparse.Namespace) -> tuple[ServeProcess, s
                           MODEL_NAME, "--worker-hang-timeout", str(args.hang_timeout_s), "--max-model-len", "1024",
                           "--dtype", args.dtype)
     return server, server.http_base()
-
-
-async def healthy(session: aiohttp.ClientSession, base: str, gone: tuple[int, ...] = ()) -> bool:
-    """/health is 200 with every replica ready, and none of the processes `gone` is among its processes."""
-    try:
-        async with session.get(f"{base}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            body = await resp.json()
-            return (resp.status == 200 and all(body.get("replicas_ready") or [True])
-                    and not {p["pid"] for p in body.get("processes", [])} & set(gone))
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return False
 
 
 async def run_phase(base: str, sup_pid: int, specs: list[Spec], faults: list[Fault], args: argparse.Namespace) -> dict:
@@ -75,29 +71,12 @@ async def run_phase(base: str, sup_pid: int, specs: list[Spec], faults: list[Fau
             await asyncio.sleep(max(0.0, start + spec.at - time.monotonic()))
             return await run_request(session, base, spec, args.deadline_s, live)
 
-        async def sample() -> None:
-            while not done.is_set():
-                t = time.monotonic()
-                series.append({"t": t - start, "rss": rss_by_role(sup_pid), "healthy": await healthy(session, base)})
-                await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t)))  # a sampling period, not a wait on work
+        async def reset(_) -> str:
+            return f"{reset_live(live, rng, 3)} live HTTP streams"
 
-        async def fault_loop() -> None:
-            for f in faults:
-                await asyncio.sleep(max(0.0, start + f.at - time.monotonic()))
-                f.injected_at = time.monotonic()
-                if f.kind == "client_reset":
-                    f.target = f"{reset_live(live, rng, 3)} live HTTP streams"
-                elif not inject(f, sup_pid, rng):
-                    f.target = "no target was live"
-                note(f"fault at {f.injected_at - start:.0f} s: {f.kind} -> {f.target}")
-                while time.monotonic() - f.injected_at < args.deadline_s:
-                    if await healthy(session, base, f.pids):
-                        f.healthy_s = time.monotonic() - f.injected_at
-                        break
-                    await asyncio.sleep(0.2)  # a poll of /health: the server has no event to wait on
-
-        sampler = asyncio.create_task(sample())
-        faulting = asyncio.create_task(fault_loop())
+        sampler = asyncio.create_task(sample_series(session, base, sup_pid, start, series, done))
+        faulting = asyncio.create_task(fault_loop(session, base, sup_pid, faults, start, args.deadline_s,
+                                                  args.seed + 17, reset, note=note))
         outcomes = await asyncio.gather(*(one(s) for s in specs))
         await faulting
         done.set()
@@ -197,47 +176,16 @@ def _r(x: float | None) -> float | None:
 
 
 def plot(path: Path, chaos: dict, faults: list[Fault], specs: list[Spec]) -> str | None:
-    """Throughput, TTFT p50/p99 and RSS over time, faults marked; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        note("no matplotlib (pip install -e '.[soak]'): no plot")
-        return None
+    """Streamed chunks/s, TTFT p50/p99 and RSS over time, faults marked; None without matplotlib."""
     start, outs, bin_s = chaos["start"], chaos["outcomes"].values(), 10.0
     n = int(max(s.at for s in specs) // bin_s) + 2 if specs else 1
-    chunks, ttfts = [0] * n, [[] for _ in range(n)]
+    chunks, ttfts = [0.0] * n, [[] for _ in range(n)]
     for o in outs:
         for t in o.chunk_times:
-            chunks[min(n - 1, int((t - start) // bin_s))] += 1
+            chunks[min(n - 1, int((t - start) // bin_s))] += 1 / bin_s
         if o.ttft_s is not None:
             ttfts[min(n - 1, int((o.sent_at - start) // bin_s))].append(o.ttft_s * 1000)
-    xs = [i * bin_s for i in range(n)]
-    fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
-    axes[0].plot(xs, [c / bin_s for c in chunks])
-    axes[0].set_ylabel("streamed chunks/s")
-    for q, style in ((50, "-"), (99, "--")):
-        axes[1].plot(xs, [statistics.quantiles(v, n=100)[q - 1] if len(v) > 1 else (v[0] if v else None) for v in ttfts],
-                     style, label=f"TTFT p{q}")
-    axes[1].set_ylabel("ms")
-    axes[1].set_yscale("log")
-    axes[1].legend()
-    roles = sorted({r for s in chaos["series"] for r in s["rss"]})
-    for role in roles:
-        axes[2].plot([s["t"] for s in chaos["series"]], [s["rss"].get(role, 0) / 2**20 for s in chaos["series"]], label=role)
-    axes[2].set_ylabel("RSS MiB")
-    axes[2].set_xlabel("seconds")
-    axes[2].legend()
-    for f in faults:
-        if f.injected_at is not None:
-            for ax in axes:
-                ax.axvline(f.injected_at - start, color="red", alpha=0.3)
-            axes[0].annotate(f.kind, (f.injected_at - start, 0), rotation=90, fontsize=6, color="red")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return str(path)
+    return _plot(path, bin_s, chunks, "streamed chunks/s", ttfts, chaos["series"], faults, start)
 
 
 def main() -> int:
@@ -247,8 +195,9 @@ def main() -> int:
     ap.add_argument("--faults", type=int, default=30)
     ap.add_argument("--min-gap-s", type=float, default=8.0, help="least time between two faults")
     ap.add_argument("--dp", type=int, default=2)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel size (2; 1 simulated: its ranks share no "
+                                                          "collective, so a rank > 0 is not held to rank 0's pace)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="most new tokens a request asks (96; 256 simulated)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=180.0, help="a request without a final answer by then is lost")
     ap.add_argument("--hang-timeout-s", type=float, default=10.0)
@@ -257,9 +206,27 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default="out/soak")
     ap.add_argument("--no-replay", action="store_true")
+    sim = ap.add_argument_group("the simulated device (scripts/_soak_sim.py)")
+    sim.add_argument("--simulate", default=None, metavar="A,B,C",
+                     help="serve the simulated device (step: A ms + B ms/row + C ms/token) under --concurrency "
+                          "closed-loop ZMQ streams, frontend faults included")
+    sim.add_argument("--concurrency", type=int, default=1024, help="live streams at every moment")
+    sim.add_argument("--clients", type=int, default=64, help="AsyncClients the streams share")
+    sim.add_argument("--prompt-len", default="16,512", help="MIN,MAX prompt ids (uniform)")
+    sim.add_argument("--reset-clients", type=int, default=2, help="clients a client_reset closes")
+    sim.add_argument("--frontend-stop-s", default="2,20", help="MIN,MAX seconds a frontend_stop holds the frontend")
+    sim.add_argument("--baseline-s", type=float, default=None,
+                     help="the fault-free phase's length (default: a quarter of the run, 60 to 300 s; 0: none)")
+    sim.add_argument("--warmup-s", type=float, default=None,
+                     help="left out of TTFT and the resource baseline (default: a tenth of the run, at least 20 s)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.simulate is not None:
+        args.tp = args.tp or 1
+        return main_simulated(args, out)
+    args.max_tokens = args.max_tokens or 96
+    args.tp = args.tp or 2
     with tempfile.TemporaryDirectory(prefix="metrale-soak-") as tmp:
         model = Path(args.model) if args.model else build_model(tmp, args.preset)
         specs = draw_requests(args.seed, args.duration_s, args.rate, MODEL_NAME, args.max_tokens)
@@ -283,9 +250,52 @@ def main() -> int:
         (out / "mismatches.json").write_text(json.dumps(record.pop("mismatch_details"), indent=1))
         (out / "series.json").write_text(json.dumps(chaos["series"]))  # RSS and health once a second
     record["png"] = plot(out / "soak.png", chaos, faults, specs)
+    if record["png"] is None:
+        note("no matplotlib (pip install -e '.[soak]'): no plot")
     (out / "soak.json").write_text(json.dumps(record) + "\n")
     emit(record)
     ok = record["lost"] == 0 and not record["left_after_shutdown"] and not record["shm_after_shutdown"]
+    return 0 if ok else 1
+
+
+def main_simulated(args: argparse.Namespace, out: Path) -> int:
+    """--simulate: the soak on the simulated device (scripts/_soak_sim.py); one JSON line, soak.json, requests.jsonl,
+    series.json and the plot in out."""
+    from _soak_sim import figures as sim_figures, plot_inputs, run_sim_phase, write_outcomes
+
+    from metrale.gpu_worker.sim_runner import write_weightless_model
+
+    args.max_tokens = args.max_tokens or 256
+    args.warmup_s = args.warmup_s if args.warmup_s is not None else max(20.0, 0.1 * args.duration_s)
+    if args.baseline_s is None:
+        args.baseline_s = min(300.0, max(60.0, args.duration_s / 4))
+    stop = tuple(float(x) for x in args.frontend_stop_s.split(","))
+    faults = draw_faults(args.seed, args.duration_s, args.faults, args.tp, args.dp, args.min_gap_s, frontend=True,
+                         every_kind=True, stop_s=(stop[0], stop[-1]))
+    with tempfile.TemporaryDirectory(prefix="metrale-soak-") as tmp:
+        model = write_weightless_model(Path(tmp) / "sim")
+        note(f"soak on the simulated device {args.simulate}: {args.concurrency} streams, {len(faults)} faults over "
+             f"{args.duration_s:.0f} s (dp={args.dp} tp={args.tp}), then {args.baseline_s:.0f} s without faults")
+        meter = LoadMeter()
+        chaos = run_sim_phase(model, args, faults, args.duration_s)
+        meter.sample()
+        baseline = run_sim_phase(model, args, [], args.baseline_s) if args.baseline_s > 0 else None
+        record = {"bench": "soak", "mode": "simulated", "commit": git_commit(), "cores": os.cpu_count(),
+                  "simulate": args.simulate, "shape": {"dp": args.dp, "tp": args.tp}, "concurrency": args.concurrency,
+                  "clients": args.clients, "duration_s": args.duration_s, "baseline_s": args.baseline_s,
+                  "warmup_s": args.warmup_s, "seed": args.seed, "max_tokens": args.max_tokens,
+                  "prompt_len": args.prompt_len, "hang_timeout_s": args.hang_timeout_s,
+                  **sim_figures(chaos, baseline, faults, args), "load": meter.report()}
+        write_outcomes(out / "requests.jsonl", chaos)
+        (out / "series.json").write_text(json.dumps(chaos["series"]))
+        (out / "server.log").write_text(chaos["log"])  # the chaos run's server log, whole
+    rate, ttfts = plot_inputs(chaos, 10.0)
+    record["png"] = _plot(out / "soak.png", 10.0, rate, "output tokens/s", ttfts, chaos["series"], faults, chaos["start"])
+    (out / "soak.json").write_text(json.dumps(record) + "\n")
+    emit(record)
+    ok = (record["lost"] == 0 and not record["failed"] and record["equal_to_expected"] == record["read_to_end"]
+          and record["aborted_prefix_equal"] == record["aborted_by_clients"] and not record["left_after_shutdown"]
+          and not record["shm_after_shutdown"])
     return 0 if ok else 1
 
 
