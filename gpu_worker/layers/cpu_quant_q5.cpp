@@ -1,6 +1,6 @@
 // The 5-bit product of layers/gguf_quant_types.py's "int5" types (Q5_0, Q5_1): codes 0..31 in groups of 32
-// inputs with an fp16 scale and offset each (w = s * q + z; Q5_0's z = -16 s), read as the file's 5.5 or 6 bits
-// a weight rather than widened to 8. Compiled after cpu_quant.cpp in the same unit (its activation
+// inputs with an fp16 scale and offset each (w = s * q + z; Q5_0's z = -16 s, not stored: the layout then holds
+// the file's 5.5 bits a weight, Q5_1's 6), rather than widened to 8. Compiled after cpu_quant.cpp in the same unit (its activation
 // quantization, tiling and stores).
 //
 // Layout (gguf_quant_types.pack_int5): the low four bits as the 4-bit product's ([panels][in / 8][16][4], a
@@ -50,7 +50,7 @@ void int5_panels(const uint8_t* w, const uint8_t* hb, const uint16_t* ws, const 
     }
     for (int p = 0; p < NP; ++p) {
       const __m512 sw = load16(ws + p * blocks * kPanel + b * kPanel);
-      const __m512 zw = load16(wz + p * blocks * kPanel + b * kPanel);
+      const __m512 zw = wz ? load16(wz + p * blocks * kPanel + b * kPanel) : _mm512_mul_ps(sw, _mm512_set1_ps(-16.0f));
       for (int m = 0; m < MR; ++m) {
         const float xs = q.scale[(m0 + m) * blocks + b];
         acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][p]), _mm512_mul_ps(sw, _mm512_set1_ps(xs)), acc[m][p]);
@@ -104,7 +104,7 @@ void int5_panels(const uint8_t* w, const uint8_t* hb, const uint16_t* ws, const 
     }
     for (int h = 0; h < 2; ++h) {
       const __m256 sw = load8(ws + b * kPanel + 8 * h);
-      const __m256 zw = load8(wz + b * kPanel + 8 * h);
+      const __m256 zw = wz ? load8(wz + b * kPanel + 8 * h) : _mm256_mul_ps(sw, _mm256_set1_ps(-16.0f));
       for (int m = 0; m < MR; ++m) {
         const float xs = q.scale[(m0 + m) * blocks + b];
         acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][h]), _mm256_mul_ps(sw, _mm256_set1_ps(xs)), acc[m][h]);
@@ -142,7 +142,7 @@ void int5_panels(const uint8_t* w, const uint8_t* hb, const uint16_t* ws, const 
         const int64_t at = p * blocks * kPanel + b * kPanel;
         for (int r = 0; r < kPanel; ++r) {
           acc[r] += float(isum[r]) * (half_to_float(ws[at + r]) * xs);
-          acc[r] += half_to_float(wz[at + r]) * xsum;
+          acc[r] += (wz ? half_to_float(wz[at + r]) : -16.0f * half_to_float(ws[at + r])) * xsum;
         }
       }
       std::memcpy(out + m * NP * kPanel + p * kPanel, acc, sizeof(acc));
@@ -160,7 +160,8 @@ struct Int5Tile {
 };
 
 // y [M, n] = x [M, k] @ W.T for W packed by gguf_quant_types.pack_int5: low bits uint8 [panels, kp / 8, 16, 4]
-// (pack_int4's), fifth bits uint8 [panels, kp / 8, 16], scales and offsets fp16 bits (int16) [panels, kp / 32, 16].
+// (pack_int4's), fifth bits uint8 [panels, kp / 8, 16], scales and offsets fp16 bits (int16) [panels, kp / 32, 16]
+// (offsets empty: Q5_0's, -16 times the scale).
 at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& bits, const at::Tensor& scales, const at::Tensor& zeros,
                        int64_t n) {
   const int64_t blocks = scales.size(1), kp = blocks * kBlock, panels = scales.size(0);
@@ -170,22 +171,23 @@ at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                   zeros.is_contiguous(),
               "int5_linear: codes and bits uint8, scales and offsets fp16 bits (int16), contiguous");
   TORCH_CHECK(panels * kPanel >= n && codes.numel() == panels * kp * kPanel / 2 && bits.numel() == panels * kp * kPanel / 8 &&
-                  zeros.sizes() == scales.sizes(),
+                  (zeros.sizes() == scales.sizes() || zeros.numel() == 0),
               "int5_linear: packed sizes do not match");
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const uint8_t* hb = bits.data_ptr<uint8_t>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
-  const uint16_t* wz = reinterpret_cast<const uint16_t*>(zeros.data_ptr<int16_t>());
+  // No offsets (Q5_0): each is -16 times its scale (exact in float32, as the fp16 offset it replaces was).
+  const uint16_t* wz = zeros.numel() ? reinterpret_cast<const uint16_t*>(zeros.data_ptr<int16_t>()) : nullptr;
   const int64_t panel_bytes = kp * kPanel / 2, panel_bits = panel_bytes / 4;
   QuantRows& q = scratch();
   quantize_input(x, kp, q);
   over_tiles(x.size(0), n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
     const int64_t at = p0 * blocks * kPanel;
     if (np == kPanelsPerStep)
-      with_rows<Int5Tile, kPanelsPerStep>(mr, w + p0 * panel_bytes, hb + p0 * panel_bits, ws + at, wz + at, blocks, q, m0, kp, buf);
+      with_rows<Int5Tile, kPanelsPerStep>(mr, w + p0 * panel_bytes, hb + p0 * panel_bits, ws + at, wz ? wz + at : nullptr, blocks, q, m0, kp, buf);
     else
-      with_rows<Int5Tile, 1>(mr, w + p0 * panel_bytes, hb + p0 * panel_bits, ws + at, wz + at, blocks, q, m0, kp, buf);
+      with_rows<Int5Tile, 1>(mr, w + p0 * panel_bytes, hb + p0 * panel_bits, ws + at, wz ? wz + at : nullptr, blocks, q, m0, kp, buf);
     store_rows(buf, mr, np, y, n, m0, p0 * kPanel);
   });
   return y;

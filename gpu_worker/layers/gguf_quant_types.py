@@ -13,7 +13,7 @@ A row names the kernel (cpu_quant.cpp) that multiplies its blocks, and the layou
   `pack_int8`.
 - "int4": 4-bit codes, a scale and an offset per 32 (Q4_0, Q4_1, Q4_K), `pack_int4`: half the bytes.
 - "int5": 5-bit codes as the 4-bit layout plus a plane of fifth bits, an fp16 scale and offset per 32 (Q5_0,
-  Q5_1), `pack_int5`: the file's bits a weight, not 8.
+  Q5_1; Q5_0's offsets, -16 times the scale, not stored), `pack_int5`: the file's bits a weight, not 8.
 - "kq8": int8 codes with the integer sub-scales and mins and the fp16 block scales kept apart (Q5_K, Q6_K,
   Q3_K, Q2_K, IQ4_XS), `pack_kq8`: each block of 32 inputs is summed exactly in int32 per sub-block, scaled
   by its integer sub-scales, then by d and the activations' scale in float32 (llama.cpp's order).
@@ -190,7 +190,11 @@ def finite(name: str, raw: np.ndarray) -> bool:
     whole block so)."""
     t = TYPES[name]
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, t.nbytes)
-    return all(np.isfinite(np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16)).all() for at in t.halves)
+    if t.nbytes % 2:
+        return all(np.isfinite(np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16)).all() for at in t.halves)
+    words = blocks.view(np.uint16)  # (every type's block is whole 16-bit words, its scales on word boundaries)
+    exponent = np.uint16(0x7C00)  # all ones: inf or NaN
+    return not any((np.bitwise_and(words[:, at // 2], exponent) == exponent).any() for at in t.halves)
 
 
 def decode(name: str, raw: np.ndarray) -> Blocks:
@@ -285,19 +289,27 @@ def _fp16_exact(*values: torch.Tensor) -> bool:
 def pack_int5(parts: list[tuple[str, Blocks]]) -> tuple[torch.Tensor, ...]:
     """cpu_quant_q5.cpp's layout of int5-typed parts stacked by rows: the low four bits as pack_int4's codes
     [panels, cols / 8, 16, 4], their fifth bits [panels, cols / 8, 16] (per 64-byte line of codes, 8 bytes of
-    the low nibbles' bits then 8 of the high ones', little-endian), scales and offsets as fp16 bits."""
+    the low nibbles' bits then 8 of the high ones', little-endian), scales and offsets as fp16 bits (offsets
+    empty where every part is Q5_0: -16 times the scale, which the kernel makes)."""
+    implied = all(t == "Q5_0" for t, _ in parts)  # offsets -16 s, made by the kernel: not stored
     if gguf_repack.available():
         s, z = (torch.cat(t) for t in zip(*(_int4_scales(b, TYPES[t].code_bias) for t, b in parts)))
-        if not _fp16_exact(s, z):
+        if not _fp16_exact(s, *(() if implied else (z,))):
             raise ValueError("int5: scales and offsets must be exact in fp16")
         codes, bias = _stacked_codes(parts)
         panels = -(-codes.shape[0] // PANEL)
-        halves = (_per_panel(v.half(), panels).view(torch.int16) for v in (s, z))
+        halves = [_per_panel(v.half(), panels).view(torch.int16) for v in (s, z)]
+        if implied:
+            halves[1] = torch.empty(0, dtype=torch.int16)
         return gguf_repack.panel_int4(codes, bias), gguf_repack.panel_bits5(codes, bias), *halves
     q, s, z = (torch.cat(t) for t in zip(*(as_int4(b, TYPES[t].code_bias) for t, b in parts)))
-    if not _fp16_exact(s, z):
+    if not _fp16_exact(s, *(() if implied else (z,))):
         raise ValueError("int5: scales and offsets must be exact in fp16")
+    if implied:
+        z = torch.zeros_like(z)  # (exact in fp16, so pack_int4 keeps fp16 bits; dropped below)
     codes, scales, zeros = pack_int4(q & 15, s, z)
+    if implied:
+        zeros = torch.empty(0, dtype=torch.int16)
     rows, cols = q.shape
     panels = -(-rows // PANEL)
     high = np.zeros((panels * PANEL, cols), dtype=np.uint8)

@@ -27,7 +27,7 @@ import torch
 
 PANEL = 16
 _SOURCE = pathlib.Path(__file__).with_name("gguf_repack.c")
-_MIN_PANELS_PER_THREAD = 64  # below this a thread costs more than it saves
+_MIN_PANELS_PER_THREAD = 32  # below this a thread costs more than it saves
 
 
 def available() -> bool:
@@ -156,7 +156,10 @@ def from_stored(kernel: str, parts: list[tuple[str, np.ndarray]], cols: int) -> 
         s, z = (torch.empty(panels, cols // 32, PANEL, dtype=torch.float32) for _ in range(2))
         bits_at = bits.data_ptr() if bits is not None else None
         _over_panels(lambda p0, p1: lib.stored_int4(*rows_at, p0, p1, codes.data_ptr(), bits_at, s.data_ptr(), z.data_ptr()), panels)
-        halves = _f16_bits(s), _f16_bits(z)
+        if kernel == "int5" and all(name == "Q5_0" for name, _ in parts):  # offsets -16 s: the kernel makes them
+            halves = _f16_bits(s), torch.empty(0, dtype=torch.int16)
+        else:
+            halves = _f16_bits(s), _f16_bits(z)
         if kernel == "int5":
             if halves[0] is None or halves[1] is None:
                 raise ValueError("int5: scales and offsets must be exact in fp16")

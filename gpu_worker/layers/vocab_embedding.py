@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.gpu_worker.layers import huge_pages
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod, LinearMethod, set_weight_attrs
 from metrale.gpu_worker.layers.parallel import SINGLE, ParallelGroup
 
@@ -27,7 +28,10 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // group.size)
         self.vocab_start = group.rank * self.rows_per_rank
         self.sharded = group.size > 1
-        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        # Zero pages mapped on first touch: no pass over the table at construction (a GGUF's table read in place
+        # replaces it untouched; a loader's copy faults in what it writes).
+        table = huge_pages.zeros((self.rows_per_rank, hidden_size), dtype, device)
+        self.weight = nn.Parameter(table, requires_grad=False)
         set_weight_attrs(self.weight, output_dim=0, input_dim=None, weight_loader=self.weight_loader)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
