@@ -312,37 +312,30 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._sort_running()
         running = self.running
-        # The usual case: the step in flight ran the running rows as they stand, so row j feeds from row j.
-        same = len(inflight) == len(running) and all(map(operator.is_, inflight, running))
-        if same and self._goes_on(step, samples, discard, written, num_new, budget):
+        # The usual case: the step in flight ran the running rows as they stand (row j feeds from row j).
+        if len(inflight) == len(running) and all(map(operator.is_, inflight, running)) \
+                and self._goes_on(step, samples, discard, written, num_new, budget):
             self._fill(step, budget - len(running))
             return step
-        feeds = None if same else {id(s): j for j, s in enumerate(inflight)}
-        bs, pool = self.pool.block_size, self.pool
-        seqs, num_new, fed_from = step.seqs, step.num_new, step.fed_from
-        for j, seq in enumerate(running):
+        feeds = {id(s): j for j, (s, smp, gone) in enumerate(zip(inflight, samples, discard)) if smp and not gone}
+        for seq in running:
             if budget == 0:
                 break
             if seq.out.finish_reason is not None:
                 continue
             launched = seq.num_computed + seq.num_inflight
-            src = j if same else feeds.get(id(seq), FEED_HOST)
-            if src != FEED_HOST and samples[src] and not discard[src]:
-                if not (seq.req.plain or can_feed(seq)):
+            src = feeds.get(id(seq), FEED_HOST)
+            if src != FEED_HOST:
+                if not can_feed(seq):
                     continue
-                if launched >= seq.kv.num_blocks * bs and not pool.allocate(seq, launched + 1):
-                    return None
-                seqs.append(seq)  # past its prompt: no prompt logprobs to count (ScheduledStep.add)
-                num_new.append(1)
-                fed_from.append(src)
-                budget -= 1
-                continue
-            k = self._lp_chunk(seq, min(len(seq.out.tokens) - launched, budget), step)
-            if k <= 0:
-                continue
-            if launched + k > seq.kv.num_blocks * bs and not pool.allocate(seq, launched + k):
+                k = 1
+            else:
+                k = self._lp_chunk(seq, min(len(seq.out.tokens) - launched, budget), step)
+                if k <= 0:
+                    continue
+            if launched + k > seq.kv.num_blocks * self.pool.block_size and not self.pool.allocate(seq, launched + k):
                 return None
-            step.add(seq, k)
+            step.add(seq, k, src)
             budget -= k
         self._fill(step, budget)
         return step if step.seqs else None
