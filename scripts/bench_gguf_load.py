@@ -5,6 +5,8 @@ Each round starts a fresh process per engine, alternated (llama.cpp through llam
 
 - llama.cpp: `Llama(path)` construction (its weights mmap'd, vocabulary, context), then the first token of a
   one-token prompt; the process's RSS growth over the construction.
+- both: the process's CPU seconds over the load (`load_cpu_s`, every thread's): on a box shared with other work
+  the wall seconds grow with its load, the CPU seconds much less.
 - metrale, in process: the file's metadata read (gguf_metadata.open_gguf), then `LLM(path)` construction, split
   into the tokenizer, the weights (loader.load_model) and the rest (KV cache, engine), then the first token;
   the weights' resident bytes (gpu_worker/weight_memory.py: the model's own tensors plus the file's pages
@@ -37,12 +39,12 @@ def rss():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
 path, threads, ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 before = rss()
-t2 = time.perf_counter()
+t2, c2 = time.perf_counter(), time.process_time()
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512, verbose=False)
-t3 = time.perf_counter()
+t3, c3 = time.perf_counter(), time.process_time()
 llm.eval([llm.token_bos()])
 t4 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "load_s": t3 - t2, "first_token_s": t4 - t3, "rss_growth": rss() - before}))
+print(json.dumps({"import_s": t1 - t0, "load_s": t3 - t2, "load_cpu_s": c3 - c2, "first_token_s": t4 - t3, "rss_growth": rss() - before}))
 """
 
 METRALE_SCRIPT = r"""
@@ -71,16 +73,16 @@ tokenizer_module.Tokenizer.from_dir = classmethod(timed("tokenizer_s", tokenizer
 def rss():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
 before = rss()
-t2 = time.perf_counter()
+t2, c2 = time.perf_counter(), time.process_time()
 open_gguf(path)
 t3 = time.perf_counter()
 llm = LLM(path, show_progress=False, max_model_len=ctx, num_kv_blocks=-(-ctx // 16), enable_prefix_caching=False)
-t4 = time.perf_counter()
+t4, c4 = time.perf_counter(), time.process_time()
 llm.generate([[llm.tokenizer.bos_token_id or 1]], SamplingParams(max_tokens=1, temperature=0))
 t5 = time.perf_counter()
 w = weight_bytes(llm.runner.model, path)
 rest = (t4 - t3) - parts.get("weights_s", 0.0) - parts.get("tokenizer_s", 0.0)
-print(json.dumps({"import_s": t1 - t0, "metadata_s": t3 - t2, "llm_s": t4 - t3, "load_s": t4 - t2, **parts, "rest_s": rest,
+print(json.dumps({"import_s": t1 - t0, "metadata_s": t3 - t2, "llm_s": t4 - t3, "load_s": t4 - t2, "load_cpu_s": c4 - c2, **parts, "rest_s": rest,
                   "first_token_s": t5 - t4, "rss_growth": rss() - before, "weights_own": w.own, "weights_mapped": w.mapped,
                   "file_tensors": w.file_tensors}))
 """
@@ -138,6 +140,7 @@ def main() -> None:
         if peer:
             ratios[kind] = {
                 "load": round(ours["load_s"] / peer["load_s"], 2),
+                "load_cpu": round(ours["load_cpu_s"] / peer["load_cpu_s"], 2),
                 "weights_only": round(ours["weights_s"] / peer["load_s"], 2),
                 "load_and_first_token": round((ours["load_s"] + ours["first_token_s"]) / (peer["load_s"] + peer["first_token_s"]), 2),
             }
