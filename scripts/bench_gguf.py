@@ -36,14 +36,20 @@ import json, sys, time
 import numpy as np
 from llama_cpp import Llama
 path, threads, prompt, new = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + new + 8,
-            n_batch=512, verbose=False)
+# n_batch covers the prompt (llama-server's default is 2,048) so one eval takes it whole; llama.cpp still splits
+# it into its default micro-batches of 512 (n_ubatch). llama.cpp rounds n_ctx down to a multiple of 256: round up.
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=-(-(len(prompt) + new + 8) // 256) * 256,
+            n_batch=max(512, len(prompt)), verbose=False)
+vocab = llm.n_vocab()
+def last_argmax():
+    # Without logits_all llama-cpp-python fills no row of llm.scores: the context's logits hold the last token's.
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
 def once():
     llm.reset()
     t0 = time.perf_counter(); llm.eval(prompt); t1 = time.perf_counter()
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = last_argmax()
     for _ in range(new - 1):
-        llm.eval([tok]); tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        llm.eval([tok]); tok = last_argmax()
     t2 = time.perf_counter()
     return t1 - t0, (t2 - t1) / (new - 1)
 once()  # warm up
