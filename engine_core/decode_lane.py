@@ -50,7 +50,8 @@ def launch(step: ScheduledStep, pipeline: Pipeline, io: StepIo, *, ahead: bool =
     starts = None
     if step.goes_on:  # its first rows are plain and their starts known; the rest were admitted behind them
         head = len(step.starts)
-        starts = step.starts.tolist() + [s.num_computed + s.num_inflight for s in seqs[head:]]
+        starts = step.starts if head == len(seqs) else \
+            step.starts.tolist() + [s.num_computed + s.num_inflight for s in seqs[head:]]
         for i in [i for i, s in enumerate(seqs[head:], head) if not s.req.plain]:
             masks[i] = row_mask(seqs[i], io.toks, io.eos_ids)
     elif kind != StepKind.BURST:

@@ -87,6 +87,7 @@ class Scheduler:
     _waiting: list[tuple[int, int, Sequence]] = field(default_factory=list)  # heap by (priority, arrival)
     num_preemptions: int = 0
     _unsorted: bool = False  # a sequence joined running since it was last put in scheduling order
+    _plain_live: bool = False  # retire_finished found every running row plain and unfinished (schedule_ahead reads it)
 
     @property
     def num_waiting(self) -> int:
@@ -146,8 +147,11 @@ class Scheduler:
 
     def retire_finished(self, keep: list[Sequence] = ()) -> list[Sequence]:
         """Remove finished sequences from running and free their blocks (those in `keep`, a step still in
-        flight, stay until it is settled)."""
-        done = [s for s in self.running if s.out.finish_reason is not None]
+        flight, stay until it is settled). Its pass also tells the schedule_ahead that follows whether every running
+        row is plain and unfinished (the batch may go on as it is: _goes_on)."""
+        odd = [s for s in self.running if s.out.finish_reason is not None or not s.req.plain]
+        self._plain_live = not odd
+        done = [s for s in odd if s.out.finish_reason is not None]
         if done and keep:
             kept = set(map(id, keep))
             done = [s for s in done if id(s) not in kept]
@@ -348,10 +352,9 @@ class Scheduler:
         and when such a row's block does not fit (the row by row path then says None)."""
         running = self.running
         R = len(running)
-        if not (0 < R <= budget and len(written) == R and num_new.count(1) == R and all(samples)
+        plain_live, self._plain_live = self._plain_live, False  # as retire_finished found it just before: read once
+        if not (plain_live and 0 < R <= budget and len(written) == R and num_new.count(1) == R and all(samples)
                 and True not in discard):
-            return False
-        if any(s.out.finish_reason is not None or not s.req.plain for s in running):
             return False
         # Position written + 1 is each row's next; every position up to it is reserved, so a row needs a block only
         # when that position starts one.

@@ -165,7 +165,8 @@ class StepBuilder:
         lookahead: the block tables also cover that many positions past the step's (a decode burst's).
         drafts: per row, draft tokens that follow its committed ones (a verify step, engine_core/speculative.py):
         the row runs its last token and its drafts (num_new = 1 + len(drafts)) and samples at each.
-        starts: each row's num_launched, when the caller knows them already (ScheduledStep.goes_on).
+        starts: each row's num_launched, when the caller knows them already (ScheduledStep.goes_on); as an array,
+        with one position per row.
         """
         b = self._sets[self._turn]
         self._turn = (self._turn + 1) % len(self._sets)
@@ -174,7 +175,8 @@ class StepBuilder:
         assert R <= self.max_rows and T <= self.max_tokens, "step larger than the builder's capacity"
         if starts is None:
             starts = [s.num_computed + s.num_inflight for s in seqs]
-        width = max(1, -(-(max(map(add, starts, num_new)) + lookahead) // self.block_size))
+        end = int(starts.max()) + 1 if isinstance(starts, np.ndarray) else max(map(add, starts, num_new))
+        width = max(1, -(-(end + lookahead) // self.block_size))
         src = self.pool.tables
         rows = self._rows.rows(seqs, len(src), self.pool.row_moves)
         tables = b.block_tables[: R * width].reshape(R, width)
