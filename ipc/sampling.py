@@ -99,8 +99,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Added to the named tokens' logits before every other stage (penalties, bans, temperature), as vLLM's
     # logits processor does; logprobs stay those of the raw logits. -100 all but bans a token, +100 all but forces it.
     logit_bias: dict[int, float] | None = None
-    # vLLM's allowed_token_ids: every pick is among these ids (the others' logits are -inf before every stage but
-    # logit_bias; logprobs stay the raw logits'). Rides the plan as a static bitmask row (step_builder.py).
+    # vLLM's allowed_token_ids: every pick is among these ids (the others' logits are -inf for the pick, set where a
+    # grammar's mask is, after logit_bias and penalties, before bans, temperature and the filters; logprobs stay the
+    # raw logits'). Rides the plan as a static bitmask row (step_builder.py).
     allowed_token_ids: list[int] | None = None
     # vLLM's logprob_token_ids: each output token's logprobs list these ids (raw logits, in this order) in place of
     # the top-N; at most the server's max_logprobs of them (the ticket ring's alternatives per row).
