@@ -35,6 +35,7 @@ class Req:
 class Run:
     streams: dict[str, list[int]] = field(default_factory=dict)
     delta_sizes: dict[str, list[int]] = field(default_factory=dict)  # tokens per delta, as reported
+    logprobs: dict[str, list] = field(default_factory=dict)  # TokenLogprobs, as reported (requests that ask)
     finish: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     error_codes: dict[str, str] = field(default_factory=dict)
@@ -138,6 +139,8 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
             assert d.request_id not in run.finish, f"request {d.request_id} streamed after its finish"
             run.streams[d.request_id].extend(d.new_token_ids)
             run.delta_sizes.setdefault(d.request_id, []).append(len(d.new_token_ids))
+            if d.logprobs:
+                run.logprobs.setdefault(d.request_id, []).extend(d.logprobs)
             if d.finish_reason:
                 run.finish[d.request_id] = d.finish_reason
                 if d.error:

@@ -123,3 +123,25 @@ def test_logprob_token_ids_through_the_offline_llm_on_the_real_sampler(tiny_mode
     assert [len(t.top_ids) for t in results[0][1].logprobs] == [3] * 4
     for a, b in zip(results[0], results[1], strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@pytest.mark.parametrize("policy", [FedAheadPolicy.REWIND, FedAheadPolicy.REPICK_ONLY])
+def test_fake_device_lists_pinned_ids_and_a_host_repick_does_too(monkeypatch, policy):
+    """FakeDevice reports a pinning row's ids with the logprobs its top-N gives them; grammar rows fed ahead anyway
+    (stale bitmasks: rewound, or repicked on the host under RepickOnly) report the same as the synchronous loop."""
+    so = StructuredOutputs(regex="[0-9]{2,6}(ab|cd)")
+    top = run_workload([_req(0, 0.0, allowed=None, logprobs=5)], pipeline=False).logprobs["0"]
+    asked = [top[0].top_ids[::-1]]
+    reqs = [_req(0, 0.0, allowed=None, logprob_token_ids=asked[0])]
+    pinned = run_workload(reqs, pipeline=True).logprobs["0"]
+    assert pinned[0].top_ids == asked[0]
+    assert pinned[0].top_logprobs == pytest.approx(top[0].top_logprobs[::-1])
+    reqs = [_req(i, 0.0 if i % 2 else 0.9, allowed=None, structured_outputs=so, max_tokens=12,
+                 logprob_token_ids=[12, 27, 28, 5]) for i in range(4)]
+    kw = dict(grammar_vocab=FAKE_GRAMMAR_VOCAB, policy=policy)
+    reference = run_workload(reqs, pipeline=False, **kw)
+    monkeypatch.setattr(engine_module, "can_feed", lambda seq: True)
+    forced = run_workload(reqs, pipeline=True, count_effects=True, **kw)
+    assert (forced.engine.io.host_repicks if policy == FedAheadPolicy.REPICK_ONLY else forced.effects["trim"]) > 0
+    assert forced.logprobs == reference.logprobs
+    assert all(t.top_ids == [12, 27, 28, 5] for lps in forced.logprobs.values() for t in lps)
