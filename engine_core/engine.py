@@ -463,54 +463,35 @@ class EngineCore:
         for seq in outbox.values():
             o, req = seq.out, seq.req
             tokens, reported = o.tokens, o.reported
-            n = len(tokens)
-            pending = n - reported
+            pending = len(tokens) - reported
             first = pending and reported == req.num_prompt  # nothing of its output reported yet
-            if o.finish_reason is None:  # the usual row: a streamed token or a few
-                # Streamed tokens are due every `interval`; the first ones at once.
-                if not (pending and req.stream and (pending >= interval or first)):
-                    if pending:
-                        kept.append(seq)
+            finished = o.finish_reason is not None
+            finishing = finished and not o.reported_finish
+            # Streamed tokens are due every `interval`; the first ones at once.
+            if finishing or pending and req.stream and (pending >= interval or first):
+                lps = o.pending_logprobs
+                if lps:
+                    o.pending_logprobs = []
+                toks = [tokens[reported]] if pending == 1 else tokens[reported:].tolist()
+                out.append(RequestOutputDelta(req.request_id, toks, None, lps or None) if not (finishing or first)
+                           else RequestOutputDelta(  # the usual row takes the short form above
+                               req.request_id, toks, o.finish_reason if finishing else None, lps or None,
+                               o.error if finishing else None,
+                               o.error_code.value if finishing and o.error_code is not None else None,
+                               seq.num_cached_tokens, o.prompt_entries if first else None,
+                               o.embedding if finishing else None, seq.queued_s))
+                generated += pending
+                o.reported = len(tokens)
+                o.reported_finish = finished
+                pending = 0
+            if finished:
+                if not seq.kv.num_blocks:  # its blocks are freed: nothing more can come of it
+                    if self.requests.get(req.request_id) is seq:
+                        del self.requests[req.request_id]
                     continue
-                lps = o.pending_logprobs
-                if lps:
-                    o.pending_logprobs = []
-                toks = tokens[reported:].tolist() if pending > 1 else [tokens[reported]]
-                out.append(RequestOutputDelta(req.request_id, toks, None, lps or None, None, None,
-                                              seq.num_cached_tokens, o.prompt_entries, None, seq.queued_s)
-                           if first else RequestOutputDelta(req.request_id, toks, None, lps or None))
-                generated += pending
-                o.reported = n
-                continue
-            if not o.reported_finish:
-                lps = o.pending_logprobs
-                if lps:
-                    o.pending_logprobs = []
-                out.append(RequestOutputDelta(
-                    req.request_id,
-                    tokens[reported:].tolist(),
-                    o.finish_reason,
-                    lps or None,
-                    o.error,
-                    o.error_code.value if o.error_code is not None else None,
-                    seq.num_cached_tokens,
-                    o.prompt_entries if first else None,
-                    o.embedding,
-                    seq.queued_s,
-                ))
-                generated += pending
-                o.reported = n
-                o.reported_finish = True
-            elif pending and req.stream and (pending >= interval or first):  # committed after its finish: shown
-                out.append(RequestOutputDelta(req.request_id, tokens[reported:].tolist()))
-                generated += pending
-                o.reported = n
-            if not seq.kv.num_blocks:  # its blocks are freed: nothing more can come of it
-                rid = req.request_id
-                if self.requests.get(rid) is seq:
-                    del self.requests[rid]
-                continue
-            kept.append(seq)
+                kept.append(seq)
+            elif pending:
+                kept.append(seq)
         self.generated_tokens += generated
         outbox.clear()  # the sequences hold this dict (Output.outbox): emptied and refilled, never replaced
         for seq in kept:
