@@ -252,6 +252,8 @@ def _drop(inf: Inflight, i: int) -> None:
 
 def _release(inf: Inflight) -> None:
     """inf is settled or dropped: its rows no longer hold positions in flight."""
+    if inf.held.count(0) == len(inf.held):  # given back already (a settled STEP gives its rows' back as it commits)
+        return
     for s, k in zip(inf.seqs, inf.held):
         s.num_inflight -= k
     inf.held = [0] * len(inf.held)

@@ -463,7 +463,8 @@ class EngineCore:
         for seq in outbox.values():
             o, req = seq.out, seq.req
             tokens, reported = o.tokens, o.reported
-            pending = len(tokens) - reported
+            n = len(tokens)
+            pending = n - reported
             first = pending and reported == req.num_prompt  # nothing of its output reported yet
             finished = o.finish_reason is not None
             finishing = finished and not o.reported_finish
@@ -481,7 +482,7 @@ class EngineCore:
                                seq.num_cached_tokens, o.prompt_entries if first else None,
                                o.embedding if finishing else None, seq.queued_s))
                 generated += pending
-                o.reported = len(tokens)
+                o.reported = n
                 o.reported_finish = finished
                 pending = 0
             if finished:
