@@ -21,6 +21,7 @@ No torch here: the engine core and the frontend read the choice too (status, met
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
@@ -51,8 +52,10 @@ _ONEDNN_CAP = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI",
 _MKL_CAP = {"generic": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512", "amx": None}
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none), read once per process (a
+    model's load asks per layer)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:

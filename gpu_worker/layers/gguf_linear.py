@@ -42,7 +42,7 @@ class _Part:
     file's map, or a copy), kept until the layer is packed."""
 
     name: str
-    index: torch.Tensor  # int64 [rows]
+    index: np.ndarray  # int64 [rows]
     source: torch.Tensor  # uint8 [n, bytes per row], rows contiguous
 
 
@@ -135,7 +135,7 @@ def _stage(layer: nn.Module, weight_loader, param: nn.Parameter, loaded: torch.T
         source = torch.zeros(rows, width, dtype=torch.uint8)
         _through(weight_loader, source, loaded, 1, shard_id)
         index = torch.where(index > 0, torch.arange(1, rows + 1).view(-1, 1), 0)
-    layer.gguf_staged.append(_Part(name, index.view(-1), source))
+    layer.gguf_staged.append(_Part(name, index.view(-1).numpy(), source))
 
 
 def _through(weight_loader, target: torch.Tensor, source: torch.Tensor, input_dim: int | None, shard_id) -> None:
@@ -152,19 +152,19 @@ def _spans(layer: nn.Module) -> list[tuple[str, int, int]]:
     if not staged:
         raise ValueError("a GGUF-typed layer got no blocks")
     names = list(dict.fromkeys(p.name for p in staged))
-    owner = torch.zeros(layer.weight.shape[0], dtype=torch.int64)  # 1 + the type's index; 0: no part filled
+    owner = np.zeros(layer.weight.shape[0], dtype=np.int64)  # 1 + the type's index; 0: no part filled
     for part in staged:
         mine = part.index > 0
         taken = owner[mine]
-        if bool((taken > 0).any()):
+        if taken.any():
             raise ValueError(f"rows loaded twice, as {names[int(taken.max()) - 1]} and {part.name}")
         owner[mine] = names.index(part.name) + 1
-    filled_at = torch.nonzero(owner).flatten()
+    filled_at = np.flatnonzero(owner)
     # An unfilled row takes the type of the filled row before it (the first filled row's, at the top).
     if len(filled_at) < len(owner):
-        before = torch.searchsorted(filled_at, torch.arange(len(owner)), right=True).clamp_(min=1) - 1
+        before = np.searchsorted(filled_at, np.arange(len(owner)), side="right").clip(min=1) - 1
         owner = owner[filled_at[before]]
-    edges = [0, *(torch.nonzero(owner[1:] != owner[:-1]).flatten() + 1).tolist(), len(owner)]
+    edges = [0, *(np.flatnonzero(owner[1:] != owner[:-1]) + 1).tolist(), len(owner)]
     return [(names[int(owner[start]) - 1], start, end) for start, end in zip(edges[:-1], edges[1:])]
 
 
@@ -174,7 +174,7 @@ def _addresses(layer: nn.Module, name: str, start: int, end: int) -> np.ndarray:
     for part in layer.gguf_staged:
         if part.name != name:
             continue
-        index = part.index[start:end].numpy()
+        index = part.index[start:end]
         mine = index > 0
         out[mine] = part.source.data_ptr() + (index[mine] - 1) * part.source.stride(0)
     return out
@@ -187,7 +187,7 @@ def _rows(layer: nn.Module, name: str, start: int, end: int) -> np.ndarray:
     for part in layer.gguf_staged:
         if part.name != name:
             continue
-        index = part.index[start:end].numpy()
+        index = part.index[start:end]
         mine = np.nonzero(index > 0)[0]
         out[mine] = part.source.numpy()[index[mine] - 1]
     return out
