@@ -28,8 +28,8 @@ def draw(path: Path, bin_s: float, rate: list[float], rate_label: str, ttfts: li
     axes[0].plot(xs, rate)
     axes[0].set_ylabel(rate_label)
     for q, style in ((50, "-"), (99, "--")):
-        axes[1].plot(xs, [statistics.quantiles(v, n=100)[q - 1] if len(v) > 1 else (v[0] if v else None) for v in ttfts],
-                     style, label=f"TTFT p{q}")
+        line = [statistics.quantiles(v, n=100)[q - 1] if len(v) > 1 else (v[0] if v else None) for v in ttfts]
+        axes[1].plot(xs, line, style, label=f"TTFT p{q}")
     axes[1].set_ylabel("ms")
     axes[1].set_yscale("log")
     axes[1].legend()

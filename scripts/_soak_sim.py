@@ -234,7 +234,8 @@ def _resources(chaos: dict, warm_s: float) -> dict:
     out.update({"fds_at_start": res["fds_at_start"], "fds_at_end": res["fds_at_end"],
                 "shm_at_start": len(res["shm_at_start"]), "shm_at_end": len(res["shm_at_end"]),
                 "shm_after_shutdown": res["shm_after_shutdown"],
-                "shm_after_shutdown_not_ours": res["shm_after_shutdown_not_ours"], "left_after_shutdown": res["left_after_shutdown"]})
+                "shm_after_shutdown_not_ours": res["shm_after_shutdown_not_ours"],
+                "left_after_shutdown": res["left_after_shutdown"]})
     return out
 
 
@@ -256,7 +257,8 @@ def _lives(series: list[dict], warm_s: float, end_s: float, min_s: float = 60.0)
         t1, (_, rss1, fds1) = last[pid]
         if t1 - t0 >= min_s:
             out.append({"role": role, "pid": pid, "from_s": round(t0), "to_s": round(t1),
-                        "rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)], "rss_growth": round(rss1 / rss0 - 1, 4),
+                        "rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
+                        "rss_growth": round(rss1 / rss0 - 1, 4),
                         "fds": [fds0, fds1], "fds_growth": round(fds1 / fds0 - 1, 4) if fds0 else None})
     return sorted(out, key=lambda d: (d["role"], d["from_s"]))
 

@@ -88,7 +88,8 @@ class StreamOutcome:
         return None if self.first_at is None else self.first_at - self.sent_at
 
 
-def expected_tokens(prompt: list[int], n: int, vocab: int, eos: tuple[int, ...] = (), ignore_eos: bool = True) -> list[int]:
+def expected_tokens(prompt: list[int], n: int, vocab: int, eos: tuple[int, ...] = (),
+                    ignore_eos: bool = True) -> list[int]:
     """sim_runner.expected_tokens in plain Python integers (about 50x cheaper than its numpy one token at a time,
     which at a thousand streams would take a core); checked against it by `check_expected`."""
     context = [vocab, vocab, vocab, *prompt]

@@ -290,7 +290,8 @@ def main_simulated(args: argparse.Namespace, out: Path) -> int:
         (out / "series.json").write_text(json.dumps(chaos["series"]))
         (out / "server.log").write_text(chaos["log"])  # the chaos run's server log, whole
     rate, ttfts = plot_inputs(chaos, 10.0)
-    record["png"] = _plot(out / "soak.png", 10.0, rate, "output tokens/s", ttfts, chaos["series"], faults, chaos["start"])
+    record["png"] = _plot(out / "soak.png", 10.0, rate, "output tokens/s", ttfts, chaos["series"], faults,
+                          chaos["start"])
     (out / "soak.json").write_text(json.dumps(record) + "\n")
     emit(record)
     ok = (record["lost"] == 0 and not record["failed"] and record["equal_to_expected"] == record["read_to_end"]
