@@ -8,7 +8,7 @@ import torch
 from metrale.gpu_worker.layers import huge_pages
 
 
-@pytest.mark.parametrize("shape", [(3, 5), (4 << 20,), (1, 3 << 20)])
+@pytest.mark.parametrize("shape", [(3, 5), (4 << 20,), (1, 3 << 20), (3, 1 << 17)])
 def test_zeros_is_torch_zeros(shape):
     """Whatever the size, the same tensor torch.zeros gives: shape, dtype, all zero, writable."""
     t = huge_pages.zeros(shape, torch.bfloat16, "cpu")
@@ -30,6 +30,7 @@ def test_large_tensors_are_advised_over_their_aligned_interior(monkeypatch):
     monkeypatch.setattr(huge_pages, "_libc", lambda: FakeLibc())
     monkeypatch.setattr(huge_pages, "ENABLED", True)
     huge_pages.zeros((1000,), torch.float32, "cpu")
+    huge_pages.zeros((1 << 19,), torch.float16, "cpu")  # a mapping, on ordinary pages
     assert calls == []
     t = huge_pages.zeros((5 << 20,), torch.uint8, "cpu")
     (start, length, advice), = calls
@@ -53,3 +54,12 @@ def test_a_large_tensor_is_zero_without_being_touched():
     assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
     t[: 1 << 20].fill_(1)
     assert float(t[: 1 << 20].sum()) == float(1 << 20) and _rss() - before < size // 4
+
+
+@pytest.mark.skipif(not huge_pages.ENABLED, reason="anonymous mappings are the Linux path")
+def test_tensors_under_a_huge_page_are_zero_without_being_touched():
+    """A layer's KV tensors under 2 MiB each (dozens of them) cost no memset either: untouched, they add no RSS."""
+    before = _rss()
+    tensors = [huge_pages.zeros((3 << 18,), torch.bfloat16, "cpu") for _ in range(64)]  # 1.5 MiB each, 96 MiB
+    assert _rss() - before < (96 << 20) // 4
+    assert not any(bool(t.any()) for t in tensors[:2])

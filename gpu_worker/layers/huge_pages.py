@@ -20,17 +20,24 @@ import sys
 import torch
 
 HUGE_PAGE = 2 << 20
+# From this size a CPU tensor is an anonymous mapping rather than torch.zeros' memset: a model's per-layer KV
+# tensors are often under a huge page (SmolLM2's at a 2,048-token cache: 0.75 MiB each, 60 of them), and torch's
+# parallel memset of each costs more than the mapping on a busy box.
+MAPPED_MIN = 64 << 10
 _MADV_HUGEPAGE = 14
 ENABLED = sys.platform.startswith("linux")  # tests flip it to compare
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """torch.zeros; a CPU tensor of at least one huge page is a fresh anonymous mapping instead (zero until
-    written, faulted in lazily), advised onto huge pages before anything touches it."""
+    """torch.zeros; a CPU tensor of at least MAPPED_MIN bytes is a fresh anonymous mapping instead (zero until
+    written, faulted in lazily), one of at least a huge page advised onto huge pages before anything touches it."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = itemsize * int(torch.Size(shape).numel())
-    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not ENABLED:
+    if torch.device(device).type != "cpu" or nbytes < MAPPED_MIN or not ENABLED:
         return torch.zeros(shape, dtype=dtype, device=device)
+    if nbytes < HUGE_PAGE:  # a mapping of its own (zero until written), on ordinary pages
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
     # One huge page more than asked, so the tensor can start on a 2 MiB boundary (mmap aligns to 4 KiB).
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping alive; unmapped with the last view
