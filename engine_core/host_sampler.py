@@ -23,9 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale.ipc.messages import TokenLogprob
-from metrale.ipc.plan import (
-    MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, StepResult, pack_bitmask, unpack_bitmask,
-)
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, StepResult, unpack_bitmask
 from metrale.ipc.sampling_rules import GOLDEN, GREEDY_EPS, NOISE_BITS, exp_weights, log32, mix64, row_keys
 
 from .grammar import allowed_tokens
@@ -98,7 +96,8 @@ class SamplingRow:
         allowed = allowed_tokens(seq, vocab_size) if mask.kind & MASK_GRAMMAR else None
         kind = mask.kind
         if p.allowed_token_ids is not None:  # the static bitmask the step builder ANDs in (grammar.fill_bitmasks)
-            static = unpack_bitmask(pack_bitmask(p.allowed_token_ids, vocab_size), vocab_size)
+            static = np.zeros(vocab_size, dtype=bool)
+            static[p.allowed_token_ids] = True
             allowed = static if allowed is None else allowed & static
             kind |= MASK_GRAMMAR
         bias = p.logit_bias or {}

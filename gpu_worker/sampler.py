@@ -552,9 +552,9 @@ class Sampler:
 
     @staticmethod
     def _pinned_ids(plan: StepPlan, batch: _Batch, width: int) -> np.ndarray:
-        """int64 [P, width]: each pinning row's logprob_token_ids (plan.pinned_*), padded with its first id."""
+        """int64 [P, width]: each pinning row's logprob_token_ids (plan.pinned_*, at least one), padded with its
+        last id."""
         at = batch.rows[batch.pinned]
         starts, ends = plan.pinned_start[at].astype(np.int64), plan.pinned_start[at + 1].astype(np.int64)
         columns = np.minimum(starts[:, None] + np.arange(width), ends[:, None] - 1)
-        columns = np.where(columns >= starts[:, None], columns, starts[:, None])
         return plan.pinned_ids[columns].astype(np.int64)
