@@ -8,9 +8,14 @@ is the CPU's best or METRALE_CPU_ISA's (which also caps torch's own kernels). Fo
 round; each figure is the median ms of one product of that shape. At each row count: ms per shape and format,
 each format's speed-up over bf16 (bf16 ms / its ms; per shape and for the whole step), and for the step the
 weight bytes read per second against the box's streaming-read bandwidth (bench_limits' measure). With
---library, torch's own int8 / 4-bit kernels on the same shapes too. One JSON line.
+--library, torch's own int8 / 4-bit kernels on the same shapes too. --gguf TYPES adds GGUF types kept
+quantized (GgufLinearMethod over random blocks of each type, as a file's layer runs them; a shape whose inputs
+are not whole blocks of the type is left out, as llama.cpp's quantizer leaves it to another type), and --narrow
+each of them again with the wide (many-row) product turned off: the path such a layer took before it had one.
+One JSON line.
 
     python scripts/bench_quant_kernels.py --shape bench-small --rows 1 4 32 --rounds 5
+    python scripts/bench_quant_kernels.py --shape smollm2 --rows 1 4 32 128 --gguf Q5_0 Q8_0 Q4_K Q6_K --narrow
 """
 
 from __future__ import annotations
@@ -29,7 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_limits import stream_read_gb_s  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from metrale.gpu_worker.layers import cpu_kernels  # noqa: E402
+from metrale.gpu_worker.layers import gguf_quant_types as qt  # noqa: E402
+from metrale.gpu_worker.layers.gguf_linear import GgufLinearMethod, tagged  # noqa: E402
+from metrale.gpu_worker.layers.linear import ColumnParallelLinear  # noqa: E402
 from metrale.gpu_worker.layers.linear_method import DenseLinearMethod  # noqa: E402
 from metrale.gpu_worker.layers.quantization import Int4LinearMethod, Int8LinearMethod  # noqa: E402
 
@@ -54,6 +64,23 @@ def make_layer(method, w: torch.Tensor) -> nn.Module:
     method.create_weights(layer, w.shape[1], [w.shape[0]], dtype=torch.bfloat16, device=torch.device("cpu"), weight_loader=None)
     layer.weight.data.copy_(w)
     method.process_weights_after_loading(layer)
+    return layer
+
+
+def gguf_layer(name: str, out: int, inp: int, seed: int, wide: bool) -> nn.Module | None:
+    """A layer of random `name` blocks (small positive fp16 scales) as a GGUF file's layer holds them; None where
+    inp is not whole blocks of the type. wide=False: the many-row product turned off."""
+    t = qt.TYPES[name]
+    if inp % t.block:
+        return None
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(out, inp // t.block, t.nbytes), dtype=np.uint8)
+    for at in t.halves:
+        raw[:, :, at : at + 2] = (rng.random((out, inp // t.block)) * 2e-3 + 1e-4).astype(np.float16).view(np.uint8).reshape(out, -1, 2)
+    layer = ColumnParallelLinear(inp, out, dtype=torch.bfloat16, device=torch.device("cpu"), quant_method=GgufLinearMethod())
+    layer.weight.weight_loader(layer.weight, tagged(raw.reshape(out, -1), name))
+    layer.process_weights_after_loading()
+    layer.wide = layer.wide and wide
     return layer
 
 
@@ -88,6 +115,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="layers of weights to cycle through (default: the model's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--library", action="store_true", help="torch's own quantized kernels too")
+    ap.add_argument("--gguf", nargs="*", default=[], help="GGUF types kept quantized (Q5_0, Q8_0, Q4_K, Q6_K, ...)")
+    ap.add_argument("--narrow", action="store_true", help="each --gguf type also with its wide product off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu_kernels.available()  # load the kernels first: the dense method's GEMV needs them loaded
@@ -97,6 +126,9 @@ def main() -> None:
     fns: dict[str, list[tuple[str, object]]] = {f: [] for f in formats}
     if args.library:
         fns.update(torch_int8pack=[], torch_int4pack=[])
+    ggufs = [(t, True) for t in args.gguf] + ([(t, False) for t in args.gguf] if args.narrow else [])
+    for t, wide in ggufs:
+        fns[t if wide else f"{t}:narrow"] = []
     with torch.inference_mode():
         for i in range(layers + 1):
             for name, out, inp in dims:
@@ -110,6 +142,10 @@ def main() -> None:
                 if args.library:
                     for fmt, f in library_kernels(w).items():
                         fns[fmt].append((name, f))
+                for t, wide in ggufs:
+                    layer = gguf_layer(t, out, inp, i, wide)
+                    if layer is not None:
+                        fns[t if wide else f"{t}:narrow"].append((name, layer))
         bandwidth = stream_read_gb_s(1 << 30, 5)
         out: dict = {"bench": "quant_kernels", "isa": cpu_kernels.isa(), "shape": args.shape, "threads": args.threads,
                      "layers": layers, "rounds": args.rounds, "stream_read_gb_s": round(bandwidth, 2), "ms": {},
@@ -128,13 +164,15 @@ def main() -> None:
                     if r:
                         for n in NAMES:
                             samples[fmt][n].append(per[n] / (layers if n != "lm_head" else 1))
-            ms = {f: {n: statistics.median(v) * 1e3 for n, v in s.items()} for f, s in samples.items()}
+            has = {f: {n for n, _ in calls} for f, calls in fns.items()}
+            ms = {f: {n: statistics.median(v) * 1e3 for n, v in s.items() if n in has[f]} for f, s in samples.items()}
             count = {n: layers if n != "lm_head" else 1 for n in NAMES}
-            step = {f: sum(ms[f][n] * count[n] for n in NAMES) for f in fns}
+            step = {f: sum(ms[f][n] * count[n] for n in NAMES) for f in fns if len(ms[f]) == len(NAMES)}
             key = f"rows={rows}"
             out["ms"][key] = {f: {n: round(v, 4) for n, v in per.items()} for f, per in ms.items()}
             out["speedup_vs_bf16"][key] = {
-                f: {**{n: round(ms["bf16"][n] / ms[f][n], 3) for n in NAMES}, "step": round(step["bf16"] / step[f], 3)} for f in fns
+                f: {**{n: round(ms["bf16"][n] / ms[f][n], 3) for n in ms[f]}, **({"step": round(step["bf16"] / step[f], 3)} if f in step else {})}
+                for f in fns
             }
             out["step_ms"][key] = {f: round(v, 3) for f, v in step.items()}
             if rows == 1:

@@ -115,6 +115,29 @@ def test_a_stacked_layer_keeps_each_parts_type(kernel_isa, v_type):
         _check(layer(x), _reference(x, weight), dtype)
 
 
+@pytest.mark.parametrize("rows", [16, 17, 32, 40, 70])
+def test_many_bf16_rows_take_the_wide_product_in_every_run(kernel_isa, rows):
+    # A Q4_K_M file's stacked qkv (Q5_0 q and k, Q8_0 v) beside a Q6_K and a Q4_K part: on the amx class every run
+    # (int5, int8, kq8, int4) multiplies many bf16 rows by its weight dequantized to bf16 (AMX tiles), ragged row
+    # tiles and a ragged last panel included; elsewhere each runs its int8 product.
+    cols = 512
+    parts = {"q": ("Q5_0", 48), "k": ("Q5_0", 16), "v": ("Q8_0", 16)}
+    layer = QKVParallelLinear(cols, 16, 3, 1, dtype=torch.bfloat16, device=CPU, quant_method=GgufLinearMethod())
+    raws = {s: random_blocks(name, n, cols, seed) for seed, (s, (name, n)) in enumerate(parts.items())}
+    for shard, (name, _) in parts.items():
+        layer.weight.weight_loader(layer.weight, tagged(raws[shard], name), shard)
+    layer.process_weights_after_loading()
+    tail = {name: random_blocks(name, 21, cols, 7) for name in ("Q6_K", "Q4_K", "Q5_1")}
+    assert layer.wide == (kernel_isa == "amx")
+    weight = torch.cat([gguf_dequantized(name, raws[s]) for s, (name, _) in parts.items()])
+    x = torch.randn(rows, cols).bfloat16()
+    _check(layer(x), _reference(x, weight, layer.wide), torch.bfloat16)
+    for name, raw in tail.items():
+        single = _layer(name, raw, cols)
+        assert single.wide == (kernel_isa == "amx") and single.gguf_single is not None
+        _check(single(x), _reference(x, gguf_dequantized(name, raw), single.wide), torch.bfloat16)
+
+
 @pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q6_K", "Q8_0"])
 def test_a_row_parallel_ranks_columns_of_the_blocks_multiply_as_its_share(kernel_isa, name):
     # Its loader cuts the stored rows by columns (whole blocks): those go through it into a copy, the rest of a

@@ -195,9 +195,41 @@ struct KQ8Of {
   };
 };
 
+#if defined(METRALE_AMX)
+// Panel p into buf [kp / 2][16][2] bf16 for the wide product: per sub-block, w = c * (d * sc) + dm * mn in
+// float32 (gguf_quant_types.dequantize's order of roundings), then rounded to bf16.
 template <int SUBS, bool OFF>
-void kq8_product(const at::Tensor& x, const KQ8& w, int64_t n, at::Tensor& y) {
+void dequant_kq8_panel(const KQ8& w, int64_t p, c10::BFloat16* buf) {
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w.dscale(p, b)));
+    const __m512 dm = OFF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w.dmin(p, b))) : d;
+    for (int s = 0; s < SUBS; ++s) {
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w.scales(p, b, s))));
+      const Spread scale(_mm512_mul_ps(d, sc));
+      const Spread offset(OFF ? _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w.mins(p, b, s)))))
+                              : _mm512_setzero_ps());
+      for (int g = s * (8 / SUBS); g < (s + 1) * (8 / SUBS); ++g) {
+        const int8_t* line = w.line(p, b, g);
+        __m128i v[4];
+        for (int i = 0; i < 4; ++i) v[i] = _mm_loadu_si128((const __m128i*)(line + 16 * i));
+        c10::BFloat16* at = buf + (b * 16 + 2 * g) * 32;
+        dequant_line<true, OFF>(v, scale, offset, at, at + 32);
+      }
+    }
+  }
+}
+#endif
+
+template <int SUBS, bool OFF>
+void kq8_product(const at::Tensor& x, const KQ8& w, int64_t n, bool wide, at::Tensor& y) {
   const int64_t m = x.size(0), kp = w.blocks * kBlock;
+  if (wide) {
+    check_wide(x);
+#if defined(METRALE_AMX)
+    amx_linear(x, kp, n, y, [&](int64_t p, c10::BFloat16* buf) { dequant_kq8_panel<SUBS, OFF>(w, p, buf); });
+#endif
+    return;
+  }
   QuantRows& q = scratch();
   quantize_input(x, kp, q);
   over_tiles(m, n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
@@ -211,8 +243,9 @@ void kq8_product(const at::Tensor& x, const KQ8& w, int64_t n, at::Tensor& y) {
 
 // y [M, n] = x [M, k] @ W.T, W packed by gguf_quant_types.pack_kq8: codes int8 [panels, kp / 4, 16, 4], sc and mn
 // int8 [panels, kp / sub, 16], d and dm fp16 bits (int16) [panels, kp / sup, 16]; mn and dm empty: no offsets.
+// wide: the amx class's many bf16 rows, through the weight dequantized to bf16 (cpu_quant.cpp's amx_linear).
 at::Tensor kq8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& mn, const at::Tensor& d,
-                      const at::Tensor& dm, int64_t n) {
+                      const at::Tensor& dm, int64_t n, bool wide) {
   TORCH_CHECK(codes.dim() == 4 && sc.dim() == 3 && d.dim() == 3, "kq8_linear: codes [panels, kp / 4, 16, 4], sc and d [panels, *, 16]");
   const int64_t panels = codes.size(0), kp = codes.size(1) * 4, blocks = kp / kBlock;
   check_input(x, kp);
@@ -231,15 +264,15 @@ at::Tensor kq8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
               blocks, blocks / supers, int(subs)};
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (subs == 2)
-    off ? kq8_product<2, true>(x, w, n, y) : kq8_product<2, false>(x, w, n, y);
+    off ? kq8_product<2, true>(x, w, n, wide, y) : kq8_product<2, false>(x, w, n, wide, y);
   else
-    off ? kq8_product<1, true>(x, w, n, y) : kq8_product<1, false>(x, w, n, y);
+    off ? kq8_product<1, true>(x, w, n, wide, y) : kq8_product<1, false>(x, w, n, wide, y);
   return y;
 }
 
 }  // namespace
 
 METRALE_FRAGMENT(m) {
-  m.def("kq8_linear(Tensor x, Tensor codes, Tensor sc, Tensor mn, Tensor d, Tensor dm, int n) -> Tensor");
+  m.def("kq8_linear(Tensor x, Tensor codes, Tensor sc, Tensor mn, Tensor d, Tensor dm, int n, bool wide) -> Tensor");
   m.impl("kq8_linear", c10::DispatchKey::CPU, TORCH_FN(kq8_linear));
 }

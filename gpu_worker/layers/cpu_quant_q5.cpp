@@ -151,6 +151,36 @@ void int5_panels(const uint8_t* w, const uint8_t* hb, const uint16_t* ws, const 
 }
 #endif
 
+#if defined(METRALE_AMX)
+// One 5-bit panel into buf [kp / 2][16][2] bf16 for the wide product: as dequant_int4_panel, each nibble plane
+// raised by 16 where its fifth bit is set (a 16-byte chunk's bits are two bytes of the line's bit plane), then
+// w = code * s + z (z = -16 s for Q5_0: gguf's d * (q - 16) exactly, both products being exact in float32).
+void dequant_int5_panel(const uint8_t* w, const uint8_t* hb, const uint16_t* ws, const uint16_t* wz, int64_t blocks, c10::BFloat16* buf) {
+  const __m128i low = _mm_set1_epi8(0x0F), sixteen = _mm_set1_epi8(16);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 sv = load16(ws + b * kPanel);
+    const Spread scale(sv), offset(wz ? load16(wz + b * kPanel) : _mm512_mul_ps(sv, _mm512_set1_ps(-16.0f)));
+    for (int g = 0; g < kBlock / 8; ++g) {
+      const uint8_t* line = w + (b * 4 + g) * 64;
+      const uint8_t* bits = hb + (b * 4 + g) * 16;
+      __m128i lo[4], hi[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m128i v = _mm_loadu_si128((const __m128i*)(line + 16 * i));
+        uint16_t blo, bhi;
+        std::memcpy(&blo, bits + 2 * i, 2);
+        std::memcpy(&bhi, bits + 8 + 2 * i, 2);
+        const __m128i l4 = _mm_and_si128(v, low), h4 = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+        lo[i] = _mm_mask_add_epi8(l4, (__mmask16)blo, l4, sixteen);
+        hi[i] = _mm_mask_add_epi8(h4, (__mmask16)bhi, h4, sixteen);
+      }
+      c10::BFloat16* at = buf + (b * 16 + 4 * g) * 32;
+      dequant_line<false, true>(lo, scale, offset, at, at + 32);
+      dequant_line<false, true>(hi, scale, offset, at + 64, at + 96);
+    }
+  }
+}
+#endif
+
 template <int MR, int NP>
 struct Int5Tile {
   static void run(const uint8_t* w, const uint8_t* hb, const uint16_t* ws, const uint16_t* wz, int64_t blocks, const QuantRows& q, int64_t m0,
@@ -162,8 +192,10 @@ struct Int5Tile {
 // y [M, n] = x [M, k] @ W.T for W packed by gguf_quant_types.pack_int5: low bits uint8 [panels, kp / 8, 16, 4]
 // (pack_int4's), fifth bits uint8 [panels, kp / 8, 16], scales and offsets fp16 bits (int16) [panels, kp / 32, 16]
 // (offsets empty: Q5_0's, -16 times the scale).
+// wide (the amx class's many bf16 rows): the weight dequantized to bf16 a panel pair at a time, AMX-BF16 tiles
+// (cpu_quant.cpp's amx_linear).
 at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& bits, const at::Tensor& scales, const at::Tensor& zeros,
-                       int64_t n) {
+                       int64_t n, bool wide) {
   const int64_t blocks = scales.size(1), kp = blocks * kBlock, panels = scales.size(0);
   check_input(x, kp);
   TORCH_CHECK(codes.scalar_type() == at::kByte && bits.scalar_type() == at::kByte && scales.scalar_type() == at::kShort &&
@@ -180,6 +212,16 @@ at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   // No offsets (Q5_0): each is -16 times its scale (exact in float32, as the fp16 offset it replaces was).
   const uint16_t* wz = zeros.numel() ? reinterpret_cast<const uint16_t*>(zeros.data_ptr<int16_t>()) : nullptr;
   const int64_t panel_bytes = kp * kPanel / 2, panel_bits = panel_bytes / 4;
+  if (wide) {
+    check_wide(x);
+#if defined(METRALE_AMX)
+    amx_linear(x, kp, n, y, [&](int64_t p, c10::BFloat16* buf) {
+      const int64_t at = p * blocks * kPanel;
+      dequant_int5_panel(w + p * panel_bytes, hb + p * panel_bits, ws + at, wz ? wz + at : nullptr, blocks, buf);
+    });
+#endif
+    return y;
+  }
   QuantRows& q = scratch();
   quantize_input(x, kp, q);
   over_tiles(x.size(0), n, [&](int64_t p0, int np, int64_t m0, int mr, float* buf) {
@@ -196,6 +238,6 @@ at::Tensor int5_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 }  // namespace
 
 METRALE_FRAGMENT(m) {
-  m.def("int5_linear(Tensor x, Tensor codes, Tensor bits, Tensor scales, Tensor zeros, int n) -> Tensor");
+  m.def("int5_linear(Tensor x, Tensor codes, Tensor bits, Tensor scales, Tensor zeros, int n, bool wide) -> Tensor");
   m.impl("int5_linear", c10::DispatchKey::CPU, TORCH_FN(int5_linear));
 }

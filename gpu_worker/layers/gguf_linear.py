@@ -78,7 +78,7 @@ class GgufLinearMethod(LinearMethod):
         device = layer.weight.device
         runs = _by_kernel(spans)
         ops = {kernel: None if self.reference else _kernel(f"{kernel}_linear", device) for kernel, _ in runs}
-        layer.wide = _goes_wide(device) and all(k in ("int8", "int4") for k, _ in runs)
+        layer.wide = _goes_wide(device)
         if not self.reference and device.type == "cuda" and (triton_runs := _triton_runs(_segments(layer), device)):
             layer.gguf_runs = triton_runs
         elif any(op is None for op in ops.values()):
@@ -87,15 +87,16 @@ class GgufLinearMethod(LinearMethod):
             layer.gguf_runs = None
         else:
             layer.gguf_runs = [_run(layer, kernel, parts) for kernel, parts in runs]
-        single = layer.gguf_runs is not None and len(layer.gguf_runs) == 1 and not layer.wide
+        single = layer.gguf_runs is not None and len(layer.gguf_runs) == 1
         layer.gguf_single = layer.gguf_runs[0].product if single else None
         layer.gguf_staged = []
         layer.weight = nn.Parameter(layer.weight.new_empty((0, 0)), requires_grad=False)
 
     def apply(self, layer, x, bias=None):
-        """x @ W.T (+ bias) in x's dtype, one product per run of rows."""
+        """x @ W.T (+ bias) in x's dtype, one product per run of rows (on the amx class, from WIDE_ROWS bf16 rows,
+        every run through its weight dequantized to bf16 and AMX tiles: quantization.py's `wide`)."""
         if layer.gguf_single is not None and bias is None and x.dim() == 2 and x.is_contiguous():
-            return layer.gguf_single(x, False)  # a decode step's common case, without the general path's ops
+            return layer.gguf_single(x, layer.wide and _wide(x))  # the common case, without the general path's ops
         flat = x.reshape(-1, x.shape[-1])
         if layer.gguf_runs is None:
             y = _dense_product(flat, layer.dequantized, layer.wide)
@@ -247,8 +248,7 @@ def _run(layer: nn.Module, kernel: str, spans: list[tuple[str, int, int]]) -> _R
             packed = qt.pack_int5(parts)
         else:
             packed = qt.pack_kq8(qt.merged([b for _, b in parts]))
-    takes_wide = kernel in ("int8", "int4")
-    return _Run(rows, native_product(f"{kernel}_linear", tuple(packed), rows, cols, takes_wide, layer.wide))
+    return _Run(rows, native_product(f"{kernel}_linear", tuple(packed), rows, cols, True, layer.wide))
 
 
 def load_tied_head(head: nn.Module, raw: torch.Tensor, method: GgufLinearMethod, dtype: torch.dtype) -> None:

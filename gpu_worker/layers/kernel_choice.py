@@ -7,8 +7,8 @@ in a narrower build too. So the process measures, on each candidate class, with 
 
 - each quantized product (an op of cpu_quant.cpp, cpu_quant_k.cpp, cpu_quant_q5.cpp: `int8_linear`,
   `int4_linear`, `int5_linear`, `kq8_linear`) per weight shape (`product_class`): the layer's packed weight
-  times one decode row. On the amx class this picks the few-row path only: from WIDE_ROWS bf16 rows an int8 or
-  4-bit layer still takes amx's wide product (AMX tiles, which live in that build alone; quantization.py's
+  times one decode row. On the amx class this picks the few-row path only: from WIDE_ROWS bf16 rows a
+  quantized layer (every one of these products) still takes amx's wide product (AMX tiles, which live in that build alone; quantization.py's
   NativeProduct holds both ops);
 - the fused decode step (`step_class`, models/fused_decode.py): the model's own step built from each class's
   library, one row over a small private KV cache, its products as chosen above. Only a step whose every
