@@ -12,8 +12,9 @@ newly admitted requests join with their first chunk, and rows that t did not run
 input, all host-fed. Once t is committed, t+1 is validated against the state the commit produced: a fed row
 that finished, whose last token differs from the token it was fed, or whose length moved is an over-run (its
 reserved KV goes back at once); a row whose mask changed is stale (Rewind: discarded and run again; RepickOnly:
-the forward stands and the host samples). A discarded row gives its positions in flight back at once and runs
-again host-fed from num_computed; a row's num_computed moves only when its own step is settled.
+the forward stands and the device picks again from the logits it kept, under the masks as they are now). A
+discarded row gives its positions in flight back at once and runs again host-fed from num_computed; a row's
+num_computed moves only when its own step is settled.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from metrale.ipc.errors import ErrorCode
 from metrale.ipc.plan import FEED_HOST, DeviceError, DeviceLost, FedAheadPolicy, StepKind
 
 from .commit import commit_pooled, commit_prompt_logprobs, commit_tokens
-from .host_sampler import repick
 from .pipeline import NO_MASK, Inflight, Pipeline, Settled, row_mask
 from .scheduler import ScheduledStep
 from .sequence import Sequence
@@ -127,13 +127,13 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
         result = results[0]
         device_tokens = np.array(result.tokens, dtype=np.int64)  # a copy: the result's slot is reused
         tokens = device_tokens
-        if inf.host_logits:  # nothing is launched ahead of a host-logits step
+        if inf.repick:  # nothing is launched ahead of a step to repick
             try:
-                logits = io.device.read_logits(inf.ticket)
+                result = _repick(inf, result, io)
             except DeviceError as e:
                 fail_rows(inf.seqs, io, e)
                 return Settled.FAILED
-            tokens = repick(logits, inf, result, io)  # RepickOnly repair: the pick under each row's mask as it is now
+            tokens = np.array(result.tokens, dtype=np.int64)
         # Settled: each row's positions leave num_inflight (a discarded row's already did) and, kept, join num_computed.
         for s, k, h, gone in zip(inf.seqs, inf.num_new, inf.held, inf.discard):
             s.num_inflight -= h
@@ -161,6 +161,20 @@ def settle(pipeline: Pipeline, io: StepIo) -> Settled:
             s.finish("error", POISONED)
         pipeline.inflight, pipeline.next = nxt, None
     return Settled.DONE
+
+
+def _repick(inf: Inflight, result, io: StepIo):
+    """A RepickOnly repair of a settled step: its sampling rows picked again by the device, from the logits it kept,
+    under each row's mask as it is now (the commits before it changed some); the step's result with those picks
+    (and their logprobs). Counted in io.repicks."""
+    # A discarded row's pick is never committed: no mask (a finished grammar has no next tokens to ask for).
+    masks = [NO_MASK if gone else row_mask(s, io.toks, io.eos_ids) for s, gone in zip(inf.seqs, inf.discard)]
+    ends = [w + k for w, k in zip(inf.written, inf.num_new)]
+    again = io.device.resample(inf.ticket, io.builder.resample(inf.seqs, masks, ends, inf.samples))
+    result.tokens, result.logprobs = again.tokens, again.logprobs
+    result.top_ids, result.top_logprobs = again.top_ids, again.top_logprobs
+    io.repicks += sum(smp and not gone for smp, gone in zip(inf.samples, inf.discard))
+    return result
 
 
 def _commit_picks(inf: Inflight, results: list, io: StepIo) -> None:
@@ -204,7 +218,7 @@ def validate_next(nxt: Inflight, prev_tokens: np.ndarray, io: StepIo) -> list[Se
                 poisoned.append(s)
         elif not s.req.plain and row_mask(s, io.toks, io.eos_ids) != nxt.masks[i]:  # picked under a mask now stale
             if repick_only:
-                stale = True  # the forward stands (its input was right); the host repicks every row
+                stale = True  # the forward stands (its input was right); the device repicks every row
             else:
                 nxt.discard[i] = True  # it runs again, host-fed, with the mask it has now
         if nxt.discard[i]:
@@ -212,7 +226,7 @@ def validate_next(nxt: Inflight, prev_tokens: np.ndarray, io: StepIo) -> list[Se
             # be reused by a later step, which the device runs after this one.
             _drop(nxt, i)
             io.pool.trim(s, s.num_computed)
-    nxt.host_logits = stale
+    nxt.repick = stale
     return poisoned
 
 

@@ -417,10 +417,10 @@ class EngineCore:
 
     def _may_run_ahead(self, inf) -> bool:
         """True when the next step may be launched before the one in flight is committed: its tokens are the
-        device's (no host repick pending), the device is there, and no burst could run instead (then the lane
+        device's (no repick pending), the device is there, and no burst could run instead (then the lane
         settles, and the next tick bursts)."""
         shaper = self.shaper
-        if inf.host_logits or self.io.device_lost or shaper.drafts_ready(self.scheduler.running):
+        if inf.repick or self.io.device_lost or shaper.drafts_ready(self.scheduler.running):
             return False
         if max(shaper.burst_limits) <= 1:
             return True
@@ -519,7 +519,7 @@ class EngineCore:
             generated_tokens=self.generated_tokens,
             spec_draft_tokens=self.speculator.stats.drafted if self.speculator else 0,
             spec_accepted_tokens=self.speculator.stats.accepted if self.speculator else 0,
-            host_repicks=self.io.host_repicks,
+            repicks=self.io.repicks,
             kernels=self.info.kernels,
         )
 

@@ -21,7 +21,7 @@ import numpy as np
 from metrale import xgrammar_core as xg
 from metrale.ipc.errors import ErrorCode, Refused
 from metrale.ipc.messages import GrammarBlob, GrammarVocab
-from metrale.ipc.plan import MASK_GRAMMAR, unpack_bitmask
+from metrale.ipc.plan import MASK_GRAMMAR
 
 from .sequence import Sequence
 
@@ -122,12 +122,3 @@ def fill_bitmasks(seqs: list[Sequence], kinds: list[int], allowed: list[np.ndarr
         g += 1
     return g
 
-
-def allowed_tokens(seq: Sequence, vocab_size: int) -> np.ndarray:
-    """bool [vocab_size]: the tokens seq's grammar allows next (host sampling); all of them once it has ended
-    (the row finished: its pick is discarded)."""
-    if seq.row_state.grammar.terminated:
-        return np.ones(vocab_size, dtype=bool)
-    words = np.zeros((1, xg.bitmask_words(vocab_size)), dtype=np.int32)
-    xg.fill_bitmask(seq.row_state.grammar.matcher, words, 0)
-    return unpack_bitmask(words[0], vocab_size)

@@ -51,7 +51,7 @@ class StepWork:
         return cls(forwards=1, prefill_tokens=prefill, decode_positions=decode)
 
 
-NO_WORK = StepWork()  # a ticket without a plan (logits, LoRA): one forward's overhead
+NO_WORK = StepWork()  # a ticket that runs no forward (a resample, a LoRA load): one forward's overhead
 
 
 @dataclass(slots=True)
@@ -79,7 +79,7 @@ class HangWatch:
         self._seen = 0
 
     def record(self, elapsed_ns: int, work: StepWork) -> None:
-        """A ticket of this work took elapsed_ns. A ticket without tokens (a logits read, a LoRA load) is no step:
+        """A ticket of this work took elapsed_ns. A ticket without tokens (a resample, a LoRA load) is no step:
         it neither counts toward warm-up nor feeds the fit."""
         if not (work.prefill_tokens or work.decode_positions):
             return

@@ -32,6 +32,17 @@ class SpecialTokens:
     tool_call_end: int | None = None
 
 
+def special_tokens_of(tokenizer) -> SpecialTokens:
+    """The token ids the row masks watch for, from a tokenizer's vocabulary (frontend/tokenizer.py's token_id)."""
+    return SpecialTokens(
+        think_start=tokenizer.token_id("<think>"),
+        think_end=tokenizer.token_id("</think>"),
+        code_fence=tokenizer.token_id("```"),
+        tool_call_start=tokenizer.token_id("<tool_call>"),
+        tool_call_end=tokenizer.token_id("</tool_call>"),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class RowMask:
     """What constrains a row's next pick: the MASK_* bits, the forced token, the banned ids, and for a grammar
@@ -61,7 +72,7 @@ class Inflight:
     fed_from: list[int]  # FEED_HOST, or the row of the step before whose device token is the input
     discard: list[bool]  # set by validation (over-run, stale) or an abort: nothing of the row is committed
     drafts: list[list[int]] | None = None  # a VERIFY's drafts per row
-    host_logits: bool = False  # RepickOnly: a mask went stale, the host samples the step's logits
+    repick: bool = False  # RepickOnly: a mask went stale, the device picks again from the logits it kept
     kept: list[int] | None = None  # a settled VERIFY's committed picks per row
     prompt_lp: np.ndarray | None = None  # positions per row whose prompt logprobs the step reports (None: none)
     pool: np.ndarray | None = None  # POOL_* per row whose pooled vector the step reports (None: no row pools)

@@ -216,6 +216,37 @@ class StepBuilder:
             pinned_ids=b.pinned_ids[:n_pinned],
         )
 
+    def resample(self, seqs: list[Sequence], masks: list[RowMask], seq_lens: list[int],
+                 samples: list[bool]) -> StepPlan:
+        """A RESAMPLE plan (Device.resample) for a settled step's rows: their sampling values and masks as they are
+        now, their history as committed (the fed token included), seq_lens the step's (they key the noise), the same
+        rows sampling; one dummy token a row, which the device never reads."""
+        b = self._sets[self._turn]
+        self._turn = (self._turn + 1) % len(self._sets)
+        R = len(seqs)
+        rows = self._rows.rows(seqs, len(self.pool.tables), self.pool.row_moves)
+        b.input_ids[:R] = 0
+        b.positions[:R] = 0
+        b.slot_mapping[:R] = 0
+        b.block_tables[:R] = 0
+        b.query_start[: R + 1] = self._arange[: R + 1]
+        b.seq_lens[:R] = seq_lens
+        b.sample[:R] = samples
+        b.feed_from_row[:R] = FEED_HOST
+        g = self._sampling(b, seqs, rows, masks)
+        h = self._history(b, seqs, rows, None)
+        n_bias, n_pinned = self._bias(b, rows), self._pinned(b, rows)
+        b.prompt_lp[:, :R] = ((-1,), (0,), (-1,))
+        b.pool[:R] = 0
+        b.lora_slots[:R] = -1
+        length = {"T": R, "R": R, "R1": R + 1}
+        return StepPlan(
+            **{name: getattr(b, name)[: length[kind]] for name, kind in _BY_LENGTH},
+            block_tables=b.block_tables[:R].reshape(R, 1), ban_ids=b.ban_ids[:R], hist_tokens=b.hist_tokens[:h],
+            grammar_bitmask=b.grammar_bitmask[:g] if g else b.grammar_bitmask[:0, :0],
+            bias_ids=b.bias_ids[:n_bias], bias_values=b.bias_values[:n_bias], pinned_ids=b.pinned_ids[:n_pinned],
+        )
+
     def _decode_tokens(self, b: _Buffers, seqs: list[Sequence], starts: list[int], tables: np.ndarray,
                        feed: list[int] | None) -> None:
         """Token and per-row arrays of a step whose every row runs one token, with whole-batch numpy."""

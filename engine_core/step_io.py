@@ -14,7 +14,7 @@ from .step_builder import StepBuilder
 @dataclass(slots=True)
 class StepIo:
     """The scheduler's view of the outside world for one engine (the seed's `sched.io`). The lane calls the pool
-    (`allocate` to reserve KV, `trim` to give an over-run's back) and the device (`read_logits`) directly."""
+    (`allocate` to reserve KV, `trim` to give an over-run's back) and the device (`resample`) directly."""
 
     device: Device
     pool: KvBlockPool
@@ -25,4 +25,4 @@ class StepIo:
     last_error: str | None = None  # the last device error, for health reports
     recover: bool = False  # a lost device requeues its rows (True) or fails them (False, the seed's way)
     device_lost: str | None = None  # set when the device died under recover; the engine requeues
-    host_repicks: int = 0  # rows whose token the host picked again (RepickOnly repairs: host_sampler.repick)
+    repicks: int = 0  # rows the device picked again (RepickOnly repairs: decode_lane._repick)

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import numpy as np
 import psutil
 
 from metrale.ipc.doorbell import Attached, Bell, BellListener, Shutdown, WorkerFailed, WorkerReady, bell_path
@@ -264,19 +263,20 @@ class WorkerDevice:
         finally:
             self._inflight[slot] = 0
 
-    def read_logits(self, ticket: Ticket) -> np.ndarray:
-        """float32 [R, V] raw logits of a settled ticket's step (zero rows did not sample), through the ring's
-        logits region: a logits ticket, run in order after what is in flight. DeviceError when the worker no
-        longer keeps them, or the ring carries no logits (a model that never needs host sampling)."""
+    def resample(self, ticket: Ticket, plan: StepPlan) -> StepResult:
+        """A settled ticket's step picked again by the worker's sampler from the logits it kept, under plan's
+        sampling arrays (Device.resample): a RESAMPLE ticket, run in order after what is in flight, to rank 0
+        alone. DeviceError when the worker no longer keeps them or the plan does not fit."""
         if self._closed:
             raise DeviceError("the device is closed")
-        if not self._ring.geometry.max_logits_vocab:
-            raise DeviceError("this device's ticket ring carries no logits (its model never needs host sampling)")
-        return self._collect(self._publish(lambda slot: self._ring.write_logits_request(slot, ticket.seq)),
-                             self._ring.read_logits)
+        try:
+            resample = self._publish(lambda slot: self._ring.write_resample(slot, plan, ticket.seq))
+        except ValueError as e:
+            raise DeviceError(str(e)) from None
+        return self._collect(resample, lambda slot: self._ring.read_result(slot, copy=True))
 
     def _publish(self, write, *, work: StepWork = NO_WORK, every_rank: bool = False) -> Ticket:
-        """Launch the next ticket: write(slot) fills its slot (a plan, or a logits or LoRA ticket's request; its
+        """Launch the next ticket: write(slot) fills its slot (a plan, or a LoRA ticket's request; its
         ValueError leaves nothing launched), which is then published in order after what is in flight and rung
         to rank 0, or to every rank when each one acts on it."""
         seq = self._next_seq

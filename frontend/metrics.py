@@ -176,8 +176,8 @@ def _engine_families(s: EngineStats) -> Iterator[Metric]:
     yield CounterMetricFamily("metrale_preemptions", "Preemptions since the engine core started.",
                               value=s.preemptions)
     yield CounterMetricFamily("metrale_engine_steps", "Steps since the engine core started.", value=s.steps)
-    yield CounterMetricFamily("metrale_host_repicks", "Tokens picked again on the host (RepickOnly repairs).",
-                              value=getattr(s, "host_repicks", 0))
+    yield CounterMetricFamily("metrale_repicks", "Tokens picked again under a stale mask (RepickOnly repairs).",
+                              value=getattr(s, "repicks", 0))
     yield CounterMetricFamily("metrale_engine_generated_tokens", "Tokens the engine core generated since it started.",
                               value=s.generated_tokens)
     # The worker's busy and idle time, when the engine core reports them (getattr: older engine cores do not).

@@ -13,8 +13,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
-import numpy as np
-
+from metrale.gpu_worker.errors import PlanError
 from metrale.gpu_worker.model_runner import ModelRunner
 from metrale.gpu_worker.result_copy import launch_ticket
 from metrale.ipc.plan import DeviceError, ModelInfo, StepKind, StepPlan, StepResult, Ticket, check_ticket
@@ -56,7 +55,7 @@ class LocalDevice:
         self.runner = runner
         self.threaded = threaded
         self._next_seq = 0
-        self._runner_step: dict[int, int] = {}  # ticket seq -> runner step index (for read_logits)
+        self._runner_step: dict[int, int] = {}  # ticket seq -> runner step index (for resample)
         self._outcomes: dict[int, _Outcome] = {}  # finished steps not yet awaited
         self._finished = 0  # steps finish in launch order: seqs below this have finished
         self._done = threading.Condition()
@@ -107,22 +106,28 @@ class LocalDevice:
             raise DeviceError(f"step {ticket.seq} failed: {outcome.error!r}") from outcome.error
         return outcome.result
 
-    def read_logits(self, ticket: Ticket) -> np.ndarray:
-        """float32 [R, V] raw logits of the ticket's (settled) step; zero rows did not sample."""
+    def resample(self, ticket: Ticket, plan: StepPlan) -> StepResult:
+        """The ticket's (settled) step picked again by the runner's sampler from the logits it kept, under plan's
+        sampling arrays (Device.resample), once every launched step has run; DeviceError when they are gone."""
         step = self._runner_step.get(ticket.seq)
         if step is None:
             raise DeviceError(f"step {ticket.seq} has no logits (not run, or failed)")
+        self._quiet()
         try:
-            return self.runner.read_logits(step)
-        except KeyError as exc:
+            return self.runner.resample(step, plan).result()
+        except (KeyError, PlanError) as exc:
             raise DeviceError(str(exc)) from exc
+
+    def _quiet(self) -> None:
+        """Wait until every launched step has run: the runner is then this thread's to call."""
+        with self._done:
+            while self._finished < self._next_seq and not self._closed:
+                self._done.wait(_WAIT_SLICE_S)
 
     def load_lora(self, slot: int, path: str) -> None:
         """Load (or, path "", empty) a LoRA slot of the runner once every launched step has run; DeviceError naming
         what is wrong."""
-        with self._done:
-            while self._finished < self._next_seq and not self._closed:
-                self._done.wait(_WAIT_SLICE_S)
+        self._quiet()
         try:
             self.runner.load_lora(slot, path)
         except ValueError as exc:

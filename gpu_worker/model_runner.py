@@ -44,7 +44,7 @@ from metrale.ipc.sampling import logprobs_cap
 CPU_KV_CACHE_BYTES = 512 << 20  # default KV budget on a CPU: enough for tests and demos
 GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after loading, when no budget is given
 GPU_RESERVED_BYTES = 1 << 30  # left for activations, logits and the sampler's scratch
-LOGITS_KEPT = 2  # steps whose logits read_logits can still return (the settled one and one ahead)
+LOGITS_KEPT = 2  # steps whose logits read_logits and resample can still use (the settled one and one ahead)
 _PROMPT_LOGITS_SLICE = 256  # prompt positions whose vocabulary-wide logits are made at once
 
 log = logging.getLogger(__name__)
@@ -311,6 +311,27 @@ class ModelRunner:
                 return out
         raise KeyError(f"logits of step {step} are no longer kept")
 
+    def resample(self, step: int, plan: StepPlan) -> PendingResult:
+        """Executed step `step` picked again from its kept logits under plan's sampling arrays (a RESAMPLE ticket:
+        a RepickOnly repair, its masks as they are now); plan's rows are the step's and the same rows sample. The
+        sampler is the step's, so a row whose mask did not change picks what it picked. Nothing is fed from it: the
+        engine launches nothing ahead of a repaired step. KeyError when the logits are gone, PlanError for rows
+        that are not the step's."""
+        kept = next((k for k in self._logits if k.step == step), None)
+        if kept is None:
+            raise KeyError(f"logits of step {step} are no longer kept")
+        rows = np.flatnonzero(plan.sample)
+        if plan.num_rows != kept.num_rows or not np.array_equal(rows, kept.rows):
+            raise PlanError(f"a resample of step {step} for other rows than it sampled")
+        self._check_sampling(plan)
+        start = time.perf_counter()
+        self._last_sample = self._last_picks = None
+        with torch.inference_mode():
+            self._staging.begin()
+            out = self.sampler(kept.logits, plan, torch.from_numpy(rows))
+            self._staging.end()
+            return self._copier.start(plan.num_rows, rows, out, start)
+
     # ---- the step ------------------------------------------------------------------------------
 
     def _step(self, plan: StepPlan, greedy: bool | None = None) -> PendingResult:
@@ -422,11 +443,7 @@ class ModelRunner:
         if (plan.lora_slots >= 0).any() and (self.lora is None or _outside(plan.lora_slots[plan.lora_slots >= 0],
                                                                           len(self.lora.adapters))):
             raise PlanError("invalid plan: a row's LoRA slot is not one this runner holds")
-        grammar_rows = int(np.count_nonzero(plan.mask_kind & MASK_GRAMMAR))
-        if grammar_rows and (plan.grammar_bitmask.shape[0] != grammar_rows
-                             or 32 * plan.grammar_bitmask.shape[1] < self.info.vocab_size):
-            raise PlanError(f"invalid plan: {grammar_rows} grammar rows need as many bitmasks of the vocabulary, "
-                            f"got {plan.grammar_bitmask.shape}")
+        self._check_sampling(plan)
         if self.state is not None:
             slots = plan.state_slots
             if len(slots) != r or _outside(slots, self.state.num_slots):
@@ -435,6 +452,14 @@ class ModelRunner:
                 raise PlanError("invalid plan: two rows share a state slot")
             if plan.num_drafts.any():  # the engine core never speculates for such a model (engine._for_state_slots)
                 raise PlanError("invalid plan: draft tokens for a recurrent model (its state cannot drop rejected ones)")
+
+    def _check_sampling(self, plan: StepPlan) -> None:
+        """PlanError for sampling arrays the sampler cannot read: grammar rows without as many bitmasks."""
+        grammar_rows = int(np.count_nonzero(plan.mask_kind & MASK_GRAMMAR))
+        if grammar_rows and (plan.grammar_bitmask.shape[0] != grammar_rows
+                             or 32 * plan.grammar_bitmask.shape[1] < self.info.vocab_size):
+            raise PlanError(f"invalid plan: {grammar_rows} grammar rows need as many bitmasks of the vocabulary, "
+                            f"got {plan.grammar_bitmask.shape}")
 
     def _prepare(self, plan: StepPlan, input_ids: torch.Tensor) -> _Prepared:
         """Copy the plan's (checked) positions and slots to the device and build the attention metadata."""

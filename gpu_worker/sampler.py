@@ -13,7 +13,7 @@ for rows that do not ask for it.
 
 Agreement: the noise's logs, min-p's log and top-p's weights are not torch's log and exp but the rules
 ipc/sampling_rules.py defines (log32, exp_weights: IEEE + - * / in a fixed order), computed here
-op for op, so the device, the native kernels and the host's repick give the same bits on every CPU and
+op for op, so the device, the native kernels and the numpy sampler (metrale/testing) give the same bits on every CPU and
 vector unit; top-p compares exact integer masses.
 
 On a CPU where the native kernels are loaded, the picks are one fused kernel per row

@@ -12,9 +12,10 @@ for a verify step's drafts. The worker launches ticket t+1 as soon as it is publ
 t's tokens — before t's tokens have reached the host, and writes t's result when its copy has landed, so the
 device is never left waiting for the host's round trip (on a CPU, or a runner that runs a step to completion, a
 step's result is ready when launch returns, and the loop is the synchronous one). One that counts its steps
-(`steps_executed`) and keeps their logits (`read_logits(step)`) also answers logits tickets: the engine asks for
-a settled ticket's logits (a RepickOnly repair), and the worker writes that step's logits into the ring's logits
-region. The plan's arrays are views into the shared slot: a runner copies what it keeps past execute().
+(`steps_executed`) and keeps their logits (`resample(step, plan)`) also answers RESAMPLE tickets: a RepickOnly
+repair, where the engine sends the settled ticket's rows with their masks as they are now and the runner's sampler
+picks again from that step's kept logits, answered as the step's result would be. The plan's arrays are views
+into the shared slot: a runner copies what it keeps past execute().
 With METRALE_SIMULATE_DEVICE set (SIMULATE_ENV; "A,B,C" ms, or empty for the defaults) the runner is
 sim_runner.SimRunner, a simulated device (a calibrated step time, no CPU meanwhile, toy tokens): benchmarks and
 tests start `metrale serve` around it with no weights and no GPU.
@@ -25,7 +26,7 @@ engine core's host each connect their own doorbell and read every plan from the 
 results, publishes them and rings the engine. Every rank samples every row itself, from the same gathered logits
 with the plan's parameters, noise and grammar bitmasks, so the ranks pick alike and each feeds its own next
 step. Ranks on other hosts get each plan from rank 0 over the process group (gpu_worker/plan_broadcast.py). A
-logits ticket runs no collective: rank 0 answers it alone and the other ranks pass it by. A step that fails its
+RESAMPLE ticket runs no collective: rank 0 answers it alone and the other ranks pass it by. A step that fails its
 checks (PlanError) fails alike on every rank and is that step's error; any other failure under tensor
 parallelism, or a collective that fails (GroupLost: a peer is gone), ends the rank with EXIT_GROUP_LOST, since
 its peers may be waiting in a collective it will never reach: the supervisor then restarts the whole group and
@@ -62,7 +63,7 @@ DEFAULT_FACTORY = "metrale.gpu_worker.model_runner:ModelRunner"
 SIMULATE_ENV = "METRALE_SIMULATE_DEVICE"  # set ("A,B,C" ms, or empty): serve a simulated device (sim_runner.py)
 SIM_FACTORY = "metrale.gpu_worker.sim_runner:SimRunner"
 DEFAULT_SPIN_US = 100.0  # then block on the doorbell; the spin yields the core every turn (TicketRing._spin)
-TICKETS_REMEMBERED = 8  # tickets whose runner step the worker remembers, for logits tickets (the runner keeps fewer)
+TICKETS_REMEMBERED = 8  # tickets whose runner step the worker remembers, for RESAMPLE tickets (the runner keeps fewer)
 WAIT_SLICE_S = 0.02  # how often a blocked worker checks that its parent lives
 EXIT_GROUP_LOST = 3  # a tensor-parallel rank whose group broke (a peer died, a collective failed)
 
@@ -81,7 +82,7 @@ class WorkerConfig:
 
 @dataclass(slots=True)
 class _Started:
-    """A ticket the worker has launched: its pending results (None: already written, an error or logits)."""
+    """A ticket the worker has launched: its pending results (None: already written, an error or a LoRA load)."""
 
     slot: int
     seq: int
@@ -166,14 +167,13 @@ class WorkerLoop:
             os.sched_yield()
 
     def start_step(self, slot: int, seq: int) -> _Started:
-        """Launch ticket seq's plan in slot (one step, a decode burst's, or a verify step), or answer a logits
-        ticket, or write the step's error; the worker keeps serving (see _failed for tensor parallelism)."""
+        """Launch ticket seq's plan in slot (one step, a decode burst's, a verify step, or a resample), or answer a
+        LoRA ticket, or write the step's error; the worker keeps serving (see _failed for tensor parallelism)."""
         ring = self.ring
         t0 = time.perf_counter_ns()
         kind = ring.plan_kind(slot)
-        if kind == StepKind.LOGITS:
-            self._answer_logits(slot, t0)
-            return _Started(slot, seq, 0, t0, None)
+        if kind == StepKind.RESAMPLE:
+            return _Started(slot, seq, 0, t0, self._resample(slot, t0))
         if kind == StepKind.LORA:
             self._answer_lora(slot, t0)
             return _Started(slot, seq, 0, t0, None)
@@ -231,7 +231,7 @@ class WorkerLoop:
             ran = self.run_step(slot, seq)
             # The engine reuses a slot only after rank 0 published its result, which needs this rank's share of
             # the step's collectives, and it keeps fewer tickets in flight than slots: a reused slot means
-            # this rank read a plan that changed under it (a logits ticket, which rank 0 answers alone, aside).
+            # this rank read a plan that changed under it (a RESAMPLE ticket, which rank 0 answers alone, aside).
             if ran and ring.plan_seq(slot) != seq:
                 raise GroupLost(f"rank {self.rank}: ticket {seq}'s slot was reused while it ran")
             t0 = time.monotonic_ns()
@@ -255,11 +255,11 @@ class WorkerLoop:
         return True
 
     def run_step(self, slot: int, seq: int) -> int:
-        """A rank > 0's run of ticket seq's plan in slot: the steps rank 0 runs, nothing written (a logits
+        """A rank > 0's run of ticket seq's plan in slot: the steps rank 0 runs, nothing written (a RESAMPLE
         ticket is rank 0's alone); the steps run. GroupLost for a failure past the plan's checks."""
         ring = self.ring
         kind = ring.plan_kind(slot)
-        if kind == StepKind.LOGITS:
+        if kind == StepKind.RESAMPLE:
             return 0
         if kind == StepKind.LORA:  # every rank holds its shard of the adapter; rank 0 answers
             try:
@@ -279,14 +279,16 @@ class WorkerLoop:
             raise GroupLost(f"rank {self.rank}: a step failed past its checks: {exc!r}") from exc
         return steps
 
-    def _answer_logits(self, slot: int, t0: int) -> None:
-        """Write the logits a logits ticket asks for, or its error (the step failed, or is no longer kept)."""
+    def _resample(self, slot: int, t0: int) -> list | None:
+        """Launch a RESAMPLE ticket's picks on the runner (their pending result), or write its error (the step
+        failed, its logits are no longer kept, the rows are not its own) and return None."""
         ring = self.ring
         try:
-            ring.write_logits(slot, self.logits_of(ring.logits_of(slot)), exec_ns=time.perf_counter_ns() - t0)
+            return [self.runner.resample(self.step_of(ring.resample_of(slot)), ring.read_plan(slot))]
         except Exception as exc:  # noqa: BLE001 - that ticket's error; no collective ran, the group goes on
             traceback.print_exc(file=sys.stderr)
             ring.write_error(slot, f"{type(exc).__name__}: {exc}", exec_ns=time.perf_counter_ns() - t0)
+            return None
 
     def _answer_lora(self, slot: int, t0: int) -> None:
         """Load (or empty) the LoRA slot a LoRA ticket names and answer it, or write its error; not across hosts
@@ -307,12 +309,12 @@ class WorkerLoop:
             self.runner_steps[seq] = executed - 1
             self.runner_steps.pop(seq - TICKETS_REMEMBERED, None)
 
-    def logits_of(self, seq: int):
-        """float32 [R, V] logits of ticket seq's (last) step; KeyError if it failed or is no longer kept."""
+    def step_of(self, seq: int) -> int:
+        """The runner's index of ticket seq's (last) step; KeyError if it failed or is too old."""
         step = self.runner_steps.get(seq)
         if step is None:
             raise KeyError(f"step {seq} has no logits here (it failed, was never run, or is too old)")
-        return self.runner.read_logits(step)
+        return step
 
     def should_exit(self) -> bool:
         """Whether the engine said Shutdown, its end of the doorbell closed, or our parent died."""

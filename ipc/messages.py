@@ -169,9 +169,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_cache_queried_tokens: int = 0
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0  # ... and kept (the acceptance rate is their ratio)
-    # RepickOnly repairs: tokens the host picked again from a step's logits (a recurrent model's step
+    # RepickOnly repairs: tokens the device picked again from a step's kept logits (a recurrent model's step
     # launched ahead whose mask went stale).
-    host_repicks: int = 0
+    repicks: int = 0
     worker_recoveries: int = 0  # workers this engine core lost and replaced
     kernels: str = ""  # the worker's kernels (ModelInfo.kernels): a CPU's instruction-set class, "torch" or "cuda"
     last_worker_recovery: WorkerRecovery | None = None

@@ -41,14 +41,16 @@ class StepKind(enum.IntEnum):
     STEP = 0  # one forward over the plan's tokens, one pick per sampling row (prefill, decode, mixed, fed ahead)
     BURST = 1  # `steps` decode steps of the same rows, each fed its own previous pick (await_burst)
     VERIFY = 2  # each row's last token and its drafts, picks kept up to the first rejected draft (await_burst)
-    LOGITS = 3  # no plan: the logits of a settled step (Device.read_logits; a ticket of its own on the ring)
+    # A plan of a settled step's sampling rows under their masks now: picked again from the logits the device kept
+    # of that step (Device.resample: a RepickOnly repair), answered as a STEP's result.
+    RESAMPLE = 3
     LORA = 4  # no plan: load a LoRA adapter into a slot, or empty it (Device.load_lora; in order with the steps)
 
 
 def check_ticket(kind: StepKind, steps: int, burst_limit: int) -> None:
     """ValueError unless a device that bursts up to burst_limit steps runs this ticket: a BURST of 1 to
-    burst_limit steps, a STEP or a VERIFY of one (a LOGITS ticket carries no plan)."""
-    if kind in (StepKind.LOGITS, StepKind.LORA) or kind not in StepKind.__members__.values():
+    burst_limit steps, a STEP or a VERIFY of one (a RESAMPLE goes through Device.resample, a LORA carries no plan)."""
+    if kind in (StepKind.RESAMPLE, StepKind.LORA) or kind not in StepKind.__members__.values():
         raise ValueError(f"a plan cannot be launched as {kind!r}")
     top = burst_limit if kind == StepKind.BURST else 1
     if not 1 <= steps <= top:
@@ -249,8 +251,8 @@ class Device(Protocol):
     """The model as the engine core sees it. Implementations: LocalDevice, WorkerDevice, FakeDevice.
 
     What it can run: one step of any plan (StepKind.STEP), a verify step (a plan with drafts: StepKind.VERIFY,
-    answered as a burst), a decode burst of up to `burst_limit` steps (StepKind.BURST; 1: none), and the logits
-    of a settled step (read_logits).
+    answered as a burst), a decode burst of up to `burst_limit` steps (StepKind.BURST; 1: none), and the picks of a
+    settled step made again under new masks (resample).
     """
 
     burst_limit: int  # the most decode steps one ticket may ask for (1: the device runs no bursts)
@@ -267,9 +269,12 @@ class Device(Protocol):
         """Wait for a burst's steps, or a verify step's picks: one result per step."""
         ...
 
-    def read_logits(self, ticket: Ticket) -> np.ndarray:
-        """float32[R, V] raw logits of a settled step, zero rows where it did not sample (host sampling
-        under RepickOnly); DeviceError when they are no longer kept."""
+    def resample(self, ticket: Ticket, plan: StepPlan) -> StepResult:
+        """The settled step of ticket picked again from the logits the device kept of it (a RepickOnly repair: its
+        forward stands, a mask went stale): plan has the step's rows, the same rows sampling, with the sampling
+        arrays as they are now (masks, bitmasks, history; seq_lens the step's, which key the noise); its token
+        arrays are unused. A result as the step's (tokens, logprobs when asked); DeviceError when the logits are
+        no longer kept. Nothing may be in flight behind the step."""
         ...
 
     def load_lora(self, slot: int, path: str) -> None:

@@ -1,12 +1,12 @@
-"""The seeded draw's rules, shared by the device sampler (gpu_worker/sampler.py, cpu_sampling.cpp) and the host's
-(engine_core/host_sampler.py): one definition of each constant and of the numpy side of each rule.
+"""The seeded draw's rules, shared by the device sampler (gpu_worker/sampler.py, cpu_sampling.cpp) and the numpy one
+(metrale/testing/host_sampler.py, FakeDevice's): one definition of each constant and of the numpy side of each rule.
 
-A host repick must pick what the device would have, so both compute the same float32 values bit for bit: the
-noise key is splitmix64 of (seed, position, vocab index), the uniform draw (k + 0.5) / 2**NOISE_BITS, the noise
--log32(-log32(u)), top-p's weights exp_weights. `log32` (fdlibm's logf) and `exp_weights` (Cephes' expf) are IEEE
+The fake device the lane is tested on must pick what the device would have, so both compute the same float32
+values bit for bit: the noise key is splitmix64 of (seed, position, vocab index), the uniform draw
+(k + 0.5) / 2**NOISE_BITS, the noise -log32(-log32(u)), top-p's weights exp_weights. `log32` (fdlibm's logf) and `exp_weights` (Cephes' expf) are IEEE
 + - * / and bit operations in a fixed order, with constants given by their bits, so the device's versions (torch
-op for op, the native kernels) give the same bits whatever libm or vector unit runs them. numpy only: the engine
-core imports no torch.
+op for op, the native kernels) give the same bits whatever libm or vector unit runs them. numpy only: it is the
+numpy side of each rule.
 """
 
 from __future__ import annotations

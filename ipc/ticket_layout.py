@@ -1,15 +1,13 @@
 """The ticket ring's byte layout: where every field of a plan and a result lives in the shared segment.
 
-A segment is a 4 KiB header page, then num_slots slots of equal size, then (for a model whose logits may
-come back to the host) one logits region. The header holds int64s: magic, version, owner pid, slot size, the
-RingGeometry that sized the slots, and the worker's counters. A slot is a 256-byte control block (counts and
+A segment is a 4 KiB header page, then num_slots slots of equal size. The header holds int64s: magic, version,
+owner pid, slot size, the RingGeometry that sized the slots, and the worker's counters. A slot is a 256-byte control block (counts and
 sequence numbers, engine-written half then worker-written half, so the two sides never share a cache line)
 followed by one fixed-capacity region per StepPlan and StepResult array, each 64-byte aligned and sized for the
-geometry's worst case. The logits region holds max_rows x max_logits_vocab float32: one step's logits, written
-by the worker when a ticket asks for them (a logits ticket: steps 0, C_LOGITS_OF naming the step), read by the
-engine before it asks again; a ring with max_logits_vocab 0 has none, so ordinary models pay nothing for it.
-TicketRing (tickets.py) maps this layout onto an open segment; this module only computes it and checks that a
-plan or result fits.
+geometry's worst case. No logits cross the ring: a RepickOnly repair is a RESAMPLE ticket, a plan of the
+settled step's sampling rows under their masks now (C_RESAMPLE_OF naming that step), which the worker samples
+again from the logits it kept and answers as any step's result. TicketRing (tickets.py) maps this layout onto an
+open segment; this module only computes it and checks that a plan or result fits.
 """
 
 from __future__ import annotations
@@ -23,12 +21,13 @@ from .plan import StepPlan, StepResult
 from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAGIC = 0x474E52454C52544D  # b"MTRLERNG" little-endian
-VERSION = 12  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
+VERSION = 13  # 5: StepPlan.grammar_bitmask and num_drafts, StepPlan.state_slots, the logits region and logits tickets;
 # 6: StepPlan.bias_start, bias_ids and bias_values (logit_bias); 7: the ticket's StepKind (C_KIND);
 # 8: prompt logprobs (StepPlan.prompt_lp_*, StepResult.prompt_*); 9: embeddings (StepPlan.pool, StepResult.pooled,
 # RingGeometry.max_pool_dim; the worker's counters moved to H_WORKER 24; StepPlan.lora_slots); 10: LoRA tickets (C_KIND LORA, C_LORA_SLOT, the request text region)
 # 11: the alternatives regions (RNS, PN) hold a bounded number of rows (RingGeometry.sample_logprob_rows / prompt_logprob_rows)
 # 12: StepPlan.pinned_start and pinned_ids (logprob_token_ids), counted by C_PI in the control block's third line
+# 13: RESAMPLE tickets (C_KIND 3, C_RESAMPLE_OF) in place of logits tickets; no logits region (max_logits_vocab gone)
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -40,12 +39,12 @@ CTRL_BYTES = 384  # 128-byte lines: engine-written, worker-written, engine-writt
 # Header int64 indices.
 H_MAGIC, H_VERSION, H_OWNER_PID, H_SLOT_BYTES = 0, 1, 2, 3
 H_GEOMETRY = 4  # the RingGeometry fields, in order
-N_GEOMETRY = 13  # RingGeometry's fields in the header (at most 20: the worker's counters follow)
+N_GEOMETRY = 12  # RingGeometry's fields in the header (at most 20: the worker's counters follow)
 H_WORKER = 24  # worker_pid, started_ns, idle_ns, busy_ns, steps, waiting_since_ns (worker-written)
 # Control block int64 indices (relative to the slot's first int64).
 C_PLAN_SEQ, C_T, C_R, C_B, C_K, C_H, C_SO, C_SI, C_G, C_W, C_STEPS = range(11)  # C_STEPS: a burst's steps
 C_S = 11  # state_slots entries (0 or R)
-C_LOGITS_OF = 12  # a logits ticket (C_KIND LOGITS): the seq of the step whose logits it asks for
+C_RESAMPLE_OF = 12  # a RESAMPLE ticket: the seq of the settled step whose kept logits it samples again
 C_BI = 13  # logit_bias entries (bias_ids, bias_values)
 C_KIND = 14  # the ticket's StepKind: what the worker runs
 C_LORA_SLOT = 15  # a LoRA ticket: the adapter slot; its adapter's path is the slot's request text (empty: unload)
@@ -141,7 +140,6 @@ class RingGeometry:
     max_swaps: int = 4096  # block copies per step, each way
     max_burst: int = 1  # decode steps one ticket may ask for (results held per step; a verify step's picks too)
     max_bitmask_words: int = 1  # int32 words of a grammar row's token bitmask (the model's vocab / 32)
-    max_logits_vocab: int = 0  # vocabulary of the logits region (0: none; a model that never host-samples)
     max_pool_dim: int = 0  # width of a pooled vector (the model's hidden size; 0: the ring carries no embeddings)
 
     def capacity(self, kind: str) -> int:
@@ -179,11 +177,6 @@ class RingGeometry:
         the scheduler chunks a prompt_logprobs prefill to)."""
         return prompt_logprob_rows(self.max_tokens, self.max_logprobs)
 
-    @property
-    def logits_bytes(self) -> int:
-        """Size of the logits region (after the slots): one step's [max_rows, max_logits_vocab] float32."""
-        return -(-self.max_rows * self.max_logits_vocab * 4 // 4096) * 4096
-
 
 def prompt_logprob_rows(max_tokens: int, max_logprobs: int) -> int:
     """Prompt positions whose alternatives (max_logprobs each: the ring's width) one step may report: every token of a
@@ -192,9 +185,9 @@ def prompt_logprob_rows(max_tokens: int, max_logprobs: int) -> int:
 
 
 def check_geometry(g: RingGeometry) -> None:
-    """ValueError unless every capacity is positive (the logits and pooled regions may be absent)."""
+    """ValueError unless every capacity is positive (the pooled region may be absent)."""
     for f in dataclasses.fields(g):
-        if getattr(g, f.name) < (0 if f.name in ("max_logits_vocab", "max_pool_dim") else 1):
+        if getattr(g, f.name) < (0 if f.name == "max_pool_dim" else 1):
             raise ValueError(f"RingGeometry.{f.name} must be >= 1, got {getattr(g, f.name)}")
 
 

@@ -47,7 +47,7 @@ from .ticket_layout import (
     C_H,
     C_K,
     C_KIND,
-    C_LOGITS_OF,
+    C_RESAMPLE_OF,
     C_LORA_SLOT,
     C_PLAN_SEQ,
     C_R,
@@ -172,8 +172,6 @@ class TicketRing:
         self._plan_regions = [regions(base, at, offsets, self.geometry, PLAN_FIELDS) for at in slot_at]
         self._result_regions = [regions(base, at, offsets, self.geometry, RESULT_FIELDS) for at in slot_at]
         self._text_regions = [regions(base, at, offsets, self.geometry, TEXT_FIELDS)[0] for at in slot_at]
-        logits_at = HEADER_BYTES + self.num_slots * slot_bytes
-        self._logits = base[logits_at : logits_at + self.geometry.logits_bytes].view(np.float32)
         self._plan_cache: list[tuple[tuple | None, list[np.ndarray] | None]] = [(None, None)] * self.num_slots
         # The header and control blocks as int64s read and written one at a time: the hot spin reads
         # a seq through this memoryview, several times cheaper than numpy scalar indexing.
@@ -189,7 +187,7 @@ class TicketRing:
         offsets = region_offsets(geometry)
         slot_bytes = offsets["_end"]
         name = segment_name(os.getpid(), token)
-        size = HEADER_BYTES + geometry.num_slots * slot_bytes + geometry.logits_bytes
+        size = HEADER_BYTES + geometry.num_slots * slot_bytes
         shm = SharedMemory(name=name, create=True, size=size)
         try:
             os.fchmod(shm._fd, 0o600)  # the default already, but umask-independent and explicit
@@ -215,7 +213,7 @@ class TicketRing:
     def close(self) -> None:
         """Unmap the ring; the owner also unlinks the segment. Idempotent."""
         self._plan_regions = self._result_regions = self._text_regions = self._plan_cache = []
-        self._q = self._logits = None
+        self._q = None
         self._finalizer()
 
     def __enter__(self) -> TicketRing:
@@ -244,21 +242,21 @@ class TicketRing:
         self._seqs[self._ctrl[slot] + C_PLAN_SEQ] = seq
 
     def plan_kind(self, slot: int) -> StepKind:
-        """What the slot's ticket asks for (LOGITS: a logits ticket, see write_logits_request)."""
+        """What the slot's ticket asks for (RESAMPLE: see write_resample; LORA: see write_lora_request)."""
         return StepKind(self._seqs[self._ctrl[slot] + C_KIND])
 
     def plan_steps(self, slot: int) -> int:
         """How many steps the slot's plan asks for (1, or a BURST's)."""
         return self._seqs[self._ctrl[slot] + C_STEPS]
 
-    def write_logits_request(self, slot: int, of_seq: int) -> None:
-        """Make the slot a logits ticket: it asks for the logits of the step of ticket of_seq (publish it
-        like a plan); ValueError when the ring has no logits region."""
-        if not self.geometry.max_logits_vocab:
-            raise ValueError("this ticket ring carries no logits (its max_logits_vocab is 0)")
+    def write_resample(self, slot: int, plan: StepPlan, of_seq: int) -> None:
+        """Make the slot a RESAMPLE ticket: pick again for the sampling rows of the settled step of ticket of_seq,
+        from the logits the worker kept, under plan's sampling arrays (publish it like a plan); ValueError
+        (nothing written) if the plan does not fit."""
+        self.write_plan(slot, plan)
         c = self._ctrl[slot]
-        self._seqs[c + C_LOGITS_OF] = of_seq
-        self._seqs[c + C_KIND] = StepKind.LOGITS
+        self._seqs[c + C_RESAMPLE_OF] = of_seq
+        self._seqs[c + C_KIND] = StepKind.RESAMPLE
 
     def write_lora_request(self, slot: int, lora_slot: int, path: str) -> None:
         """Make the slot a LoRA ticket: load the adapter at path into lora_slot ("" empties it); publish it like a
@@ -279,9 +277,9 @@ class TicketRing:
         end = int(np.argmax(text == 0))
         return self._seqs[self._ctrl[slot] + C_LORA_SLOT], text[:end].tobytes().decode("utf-8")
 
-    def logits_of(self, slot: int) -> int:
-        """The seq whose logits a logits ticket asks for."""
-        return self._seqs[self._ctrl[slot] + C_LOGITS_OF]
+    def resample_of(self, slot: int) -> int:
+        """The seq of the step whose kept logits a RESAMPLE ticket samples again."""
+        return self._seqs[self._ctrl[slot] + C_RESAMPLE_OF]
 
     def plan_seq(self, slot: int) -> int:
         """The seq of the latest plan published in a slot (0: none yet)."""
@@ -357,24 +355,6 @@ class TicketRing:
         error[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         c = self._ctrl[slot]
         self._q[c + C_STATUS : c + C_RES_STEPS + 1] = (STATUS_ERROR, 0, 0, 0, len(raw), exec_ns, 0)
-
-    def write_logits(self, slot: int, logits: np.ndarray, exec_ns: int = 0) -> None:
-        """Answer a logits ticket: copy float32 [R, V] logits into the logits region; ValueError (nothing
-        written) if they do not fit."""
-        r, v = logits.shape
-        if r > self.geometry.max_rows or v > self.geometry.max_logits_vocab:
-            raise ValueError(
-                f"logits of {r} rows x {v} ids, the ticket ring holds {self.geometry.max_rows} x {self.geometry.max_logits_vocab}"
-            )
-        np.copyto(self._logits[: r * v].reshape(r, v), logits, casting="same_kind")
-        c = self._ctrl[slot]
-        self._q[c + C_STATUS : c + C_RES_STEPS + 1] = (STATUS_OK, r, v, 0, 0, exec_ns, 0)
-
-    def read_logits(self, slot: int) -> np.ndarray:
-        """A copy of the logits a logits ticket in slot was answered with (float32 [R, V])."""
-        c = self._ctrl[slot]
-        r, v = self._seqs[c + C_RES_R], self._seqs[c + C_RES_N]
-        return self._logits[: r * v].reshape(r, v).copy()
 
     def publish_result(self, slot: int, seq: int) -> None:
         """Make the result (or error) written in a slot visible as the answer to ticket seq."""

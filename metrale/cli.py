@@ -288,7 +288,7 @@ def status(host: str, port: int, as_json: bool, api_key: str | None) -> None:
                 f"{s.kv_blocks_cached} cached / {s.kv_blocks_total} total, {s.generated_tokens} tokens generated, "
                 f"prefix-cache hit rate {s.prefix_cache_hit_rate:.2f}"
                 + (f", {s.kernels} kernels" if s.kernels else "")
-                + (f", {s.host_repicks} host repicks" if s.host_repicks else "")
+                + (f", {s.repicks} repicks" if s.repicks else "")
             )
             if s.last_worker_recovery is not None:
                 where = "" if s is stats else f"{label}: "

@@ -35,9 +35,6 @@ class EmptyRunner:
     def launch(self, plan: StepPlan) -> Ready:
         return Ready(self._result)
 
-    def read_logits(self) -> np.ndarray:
-        raise NotImplementedError
-
 
 def decode_plan(rows: int, blocks: int) -> StepPlan:
     """A decode step: one token per row, every row sampling, a block table of `blocks` per row."""

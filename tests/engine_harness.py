@@ -163,9 +163,9 @@ def _drive(run, reqs, dev, eng, kill_at_tick, max_ticks, contain_failures) -> No
 
 @contextlib.contextmanager
 def _counting(effects: Counter):
-    """Count the lane's effects meanwhile, by name: KV reserved (`allocate`) and given back (`trim`), logits read
-    to the host (`read_logits`). The engine keeps no counters of its own: these wrap the product's methods."""
-    wrapped = [(KvBlockPool, "allocate"), (KvBlockPool, "trim"), (FakeDevice, "read_logits")]
+    """Count the lane's effects meanwhile, by name: KV reserved (`allocate`) and given back (`trim`), steps picked
+    again by the device (`resample`). The engine keeps no counters of its own: these wrap the product's methods."""
+    wrapped = [(KvBlockPool, "allocate"), (KvBlockPool, "trim"), (FakeDevice, "resample")]
     originals = [getattr(cls, name) for cls, name in wrapped]
 
     def counter(name, method):

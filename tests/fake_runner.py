@@ -34,7 +34,7 @@ def fake_logits(ordinal: int, last_ids: np.ndarray, vocab_size: int) -> np.ndarr
 
 class FakeRunner:
     """Echoes each sampling row's last input id; logprobs[r] is the step's ordinal (1, 2, ...); keeps the last
-    steps' logits (fake_logits)."""
+    steps' logits (fake_logits) and picks again from them (resample)."""
 
     def __init__(self, vocab_size: int = 1000, name: str = "fake") -> None:
         self.info = ModelInfo(
@@ -67,9 +67,14 @@ class FakeRunner:
         self._logits.pop(self.steps - 1 - LOGITS_KEPT, None)
         return StepResult(tokens=tokens, logprobs=np.full(plan.num_rows, self.steps, dtype=np.float32))
 
-    def read_logits(self, step: int) -> np.ndarray:
-        """The logits of step (counted from 0); KeyError once they are no longer kept."""
-        return self._logits[step]
+    def resample(self, step: int, plan: StepPlan) -> Ready:
+        """Step `step` (counted from 0) picked again from its kept logits: each sampling row's argmax once the plan's
+        banned ids are out; logprobs[r] is that step's ordinal. KeyError once its logits are no longer kept."""
+        logits = self._logits[step].copy()
+        for r, ban in enumerate(plan.ban_ids):
+            logits[r, ban[ban >= 0]] = -np.inf
+        tokens = np.where(plan.sample, logits.argmax(axis=1), -1).astype(np.int32)
+        return Ready(StepResult(tokens=tokens, logprobs=np.full(plan.num_rows, step + 1, dtype=np.float32)))
 
     def launch(self, plan: StepPlan) -> Ready:
         return Ready(self.execute(plan))

@@ -55,7 +55,7 @@ def test_bad_words_are_never_generated_and_the_lane_streams_what_the_synchronous
     assert reference.streams["0"] != free.streams["0"]
     # A row fed ahead is picked under the one-token bans alone; once its prefix token is committed, the row's mask
     # holds the word's last token too: a stale mask, rewound or repicked on the host.
-    stale = piped.effects["trim"] if policy == FedAheadPolicy.REWIND else piped.engine.io.host_repicks
+    stale = piped.effects["trim"] if policy == FedAheadPolicy.REWIND else piped.engine.io.repicks
     assert stale > 0, "no row met a prefix while fed ahead: the test did not test"
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from metrale.engine_core.host_sampler import SamplingRow, exp_weights, gumbel_noise, host_sample, log32, sample_row
+from metrale.testing.host_sampler import SamplingRow, exp_weights, gumbel_noise, log32, sample_row
 from metrale.engine_core.pipeline import RowMask
 from metrale.engine_core.kv_blocks import KvBlockPool
 from metrale.engine_core.sequence import Sequence
@@ -179,9 +179,30 @@ def _decoding_sequences(rng: np.random.Generator, params: list[SamplingParams], 
     return seqs
 
 
-def test_host_sample_reads_each_sequence_as_the_step_builder_lays_it_out():
-    """host_sample from sequences and masks (a repair's inputs) equals the device sampler on the plan the step
-    builder would make of them; rows that do not sample pick nothing."""
+SAMPLING_FIELDS = ("seq_lens", "sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seeds", "mask_kind", "force_token", "ban_ids", "num_logprobs", "hist_tokens",
+                   "hist_start", "hist_prompt_len", "grammar_bitmask", "bias_start", "bias_ids", "bias_values",
+                   "pinned_start", "pinned_ids")
+
+
+def _resample_equals_the_step(builder, seqs, masks, rng, repeats: int = 1) -> StepPlan:
+    """The step builder's RESAMPLE plan for seqs (a RepickOnly repair's: their rows as they are now, the step's
+    seq_lens) has the sampling arrays of the plan it builds for their next step, and the device sampler picks alike
+    from both; returns the step's plan."""
+    plan = builder.build(seqs, [1] * len(seqs), masks)
+    again = builder.resample(seqs, masks, plan.seq_lens.tolist(), plan.sample.tolist())
+    for name in SAMPLING_FIELDS:
+        assert np.array_equal(getattr(again, name), getattr(plan, name)), name
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    for _ in range(repeats):
+        logits = _random_logits(rng, len(seqs), VOCAB)
+        rows = torch.from_numpy(np.flatnonzero(plan.sample))
+        assert sampler(logits[rows], again, rows).tokens.tolist() == sampler(logits[rows], plan, rows).tokens.tolist()
+    return plan
+
+
+def test_a_resample_plan_lays_out_each_sequence_as_the_step_builder_does():
+    """A repair's rows (sequences under their masks now) are sampled from the arrays a step of them would carry."""
     from metrale.engine_core.step_builder import StepBuilder
 
     rng = np.random.default_rng(5)
@@ -196,13 +217,7 @@ def test_host_sample_reads_each_sequence_as_the_step_builder_lays_it_out():
     seqs = _decoding_sequences(rng, params, pool)
     masks = [RowMask(), RowMask(), RowMask(MASK_GREEDY), RowMask(), RowMask(MASK_BAN, -1, (2, 9, 11))]
     builder = StepBuilder(pool, max_tokens=8, max_rows=8, max_model_len=64)
-    plan = builder.build(seqs, [1] * len(seqs), masks)
-    logits = _random_logits(rng, len(seqs), VOCAB)
-    device = Sampler(VOCAB, torch.device("cpu"))(logits, plan, torch.arange(len(seqs))).tokens.numpy()
-    positions = [s.num_computed + 1 for s in seqs]
-    host = host_sample(logits.numpy(), seqs, masks, positions, [True] * 4 + [False])
-    assert host[:4].tolist() == device[:4].tolist()
-    assert host[4] == -1
+    _resample_equals_the_step(builder, seqs, masks, rng, repeats=5)
 
 
 def _with_random_bias(rng: np.random.Generator, plan: StepPlan, vocab: int) -> StepPlan:
@@ -229,9 +244,9 @@ def test_host_picks_equal_the_device_sampler_with_logit_bias(device_path):
         assert host == device.tolist()
 
 
-def test_host_sample_reads_a_sequences_logit_bias_as_the_step_builder_lays_it_out():
-    """A repair's rows (from sequences) with logit_bias pick what the device picks from the builder's plan, whose
-    bias_start / bias_ids / bias_values hold each biased row's entries and nothing for the others."""
+def test_a_resample_plan_carries_a_sequences_logit_bias_as_the_step_builder_does():
+    """A repair's rows with logit_bias: the RESAMPLE plan's bias_start / bias_ids / bias_values hold each biased
+    row's entries and nothing for the others, as the step's."""
     from metrale.engine_core.step_builder import StepBuilder
 
     rng = np.random.default_rng(6)
@@ -245,13 +260,8 @@ def test_host_sample_reads_a_sequences_logit_bias_as_the_step_builder_lays_it_ou
     seqs = _decoding_sequences(rng, params, pool)
     builder = StepBuilder(pool, max_tokens=8, max_rows=8, max_model_len=64)
     masks = [RowMask()] * len(seqs)
-    plan = builder.build(seqs, [1] * len(seqs), masks)
+    plan = _resample_equals_the_step(builder, seqs, masks, rng, repeats=10)
     assert plan.bias_start.tolist() == [0, 1, 1, 4, 5]
     assert plan.bias_ids.tolist() == [5, 7, 8, 300, 1] and plan.bias_values.tolist() == [100.0, -100.0, 2.5, 9.0, 4.0]
-    for _ in range(10):
-        logits = _random_logits(rng, len(seqs), VOCAB)
-        device = Sampler(VOCAB, torch.device("cpu"))(logits, plan, torch.arange(len(seqs))).tokens.numpy()
-        host = host_sample(logits.numpy(), seqs, masks, [s.num_computed + 1 for s in seqs], [True] * len(seqs))
-        assert host.tolist() == device.tolist() and host[0] == 5
     unbiased = builder.build(seqs[1:2], [1], masks[:1])
     assert unbiased.bias_start.tolist() == [0, 0] and len(unbiased.bias_ids) == 0

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from metrale.gpu_worker.layers.kv_cache import PagedKVCache
 from metrale.gpu_worker.local_device import LocalDevice
 from metrale.gpu_worker.model_runner import ModelRunner
-from metrale.ipc.plan import DeviceError, FedAheadPolicy
+from metrale.ipc.plan import MASK_BAN, DeviceError, FedAheadPolicy
 
 PROMPT_LENS = (5, 17, 9, 30)
 MAX_LEN = 64
@@ -245,9 +245,36 @@ def test_local_device_launching_ahead_matches_synchronous_steps(model_path, plan
             tickets.append(device.launch(_decode_plan(plans, prompts, k)))
         piped = [device.await_result(t).tokens for t in tickets]
         assert device.model() is device.runner.info
-        assert device.read_logits(tickets[-1]).shape == (4, 2048)
     sync_device.close()
     assert np.array_equal(np.stack(sync), np.stack(piped))
+
+
+def test_a_resample_picks_again_from_the_kept_logits_as_a_step_would(model_path, plans):
+    """A RepickOnly repair on the device: a settled step's picks made again from the logits the runner kept, under
+    the same sampling arrays, are its picks and logprobs bit for bit; with a row's pick banned, they are the picks of
+    the step run again with that ban. A resample for other rows, or of logits no longer kept, is a DeviceError."""
+    prompts = _prompts(2048)
+    plan = lambda: _prefill_plan(plans, prompts, temperature=0.9, seed=5, num_logprobs=2)  # noqa: E731
+    with LocalDevice(ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False)) as device:
+        ticket = device.launch(plan())
+        step = device.await_result(ticket)
+        same = device.resample(ticket, plan())
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            assert getattr(same, name).tobytes() == getattr(step, name).tobytes(), name
+        banned = plan()
+        banned.mask_kind[1], banned.ban_ids[1, 0] = MASK_BAN, step.tokens[1]
+        again = device.resample(ticket, banned)
+        rerun = device.await_result(device.launch(banned))  # the same forward (its KV rewritten alike), banned
+        assert again.tokens[1] != step.tokens[1]
+        assert again.tokens.tolist() == rerun.tokens.tolist() and again.logprobs.tobytes() == rerun.logprobs.tobytes()
+        fewer = plan()
+        fewer.sample[2] = False
+        with pytest.raises(DeviceError, match="other rows"):
+            device.resample(ticket, fewer)
+        for _ in range(2):
+            device.await_result(device.launch(plan()))
+        with pytest.raises(DeviceError, match="no longer kept"):
+            device.resample(ticket, plan())
 
 
 class _HeldRunner:

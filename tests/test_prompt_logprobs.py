@@ -95,7 +95,7 @@ def test_fake_device_prompt_logprobs_through_the_engine_pipelined_and_synchronou
     lane and the synchronous loop: every prompt token's entry is the toy model's log-probability of it, once."""
     from metrale.engine_core.engine import EngineCore, EngineOptions
     from metrale.testing.fake_device import FakeDevice
-    from metrale.engine_core.host_sampler import logprob_of
+    from metrale.testing.host_sampler import logprob_of
     from metrale.ipc.sampling import SamplingParams
 
     rng = np.random.default_rng(9)
@@ -150,7 +150,7 @@ def test_prompt_logprobs_survive_preemption_once_each():
     prompt token's entry is still reported once, equal to the toy model's."""
     from metrale.engine_core.engine import EngineCore, EngineOptions
     from metrale.testing.fake_device import FakeDevice
-    from metrale.engine_core.host_sampler import logprob_of
+    from metrale.testing.host_sampler import logprob_of
     from metrale.ipc.sampling import SamplingParams
 
     rng = np.random.default_rng(5)

@@ -13,7 +13,7 @@ import pytest
 
 from metrale.ipc import ticket_layout
 from metrale.ipc.doorbell import BellListener, bell_path
-from metrale.ipc.plan import StepKind, StepPlan, StepResult
+from metrale.ipc.plan import StepKind, StepPlan, StepResult, check_ticket
 from metrale.ipc.tickets import (
     SEGMENT_PREFIX,
     SHM_DIR,
@@ -340,29 +340,27 @@ def test_sweep_segments_removes_a_named_owners_segments():
             os.unlink(path)
 
 
-def test_logits_round_trip_through_the_logits_region_and_its_limits():
-    """A logits ticket names the step it asks about; the answer's [R, V] float32 come back bit for bit; logits
-    larger than the region, or a ring with none, are refused."""
-    geometry = dataclasses.replace(GEOMETRY, max_logits_vocab=100)
-    with TicketRing.create(geometry) as ring:
-        ring.write_logits_request(2, of_seq=41)
+def test_a_resample_ticket_carries_its_plan_and_the_step_it_picks_again():
+    """A RESAMPLE ticket is a plan (the rows' sampling arrays) naming the settled step whose kept logits it samples
+    again; its plan comes back bit for bit; one that does not fit is refused, nothing written."""
+    rng = np.random.default_rng(3)
+    plan = random_plan(rng, 5, 5, 2, 1, 0)
+    with TicketRing.create(GEOMETRY) as ring:
+        ring.write_resample(2, plan, of_seq=41)
         ring.publish_plan(2, 42)
-        assert ring.plan_kind(2) == StepKind.LOGITS and ring.logits_of(2) == 41
-        logits = np.random.default_rng(3).standard_normal((GEOMETRY.max_rows, 100)).astype(np.float32)
-        ring.write_logits(2, logits[:5, :77])
-        ring.publish_result(2, 42)
-        back = ring.read_logits(2)
-        assert back.shape == (5, 77) and back.tobytes() == logits[:5, :77].tobytes()
-        with pytest.raises(ValueError, match="holds"):
-            ring.write_logits(1, np.zeros((2, 101), np.float32))
-    with TicketRing.create(GEOMETRY) as plain, pytest.raises(ValueError, match="carries no logits"):
-        plain.write_logits_request(0, of_seq=1)
+        assert ring.plan_kind(2) == StepKind.RESAMPLE and ring.resample_of(2) == 41
+        assert_plans_equal(ring.read_plan(2), plan)
+        with pytest.raises(ValueError, match="holds at most"):
+            ring.write_resample(1, random_plan(rng, GEOMETRY.max_rows + 1, GEOMETRY.max_rows + 1, 2, 1, 0), of_seq=40)
+        assert ring.plan_kind(1) == StepKind.STEP
+    with pytest.raises(ValueError, match="cannot be launched"):
+        check_ticket(StepKind.RESAMPLE, 1, 1)  # only through Device.resample, which names the step
 
 
 def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_header_keeps_the_geometry():
     """Version 5 carries both the grammar bitmask / drafts and the state slots: a plan with all of them comes
-    back bit for bit through a second mapping, which reads both max_bitmask_words and max_logits_vocab back."""
-    geometry = dataclasses.replace(GEOMETRY, max_logits_vocab=100, max_burst=3)
+    back bit for bit through a second mapping, which reads max_bitmask_words and max_burst back."""
+    geometry = dataclasses.replace(GEOMETRY, max_burst=3)
     rng = np.random.default_rng(12)
     plan = random_plan(rng, 6, 4, 2, 1, 3)
     plan.grammar_bitmask = rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int32)
@@ -372,20 +370,20 @@ def test_a_plan_with_grammar_rows_drafts_and_state_slots_round_trips_and_the_hea
         ring.write_plan(1, plan, StepKind.BURST, steps=3)
         other = TicketRing.attach(ring.name)
         try:
-            assert other.geometry == geometry and ticket_layout.VERSION == 12
+            assert other.geometry == geometry and ticket_layout.VERSION == 13
             assert other.plan_kind(1) == StepKind.BURST and other.plan_steps(1) == 3
             assert_plans_equal(other.read_plan(1), plan)
-            ring.write_logits_request(2, of_seq=7)  # another slot's logits ticket leaves this plan's counts alone
+            ring.write_resample(2, random_plan(rng, 2, 2, 1, 1, 0), of_seq=7)  # another slot's ticket leaves it alone
             assert_plans_equal(other.read_plan(1), plan)
         finally:
             other.close()
 
 
 def test_control_block_fields_are_distinct_and_in_the_engine_half():
-    """The engine-written counts (grammar rows and words, steps, state slots, a logits ticket's step) never
+    """The engine-written counts (grammar rows and words, steps, state slots, a RESAMPLE ticket's step) never
     share an int64, and all sit before the worker-written half."""
     engine = [getattr(ticket_layout, n) for n in ("C_PLAN_SEQ", "C_T", "C_R", "C_B", "C_K", "C_H", "C_SO", "C_SI",
-                                                   "C_G", "C_W", "C_STEPS", "C_S", "C_LOGITS_OF", "C_BI",
+                                                   "C_G", "C_W", "C_STEPS", "C_S", "C_RESAMPLE_OF", "C_BI",
                                                    "C_KIND", "C_LORA_SLOT")]
     assert len(set(engine)) == len(engine) and max(engine) < ticket_layout.C_RESULT_SEQ
     assert ticket_layout.C_RESULT_SEQ * 8 == 128 and ticket_layout.CTRL_BYTES == 384  # the worker's line between

@@ -263,48 +263,29 @@ def test_the_worker_exits_when_its_engine_dies():
         sweep_segments([engine.pid])  # the killed engine could not unlink its ring
 
 
-@pytest.fixture
-def logits_device():
-    """A WorkerDevice whose ring carries logits back (a recurrent model's), with a fake-runner worker."""
-    dev = WorkerDevice.spawn(
-        RingGeometry(num_slots=3, max_tokens=64, max_rows=8, max_blocks_per_row=4, max_ban_ids=2, max_logits_vocab=1000),
-        factory=FACTORY, env=WORKER_ENV, ready_timeout_s=30,
-    )
-    try:
-        yield dev
-    finally:
-        dev.close()
-
-
-def test_logits_of_a_settled_step_come_back_through_the_ring(logits_device):
-    """The settled step's logits, and the one before it while kept, even with a step launched behind them; a
-    step no longer kept, or one that failed, is a DeviceError; the ring goes on serving."""
-    from fake_runner import fake_logits
-
-    dev = logits_device
-    first = dev.launch(decode_plan([5, 6, 7]))
-    dev.await_result(first)
-    second = dev.launch(decode_plan([8]))  # launched ahead: in flight while first's logits are asked for
-    np.testing.assert_array_equal(dev.read_logits(first), fake_logits(1, np.array([5, 6, 7]), 1000))
-    dev.await_result(second)
-    third = dev.launch(decode_plan([9, 10]))
-    np.testing.assert_array_equal(dev.read_logits(second), fake_logits(2, np.array([8]), 1000))
+def test_a_resample_is_picked_again_by_the_worker_from_the_logits_it_kept(device):
+    """A RepickOnly repair goes through the worker: a RESAMPLE ticket names a settled step, carries its rows' masks
+    now, and the worker's runner picks again from that step's kept logits (the one before it too, while kept, even
+    with a step launched behind them); a step no longer kept, or one that failed, is a DeviceError; the ring goes on."""
+    first = device.launch(decode_plan([5, 6, 7]))
+    device.await_result(first)
+    second = device.launch(decode_plan([8]))  # launched ahead: in flight while first is picked again
+    banned = decode_plan([5, 6, 7])
+    banned.ban_ids = np.array([[-1, -1], [6, -1], [-1, -1]], dtype=np.int32)  # row 1's pick is banned now
+    again = device.resample(first, banned)
+    assert again.tokens.tolist() == [5, 0, 7] and again.logprobs.tolist() == [1, 1, 1]  # first's logits, not second's
+    device.await_result(second)
+    third = device.launch(decode_plan([9, 10]))
+    assert device.resample(second, decode_plan([8])).tokens.tolist() == [8]
     with pytest.raises(DeviceError, match="KeyError"):
-        dev.read_logits(first)  # two steps on: the runner keeps only the last two
-    assert dev.await_result(third).tokens.tolist() == [9, 10]
-    failed = dev.launch(decode_plan([FAIL_TOKEN]))
+        device.resample(first, decode_plan([5, 6, 7]))  # two steps on: the runner keeps only the last two
+    assert device.await_result(third).tokens.tolist() == [9, 10]
+    failed = device.launch(decode_plan([FAIL_TOKEN]))
     with pytest.raises(DeviceError):
-        dev.await_result(failed)
+        device.await_result(failed)
     with pytest.raises(DeviceError, match="no logits"):
-        dev.read_logits(failed)
-    assert dev.await_result(dev.launch(decode_plan([4]))).tokens.tolist() == [4]
-
-
-def test_a_ring_without_a_logits_region_refuses_to_read_logits(device):
-    ticket = device.launch(decode_plan([3]))
-    device.await_result(ticket)
-    with pytest.raises(DeviceError, match="carries no logits"):
-        device.read_logits(ticket)
+        device.resample(failed, decode_plan([1]))
+    assert device.await_result(device.launch(decode_plan([4]))).tokens.tolist() == [4]
 
 
 # ---- the hang deadline of a ticket follows its work -------------------------------------------------

@@ -3,7 +3,7 @@
 Its "KV cache" stores the token written at each slot, and every sampling row reads its whole context
 back through its block table, so a wrong slot mapping, block table or prefix-cache hit changes the
 output (and reading a never-written slot fails the step loudly). The next-token logits are a hash of
-the row's last three tokens and its length; picks follow host_sampler's rules (the device sampler's).
+the row's last three tokens and its length; picks follow host_sampler.py's rules (the device sampler's).
 
 With num_state_slots it is also a recurrent model (RepickOnly): each state slot holds the tokens its rows
 have run since a row started it at position 0, every step advances it (over-runs included, as a real
@@ -21,7 +21,7 @@ from metrale.ipc.plan import (
     moved_on,
 )
 
-from metrale.engine_core.host_sampler import SamplingRow, logprob_of, sample_row
+from metrale.testing.host_sampler import SamplingRow, logprob_of, sample_row
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -196,8 +196,17 @@ class FakeDevice:
             raise result
         return result
 
-    def read_logits(self, ticket: Ticket) -> np.ndarray:
-        return self._logits[ticket.seq]
+    def resample(self, ticket: Ticket, plan: StepPlan) -> StepResult:
+        """The settled step of ticket picked again from the logits it kept, under plan's sampling arrays."""
+        if self.faults.dead:
+            raise DeviceLost("the worker process is gone")
+        logits_all = self._logits.get(ticket.seq)
+        if logits_all is None or len(logits_all) != plan.num_rows:
+            raise DeviceError(f"step {ticket.seq}'s logits are not kept for {plan.num_rows} rows")
+        picks = np.full((1, plan.num_rows), -1, dtype=np.int64)
+        for r in np.flatnonzero(plan.sample):
+            picks[0, r] = sample_row(logits_all[r], SamplingRow.of_plan(plan, r))
+        return self._picked(plan, picks, logits_all)[0]
 
     def load_lora(self, slot: int, path: str) -> None:
         """Record the slot's adapter (the toy model's picks do not change with it)."""
@@ -283,15 +292,24 @@ class FakeDevice:
                 picks[j, r] = sample_row(logits, row)
                 if j < d and picks[j, r] != input_ids[plan.query_start[r] + 1 + j]:
                     break
-        tokens = picks[0]
-        self.prev_tokens = tokens.copy()
+        self.prev_tokens = picks[0].copy()
         self._logits[n] = logits_all
         self._logits.pop(n - 4, None)
         self.records.append(StepRecord(q_lens, plan.sample.tolist(), fed))
+        results = self._picked(plan, picks, logits_all)
+        if plan.prompt_lp_count.any():
+            self._prompt_logprobs(plan, input_ids, results[0])
+        if plan.pool.any():
+            results[0].pooled = self._pooled(plan)
+        return results if any(drafts) else results[0]
+
+    def _picked(self, plan: StepPlan, picks: np.ndarray, logits_all: np.ndarray) -> list[StepResult]:
+        """One result per pick index (picks [J, R]; J > 1 for a verify step), with the logprobs the plan asks for."""
+        R, tokens = plan.num_rows, picks[0]
         lp = np.zeros(R, dtype=np.float32) if (plan.num_logprobs >= 0).any() else None
         results = [StepResult(tokens=row.astype(np.int32), logprobs=lp) for row in picks]
         n = min(int(plan.num_logprobs.max(initial=0)), self.info.vocab_size)
-        if n > 0 and not any(drafts):  # the raw distribution's top n, as the device sampler reports them (a beam's)
+        if n > 0 and len(picks) == 1:  # the raw distribution's top n, as the device sampler reports them (a beam's)
             z = logits_all.astype(np.float64)
             z -= z.max(axis=1, keepdims=True)
             logp = (z - np.log(np.exp(z).sum(axis=1, keepdims=True))).astype(np.float32)
@@ -302,11 +320,7 @@ class FakeDevice:
             results[0].top_ids = top.astype(np.int32)
             results[0].top_logprobs = np.take_along_axis(logp, top, axis=1)
             results[0].logprobs = np.take_along_axis(logp, np.maximum(tokens, 0)[:, None], axis=1)[:, 0]
-        if plan.prompt_lp_count.any():
-            self._prompt_logprobs(plan, input_ids, results[0])
-        if plan.pool.any():
-            results[0].pooled = self._pooled(plan)
-        return results if any(drafts) else results[0]
+        return results
 
     def _prompt_logprobs(self, plan: StepPlan, input_ids: np.ndarray, result: StepResult) -> None:
         """The toy model's prompt logprobs (StepPlan.prompt_lp_*): at each asked position, the log-probability of

@@ -1,19 +1,19 @@
-"""Sampling on the host: the device sampler's rules (gpu_worker/sampler.py), stage for stage, in numpy.
+"""The device sampler's rules (gpu_worker/sampler.py), stage for stage, in numpy: FakeDevice's sampler.
 
-The host samples a step's logits when a RepickOnly model's step was launched ahead and a row's mask went stale
-(decode_lane.py): the forward stands, the pick is redone under the mask as it is now. So the host must pick what
-the device would have: logit_bias (added in float32 before anything else), penalties (repetition over prompt and
-output, then frequency times the count and presence over the output), a row's bitmask (its grammar matcher's
-allowed tokens, and/or its allowed_token_ids), bans, forced tokens, greedy rows (by temperature or mask), temperature, top-k, top-p over the top-k survivors, min-p, and the Gumbel-max draw keyed by
-(seed, position) — the same float32 values at each step, the same splitmix64 noise bits, the same tie rules (a
-cutoff keeps every token at or above it; an argmax takes the first index). The transcendental steps are defined
-in ipc/sampling_rules.py, not borrowed from a library: `log32` (the noise's two logs, min-p's log) and `exp_weights`
-(top-p's integer weights) are IEEE + - * / and bit operations in a fixed order, which the device computes op for op
-(torch in sampler.py, the native kernels in cpu_sampling.cpp on every instruction-set class), so the values are
-equal bit for bit wherever float32 is IEEE. Top-p compares exact integer masses, so no sum depends on an order either.
-FakeDevice samples with it too.
+FakeDevice picks as the device would, so the lane's tests on it exercise the device's rules: logit_bias (added in
+float32 before anything else), penalties (repetition over prompt and output, then frequency times the count and
+presence over the output), a row's bitmask (its grammar matcher's allowed tokens, and/or its allowed_token_ids),
+bans, forced tokens, greedy rows (by temperature or mask), temperature, top-k, top-p over the top-k survivors,
+min-p, and the Gumbel-max draw keyed by (seed, position) — the same float32 values at each step, the same
+splitmix64 noise bits, the same tie rules (a cutoff keeps every token at or above it; an argmax takes the first
+index). The transcendental steps are defined in ipc/sampling_rules.py, not borrowed from a library: `log32` (the
+noise's two logs, min-p's log) and `exp_weights` (top-p's integer weights) are IEEE + - * / and bit operations in a
+fixed order, which the device computes op for op (torch in sampler.py, the native kernels in cpu_sampling.cpp on
+every instruction-set class), so the values are equal bit for bit wherever float32 is IEEE (tests/
+test_host_sampler.py checks it). Top-p compares exact integer masses, so no sum depends on an order either.
 
-The engine core imports no torch: this is numpy, row by row (a repair is rare and its rows are few).
+The product never imports it: a RepickOnly repair is the device's own sampler on the logits it kept
+(Device.resample). This is numpy, row by row.
 """
 
 from __future__ import annotations
@@ -23,13 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale.ipc.messages import TokenLogprob
-from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, StepResult, unpack_bitmask
+from metrale.ipc.plan import MASK_BAN, MASK_FORCE, MASK_GRAMMAR, MASK_GREEDY, StepPlan, unpack_bitmask
 from metrale.ipc.sampling_rules import GOLDEN, GREEDY_EPS, NOISE_BITS, exp_weights, log32, mix64, row_keys
-
-from .grammar import allowed_tokens
-from .pipeline import Inflight, RowMask, row_mask
-from .sequence import Sequence
-from .step_io import StepIo
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     """float32 [vocab]: the device's Gumbel noise of the row keyed by (seed, position), -log32(-log32(u))."""
@@ -84,28 +79,6 @@ class SamplingRow:
             plan.hist_tokens[h0:h1], int(plan.hist_prompt_len[r]), allowed,
             plan.bias_ids[plan.bias_start[r] : plan.bias_start[r + 1]],
             plan.bias_values[plan.bias_start[r] : plan.bias_start[r + 1]],
-        )
-
-    @classmethod
-    def of_sequence(cls, seq: Sequence, mask: RowMask, position: int, vocab_size: int) -> SamplingRow:
-        """A sequence's row under mask, picking its token at position (its values as the step builder lays them;
-        a grammar row's allowed tokens are its matcher's as it is now)."""
-        p = seq.params
-        f32 = np.float32
-        history = np.array(seq.tokens, dtype=np.int32) if p.has_penalties else np.zeros(0, np.int32)
-        allowed = allowed_tokens(seq, vocab_size) if mask.kind & MASK_GRAMMAR else None
-        kind = mask.kind
-        if p.allowed_token_ids is not None:  # the static bitmask the step builder ANDs in (grammar.fill_bitmasks)
-            static = np.zeros(vocab_size, dtype=bool)
-            static[p.allowed_token_ids] = True
-            allowed = static if allowed is None else allowed & static
-            kind |= MASK_GRAMMAR
-        bias = p.logit_bias or {}
-        return cls(
-            f32(p.temperature), p.top_k if p.top_k > 0 else 0, f32(p.top_p), f32(p.min_p), f32(p.repetition_penalty),
-            f32(p.presence_penalty), f32(p.frequency_penalty), int(seq.req.seed), position, kind, mask.force_token,
-            mask.ban, history, seq.num_prompt, allowed,
-            np.fromiter(bias.keys(), np.int32, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)),
         )
 
 
@@ -186,35 +159,3 @@ def logprob_of(logits: np.ndarray, token: int, n: int, vocab: int, pinned: np.nd
     else:
         top = np.argsort(-logp, kind="stable")[: min(n, vocab)]
     return TokenLogprob(token, float(logp[token]), top.tolist(), logp[top].astype(float).tolist())
-
-
-def host_sample(logits: np.ndarray, seqs: list[Sequence], masks: list[RowMask], positions: list[int],
-                samples: list[bool]) -> np.ndarray:
-    """Picks (int64 [R], -1 where a row does not sample) from a step's host logits [R, V]: row r's under
-    masks[r], at positions[r] (its KV length after the step)."""
-    picks = np.full(len(seqs), -1, dtype=np.int64)
-    for r, (seq, mask, position, smp) in enumerate(zip(seqs, masks, positions, samples)):
-        if smp:
-            picks[r] = sample_row(logits[r], SamplingRow.of_sequence(seq, mask, position, logits.shape[1]))
-    return picks
-
-
-def repick(logits: np.ndarray, inf: Inflight, result: StepResult, io: StepIo) -> np.ndarray:
-    """A RepickOnly repair of a settled step: every sampling row picked again on the host from the step's
-    logits [R, V], under its mask as it is now (the committed tokens before it may have changed it), and its
-    logprobs (when asked) rewritten for the new pick in result. Counted in io.host_repicks."""
-    masks = [row_mask(s, io.toks, io.eos_ids) for s in inf.seqs]
-    positions = [w + k for w, k in zip(inf.written, inf.num_new)]
-    tokens = host_sample(logits, inf.seqs, masks, positions, inf.samples)
-    for r, seq in enumerate(inf.seqs):
-        if tokens[r] < 0 or inf.discard[r]:
-            continue
-        io.host_repicks += 1
-        n = seq.params.num_logprobs
-        if n is not None and result.logprobs is not None:
-            lp = logprob_of(logits[r], int(tokens[r]), n, logits.shape[1], seq.params.logprob_token_ids)
-            result.logprobs[r] = lp.logprob
-            if n and result.top_ids is not None:
-                result.top_ids[r, :n] = lp.top_ids
-                result.top_logprobs[r, :n] = lp.top_logprobs
-    return tokens
