@@ -41,6 +41,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from metrale.frontend_heartbeat import Heartbeat
 from metrale.ipc.admin_channel import AdminLink
 from metrale.ipc.messages import (
     Abort,
@@ -786,8 +787,9 @@ def _raise_open_files_limit() -> None:
             log.warning("frontend: open files stay limited to %d (raising it to %d failed: %s)", soft, target, exc)
 
 
-def main(config: FrontendConfig, health_source: HealthSource | None = None) -> None:
-    """The frontend process: serve on uvloop until SIGTERM or SIGINT."""
+def main(config: FrontendConfig, health_source: HealthSource | None = None, heartbeat: Heartbeat | None = None) -> None:
+    """The frontend process: serve on uvloop until SIGTERM or SIGINT; its event loop beats `heartbeat` (the
+    supervisor's hang watch, metrale/frontend_heartbeat.py) once it serves."""
     import uvloop
 
     _raise_open_files_limit()
@@ -797,6 +799,8 @@ def main(config: FrontendConfig, health_source: HealthSource | None = None) -> N
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.begin_shutdown)
+        if heartbeat is not None:
+            heartbeat.start(loop, serving=server.bound.is_set)
         await server.run()
 
     try:

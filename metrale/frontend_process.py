@@ -1,7 +1,8 @@
 """The frontend child of `metrale serve`: `python -m metrale.frontend_process CONFIG_JSON HEALTH_PATH`.
 
-Its configuration comes as JSON from the supervisor, its health from the supervisor's health file; it ends itself
-when the supervisor is gone.
+Its configuration comes as JSON from the supervisor, its health from the supervisor's health file; its event loop
+beats the heartbeat the supervisor watches (metrale/frontend_heartbeat.py); it ends itself when the supervisor is
+gone.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 import msgspec
 
+from metrale.frontend_heartbeat import HEARTBEAT_ENV, Heartbeat
 from metrale.health_file import read_health
 from metrale.ipc.messages import Health
 
@@ -44,7 +46,8 @@ def _run_frontend(config_json: str, health_path: str) -> None:
                 return
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    main(config, health_source=health)
+    beat_path = os.environ.get(HEARTBEAT_ENV)  # the supervisor's hang watch reads it
+    main(config, health_source=health, heartbeat=Heartbeat(beat_path) if beat_path else None)
 
 
 def _pid_alive(pid: int) -> bool:

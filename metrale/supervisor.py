@@ -8,8 +8,10 @@ shared-memory segment an engine core owned is swept and the run directory remove
 Restarts. A dead worker is restarted on the same ring (the engine core requeues what it was running); a dead
 engine core is restarted with a fresh worker (its ring is swept; the frontend resubmits every live request);
 a dead frontend is restarted on the same addresses (with --api-server-count N, each of the N frontends is a child
-of its own: one that dies is restarted alone while the others serve on). A child that dies "in a row" — without
-having done any work since its start (for the worker: served no step), and within RestartPolicy.window_s of it — waits
+of its own: one that dies is restarted alone while the others serve on); a frontend alive but hung, whose event loop
+has not beaten for --frontend-hang-timeout (metrale/frontend_heartbeat.py), is killed and restarted the same way. A
+child that dies "in a row" — without having done any work since its start (for the worker: served no step), and
+within RestartPolicy.window_s of it — waits
 longer before each restart; after RestartPolicy.max_in_a_row such deaths it is not restarted again, and the
 server ends (`watch` returns, `given_up` says why) with a non-zero exit, so a service manager sees the failure
 instead of a supervisor running on without a child. A child that exits with EXIT_CONFIG (a port in use) is
@@ -43,6 +45,7 @@ import msgspec
 
 from metrale.children import Child, RestartPolicy, WorkerGroup
 from metrale.config import EngineArgs, ServeConfig
+from metrale.frontend_heartbeat import HEARTBEAT_ENV, FrontendHangWatch
 from metrale.frontend_process import API_KEY_ENV as FRONTEND_API_KEY_ENV
 from metrale.health_file import HealthFile, read_health
 from metrale.ipc.admin_channel import AdminInbox
@@ -144,8 +147,13 @@ class Supervisor:
         self.replicas = [self._replica(k) for k in self.layout.replicas]
         # Node 0 runs the frontends; another node of a group spanning the nodes runs only its ranks of it.
         key_env = {API_KEY_ENV[0]: config.api_key} if config.api_key else {}
-        self.frontends = [Child(frontend_name(i), self._frontend_argv(i), env_extra=key_env) for i in range(count)] \
+        self.frontends = [Child(frontend_name(i), self._frontend_argv(i),
+                                env_extra={**key_env, HEARTBEAT_ENV: str(self._beat_path(i))}) for i in range(count)] \
             if config.node_rank == 0 else []
+        # Each frontend's heartbeat (metrale/frontend_heartbeat.py): one silent too long is killed as hung.
+        self.frontend_watches = [FrontendHangWatch(self._beat_path(i), config.frontend_hang_timeout_s)
+                                 for i in range(len(self.frontends))]
+        self._hung: dict[str, str] = {}  # a frontend's name -> why it was killed as hung, until its death is noted
         self.follower: WorkerGroup | None = None
         if self.layout.spans_nodes and config.node_rank > 0:
             self.follower = WorkerGroup("gpu_worker", self._follower_argvs, self._threads_env)
@@ -227,6 +235,10 @@ class Supervisor:
     def served_path(self) -> Path:
         """Replica 0's engine core writes here the pid of each (rank 0) worker once it has served a step."""
         return self.replicas[0].served_path
+
+    def _beat_path(self, i: int) -> Path:
+        """Frontend i's heartbeat counter."""
+        return self.run_dir / f"frontend-beat-{i}"
 
     def _ipc(self, name: str) -> str:
         return f"ipc://{self.run_dir / name}"
@@ -315,13 +327,18 @@ class Supervisor:
         """Start every process and wait until a request can be served; StartupError (one line) if one cannot run.
 
         Another node than node 0 starts its processes and returns (node 0's frontend says when the server serves)."""
-        for frontend in self.frontends:
-            frontend.start(self.env, self.clock())
+        for i in range(len(self.frontends)):
+            self._start_frontend(i, self.clock())
         for rep in self.replicas:
             self._start_engine(rep)
         self._write_health()
         if self.frontends:
             self._wait_until_serving(ready_timeout_s)
+
+    def _start_frontend(self, i: int, now: float) -> None:
+        """Frontend i, its heartbeat at 0 (starting up: not timed until it serves)."""
+        self.frontend_watches[i].reset(now)
+        self.frontends[i].start(self.env, now)
 
     def _start_engine(self, rep: Replica) -> None:
         """A fresh engine core for a replica and, on its ring, a fresh worker group."""
@@ -437,7 +454,10 @@ class Supervisor:
                 if self._died(rep.workers, now, rep) and rep.workers.size > 1:
                     rep.workers.kill()  # the rest of a broken group waits in collectives that cannot finish
                     self._sweep()
-        for frontend in self.frontends:
+        for frontend, watch in zip(self.frontends, self.frontend_watches):
+            if frontend.alive and (why := watch.hung(now)) is not None:
+                self._hung[frontend.name] = why
+                frontend.kill()  # SIGKILL ends a stopped process too; _died notes it and schedules the restart
             self._died(frontend, now)
         for rep in self.replicas:
             if self._due(rep.engine, now):
@@ -453,7 +473,7 @@ class Supervisor:
         for i, frontend in enumerate(self.frontends):  # each alone: the others serve on meanwhile
             if self._due(frontend, now):
                 frontend.restarts += 1
-                frontend.start(self.env, now)
+                self._start_frontend(i, now)
                 log.warning("%s restarted on tcp://%s:%d (restart %d)", frontend.name, self.config.host,
                             self.client_ports[i], frontend.restarts)
         self._write_health()
@@ -484,7 +504,7 @@ class Supervisor:
         workers = isinstance(child, WorkerGroup)
         admin = self.control.took({r.pid for r in child.ranks}) if workers else None  # an operator's kill is no crash
         worked = (now - child.started >= self.policy.window_s or admin is not None
-                  or (workers and self._worker_served(rep)))
+                  or (workers and self._worker_served(rep)) or child.name in self._hung)  # a hung frontend had beaten
         child.in_a_row = 1 if worked else child.in_a_row + 1
         ended = _how_it_ended(child.proc.returncode) + (f" ({admin.describe()})" if admin is not None else "")
         delay = self.policy.delay(child.in_a_row)
@@ -492,6 +512,8 @@ class Supervisor:
         if workers and rep.hung is not None:  # the engine core killed it: say why
             after = f" (after {admin.describe()})" if admin is not None else ""
             self.last_fault, rep.hung = f"{child.name}{where} (pid {child.pid}) hung{after}: {rep.hung}", None
+        elif child.name in self._hung:  # a frontend the watch killed (check_children)
+            self.last_fault = f"{child.name} (pid {child.pid}) hung: {self._hung.pop(child.name)}; killed it"
         elif child.proc.returncode == EXIT_CONFIG:  # restarting it would fail the same way
             why = self._cannot_run.pop(child.name, ended)
             self.last_fault, delay = f"{child.name}{where} (pid {child.pid}) cannot run: {why}", None
@@ -554,6 +576,8 @@ class Supervisor:
         if self.follower is not None:
             self.follower.stop(grace_s=5.0)
         self._sweep(everything=True)
+        for watch in self.frontend_watches:
+            watch.close()
         self.inbox.close()
         if self.admin is not None:
             self.admin.close()
