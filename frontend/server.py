@@ -33,7 +33,8 @@ import resource
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from dataclasses import dataclass, field
 
 import msgspec
@@ -92,6 +93,7 @@ from .metrics import Metrics
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _CLOSE_LINGER_MS = 2000  # a shutdown's final frames get this long to reach their clients
 _PROBE_DELAYS_S = (0.05, 0.5)  # after a disconnect event: libzmq tears the pipe down just after reporting it
@@ -365,12 +367,14 @@ class FrontendServer:
 
     async def _serve_clients(self) -> None:
         """Receive client frames forever; one bad frame never stops the loop."""
-        while True:
-            frames = await self._router.recv_multipart(copy=False)
+
+        def handle(frames: list[zmq.Frame]) -> None:
             try:
                 self._on_client_frames(frames)
             except Exception:  # a bug handling one frame must not take the server down
                 log.exception("frontend: failed to handle a client frame")
+
+        await serve_frames(lambda: self._router.recv_multipart(copy=False), handle)
 
     def _on_client_frames(self, frames: list[zmq.Frame]) -> None:
         """Decode one client message and act on it, or answer Error."""
@@ -628,8 +632,8 @@ class FrontendServer:
 
     async def _serve_engine(self, link: EngineLink) -> None:
         """Receive one replica's engine-core frames forever."""
-        while True:
-            data = await link.recv()
+
+        def handle(data: bytes) -> None:
             self._engine_heard_at = self.clock()
             try:
                 self._on_engine_message(link, self._engine_decoder.decode(data))
@@ -637,6 +641,8 @@ class FrontendServer:
                 log.exception("frontend: undecodable frame from the engine core")
             except Exception:
                 log.exception("frontend: failed to handle an engine-core frame")
+
+        await serve_frames(link.recv, handle)
 
     def _on_engine_message(self, link: EngineLink, msg: EngineOutput) -> None:
         """Dispatch one engine-core message (from replica link.index)."""
@@ -785,6 +791,25 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
             log.warning("frontend: open files stay limited to %d (raising it to %d failed: %s)", soft, target, exc)
+
+
+# Frames a receive loop handles between two turns of the event loop. A zmq.asyncio recv of a frame already queued
+# returns without yielding, so under a steady flow (a thousand streams' client frames, engine outputs every few ms on a
+# starved core) one receive loop would hold the event loop — its timers, HTTP, the other loops and the heartbeat the
+# supervisor's hang watch reads — for as long as frames keep coming (a 10 s stall killed a busy frontend as hung).
+FRAMES_PER_TURN = 32
+
+
+async def serve_frames(recv: Callable[[], Awaitable[T]], handle: Callable[[T], None],
+                       per_turn: int = FRAMES_PER_TURN) -> None:
+    """handle(frame) for every frame recv() gives, forever, letting the event loop turn every per_turn frames."""
+    handled = 0
+    while True:
+        handle(await recv())
+        handled += 1
+        if handled == per_turn:
+            handled = 0
+            await asyncio.sleep(0)
 
 
 def main(config: FrontendConfig, health_source: HealthSource | None = None, heartbeat: Heartbeat | None = None) -> None:

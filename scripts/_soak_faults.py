@@ -7,8 +7,9 @@ engine core), `replica_kill` (SIGKILL a replica's engine core and every rank of 
 `client_reset` (the traffic side resets live HTTP connections, scripts/_soak_traffic.py, or closes ZMQ clients
 with live requests, scripts/_soak_streams.py). With ZMQ clients (which re-attach to their requests after a frontend
 restart) also `frontend_kill` (SIGKILL the frontend: the supervisor starts a new one on the same ports) and
-`frontend_stop` (SIGSTOP the frontend, SIGCONT after the fault's stop_s: nothing in metrale watches a frontend's
-progress, so a frontend stopped for good would stop the server for good; the fault is a pause and its recovery).
+`frontend_stop` (SIGSTOP the frontend and never continue it: the supervisor's frontend hang watch,
+--frontend-hang-timeout, must find its heartbeat silent, kill it and start a new one; recovered once /health answers
+from the new one).
 Targets are found from the supervisor's process tree each time, so a fault lands on whatever incarnation is live.
 `fault_loop` delivers a schedule and times each fault's recovery as /health sees it.
 
@@ -44,7 +45,6 @@ class Fault:
     pids: tuple[int, ...] = ()  # the processes it hit
     resumed_s: float | None = None  # injection -> every stream live then has a new token
     healthy_s: float | None = None  # injection -> /health healthy, every replica ready, its targets replaced
-    stop_s: float = 0.0  # frontend_stop: how long the frontend stays stopped
 
 
 def fault_kinds(tp: int, dp: int, frontend: bool = False) -> list[tuple[str, float]]:
@@ -60,11 +60,9 @@ def fault_kinds(tp: int, dp: int, frontend: bool = False) -> list[tuple[str, flo
 
 
 def draw_faults(seed: int, duration_s: float, count: int, tp: int, dp: int, min_gap_s: float, *,
-                frontend: bool = False, every_kind: bool = False,
-                stop_s: tuple[float, float] = (2.0, 20.0)) -> list[Fault]:
+                frontend: bool = False, every_kind: bool = False) -> list[Fault]:
     """count faults at seeded times in the middle 80 % of the run, at least min_gap_s apart (fewer if it is short).
-    every_kind: each kind at least once (in a seeded order) when count allows, the rest drawn by weight; a
-    frontend_stop's pause is drawn from stop_s (uniform)."""
+    every_kind: each kind at least once (in a seeded order) when count allows, the rest drawn by weight."""
     rng = random.Random(seed * 7919 + 1)
     kinds = fault_kinds(tp, dp, frontend)
     lo, hi = 0.1 * duration_s, 0.9 * duration_s
@@ -76,11 +74,7 @@ def draw_faults(seed: int, duration_s: float, count: int, tp: int, dp: int, min_
     drawn += rng.choices(names, [w for _, w in kinds], k=count - len(drawn))
     if every_kind:
         rng.shuffle(drawn)
-    faults = [Fault(lo + off + i * min_gap_s, kind) for i, (off, kind) in enumerate(zip(offsets, drawn))]
-    for f in faults:
-        if f.kind == "frontend_stop":
-            f.stop_s = round(rng.uniform(*stop_s), 1)
-    return faults
+    return [Fault(lo + off + i * min_gap_s, kind) for i, (off, kind) in enumerate(zip(offsets, drawn))]
 
 
 @dataclass
@@ -155,10 +149,12 @@ def inject(fault: Fault, supervisor_pid: int, rng: random.Random) -> bool:
 
 
 def resume(fault: Fault) -> None:
-    """SIGCONT what a frontend_stop stopped (gone already: nothing to do)."""
+    """SIGKILL what a frontend_stop stopped if it is still there (the hang watch failed; the fault then counts as not
+    recovered): the phase never leaves a stopped process behind. Gone already (killed by the watch): nothing to do."""
     for pid in fault.pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
+            if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                os.kill(pid, signal.SIGKILL)
 
 
 async def healthy(session: aiohttp.ClientSession, base: str, gone: tuple[int, ...] = ()) -> bool:
@@ -176,8 +172,8 @@ async def fault_loop(session: aiohttp.ClientSession, base: str, sup_pid: int, fa
                      deadline_s: float, seed: int, reset: Callable[[random.Random], Awaitable[str]],
                      on_inject: Callable[[Fault], None] = lambda f: None, note: Callable[[str], None] = print) -> None:
     """Deliver each fault at its time (reset() does a client_reset and says what it cut; on_inject is called as a
-    fault lands), then wait for /health to be healthy without the processes it hit (a frontend_stop: SIGCONT after
-    its stop_s first). A stopped frontend is always continued, even when the loop is cancelled."""
+    fault lands), then wait for /health to be healthy without the processes it hit: a stopped frontend is never
+    continued, so a frontend_stop recovers only when the supervisor's hang watch has replaced it."""
     rng = random.Random(seed)  # which target of several a fault hits
     for f in faults:
         await asyncio.sleep(max(0.0, start + f.at - time.monotonic()))
@@ -187,17 +183,9 @@ async def fault_loop(session: aiohttp.ClientSession, base: str, sup_pid: int, fa
         elif not inject(f, sup_pid, rng):
             f.target = "no target was live"
         on_inject(f)
-        note(f"fault at {f.injected_at - start:.0f} s: {f.kind} -> {f.target}"
-             + (f" for {f.stop_s:.1f} s" if f.kind == "frontend_stop" else ""))
-        gone = f.pids
-        if f.kind == "frontend_stop":
-            try:
-                await asyncio.sleep(f.stop_s)
-            finally:
-                resume(f)
-            gone = ()  # the same process serves on
+        note(f"fault at {f.injected_at - start:.0f} s: {f.kind} -> {f.target}")
         while time.monotonic() - f.injected_at < deadline_s:
-            if await healthy(session, base, gone):
+            if await healthy(session, base, f.pids):
                 f.healthy_s = time.monotonic() - f.injected_at
                 break
             await asyncio.sleep(0.2)  # a poll of /health: the server has no event to wait on

@@ -41,7 +41,8 @@ def model_facts(model_dir: Path) -> tuple[int, tuple[int, ...], int]:
 def serve_flags(args: argparse.Namespace) -> list[str]:
     per_replica = -(-args.concurrency // args.dp)
     return ["--http-port", "0", "-dp", str(args.dp), "-tp", str(args.tp), "--max-num-seqs", str(per_replica),
-            "--max-model-len", "2048", "--worker-hang-timeout", str(args.hang_timeout_s)]
+            "--max-model-len", "2048", "--worker-hang-timeout", str(args.hang_timeout_s),
+            "--frontend-hang-timeout", str(args.frontend_hang_timeout_s)]
 
 
 def run_sim_phase(model_dir: Path, args: argparse.Namespace, faults: list[Fault], duration_s: float) -> dict:
@@ -131,7 +132,7 @@ async def _phase(server: ServeProcess, streams: Streams, faults: list[Fault], du
         for w in watchers:
             w.cancel()
         await asyncio.to_thread(thread.join)
-        for f in faults:  # never leave a frontend stopped, whatever ended the phase
+        for f in faults:  # never leave a frontend stopped (the watch failed), whatever ended the phase
             if f.kind == "frontend_stop":
                 resume(f)
     for f, record in resumed:
@@ -175,7 +176,7 @@ def figures(chaos: dict, baseline: dict | None, faults: list[Fault], args: argpa
     cut = [o for o in outs if o.status == "aborted"]
     warm = args.warmup_s
     windows = [(f.injected_at - chaos["start"], f.injected_at - chaos["start"]
-                + max(f.resumed_s or 0.0, f.healthy_s if f.healthy_s is not None else args.deadline_s, f.stop_s))
+                + max(f.resumed_s or 0.0, f.healthy_s if f.healthy_s is not None else args.deadline_s))
                for f in faults if f.injected_at is not None]
     quiet = sorted(o.ttft_s for o in outs if o.ttft_s is not None and o.sent_at - chaos["start"] >= warm
                    and not any(a < o.first_at - chaos["start"] and o.sent_at - chaos["start"] < b for a, b in windows))
@@ -192,11 +193,15 @@ def figures(chaos: dict, baseline: dict | None, faults: list[Fault], args: argpa
         "output_tokens": sum(chaos["tokens_by_second"].values()),
         "tokens_per_s": round(sum(chaos["tokens_by_second"].values()) / chaos["wall_s"]),
         "faults_injected": sum(f.injected_at is not None and f.target != "no target was live" for f in faults),
-        "faults_recovered": sum(f.healthy_s is not None for f in faults),
+        # recovered: /health healthy without the processes it hit and (a frontend_stop) the streams moving again
+        "faults_recovered": sum(f.healthy_s is not None and (f.kind != "frontend_stop" or f.resumed_s is not None)
+                                for f in faults),
+        # the frontend hang watch's kills (its log line): one per frontend_stop, none of a frontend merely busy
+        "frontend_hang_kills": chaos["log"].count("hung: its event loop has not beaten"),
         "fault_kinds": _count(f.kind for f in faults if f.injected_at is not None),
         "faults": [{"at_s": round(f.at, 1), "injected_s": _r(f.injected_at and f.injected_at - chaos["start"]),
                     "kind": f.kind, "target": f.target, "healthy_s": _r(f.healthy_s),
-                    "resumed_s": _r(f.resumed_s), **({"stop_s": f.stop_s} if f.kind == "frontend_stop" else {})}
+                    "resumed_s": _r(f.resumed_s)}
                    for f in faults],
         "resumed_s_by_kind": {k: _spread([f.resumed_s for f in faults if f.kind == k and f.resumed_s is not None])
                               for k in sorted({f.kind for f in faults})},

@@ -20,10 +20,11 @@ Prints one JSON line (progress on stderr) and writes it, with a PNG of throughpu
 
 `--simulate A,B,C` soaks the simulated device instead (scripts/_soak_sim.py): `--concurrency` (1,024) closed-loop ZMQ
 streams, each checked against the tokens the simulated device gives its prompt (no replay), the frontend's SIGKILL
-and SIGSTOP among the faults (the clients re-attach), then a shorter fault-free phase for TTFT:
+and SIGSTOP among the faults (the clients re-attach; a stopped frontend is never continued: the supervisor's hang
+watch replaces it after --frontend-hang-timeout-s), then a shorter fault-free phase for TTFT:
 
     python scripts/soak.py --simulate 3,0.003,0.002 [--concurrency 1024] [--duration-s 3600] [--faults 40]
-                           [--min-gap-s 45] [--dp 2] [--tp 1] [--baseline-s 300] [--frontend-stop-s 2,20]
+                           [--min-gap-s 45] [--dp 2] [--tp 1] [--baseline-s 300] [--frontend-hang-timeout-s 10]
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ MODEL_NAME = "soak"
 
 def start_server(model: Path, args: argparse.Namespace) -> tuple[ServeProcess, str]:
     server = ServeProcess(model, "--http-port", "0", "-dp", str(args.dp), "-tp", str(args.tp), "--served-model-name",
-                          MODEL_NAME, "--worker-hang-timeout", str(args.hang_timeout_s), "--max-model-len", "1024",
+                          MODEL_NAME, "--worker-hang-timeout", str(args.hang_timeout_s), "--frontend-hang-timeout",
+                          str(args.frontend_hang_timeout_s), "--max-model-len", "1024",
                           "--dtype", args.dtype)
     return server, server.http_base()
 
@@ -200,7 +202,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="most new tokens a request asks (96; 256 simulated)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=180.0, help="a request without a final answer by then is lost")
-    ap.add_argument("--hang-timeout-s", type=float, default=10.0)
+    ap.add_argument("--hang-timeout-s", type=float, default=10.0, help="the server's --worker-hang-timeout")
+    ap.add_argument("--frontend-hang-timeout-s", type=float, default=10.0,
+                    help="the server's --frontend-hang-timeout: how soon a stopped frontend is replaced")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--preset", default="bench-tiny")
     ap.add_argument("--model", default=None)
@@ -214,7 +218,6 @@ def main() -> int:
     sim.add_argument("--clients", type=int, default=64, help="AsyncClients the streams share")
     sim.add_argument("--prompt-len", default="16,512", help="MIN,MAX prompt ids (uniform)")
     sim.add_argument("--reset-clients", type=int, default=2, help="clients a client_reset closes")
-    sim.add_argument("--frontend-stop-s", default="2,20", help="MIN,MAX seconds a frontend_stop holds the frontend")
     sim.add_argument("--baseline-s", type=float, default=None,
                      help="the fault-free phase's length (default: a quarter of the run, 60 to 300 s; 0: none)")
     sim.add_argument("--warmup-s", type=float, default=None,
@@ -269,9 +272,8 @@ def main_simulated(args: argparse.Namespace, out: Path) -> int:
     args.warmup_s = args.warmup_s if args.warmup_s is not None else max(20.0, 0.1 * args.duration_s)
     if args.baseline_s is None:
         args.baseline_s = min(300.0, max(60.0, args.duration_s / 4))
-    stop = tuple(float(x) for x in args.frontend_stop_s.split(","))
     faults = draw_faults(args.seed, args.duration_s, args.faults, args.tp, args.dp, args.min_gap_s, frontend=True,
-                         every_kind=True, stop_s=(stop[0], stop[-1]))
+                         every_kind=True)
     with tempfile.TemporaryDirectory(prefix="metrale-soak-") as tmp:
         model = write_weightless_model(Path(tmp) / "sim")
         note(f"soak on the simulated device {args.simulate}: {args.concurrency} streams, {len(faults)} faults over "
@@ -285,6 +287,7 @@ def main_simulated(args: argparse.Namespace, out: Path) -> int:
                   "clients": args.clients, "duration_s": args.duration_s, "baseline_s": args.baseline_s,
                   "warmup_s": args.warmup_s, "seed": args.seed, "max_tokens": args.max_tokens,
                   "prompt_len": args.prompt_len, "hang_timeout_s": args.hang_timeout_s,
+                  "frontend_hang_timeout_s": args.frontend_hang_timeout_s,
                   **sim_figures(chaos, baseline, faults, args), "load": meter.report()}
         write_outcomes(out / "requests.jsonl", chaos)
         (out / "series.json").write_text(json.dumps(chaos["series"]))
@@ -294,7 +297,9 @@ def main_simulated(args: argparse.Namespace, out: Path) -> int:
                           chaos["start"])
     (out / "soak.json").write_text(json.dumps(record) + "\n")
     emit(record)
+    stops = sum(f.kind == "frontend_stop" and f.pids != () for f in faults)  # each replaced by the hang watch, no more
     ok = (record["lost"] == 0 and not record["failed"] and record["equal_to_expected"] == record["read_to_end"]
+          and record["frontend_hang_kills"] == stops
           and record["aborted_prefix_equal"] == record["aborted_by_clients"] and not record["left_after_shutdown"]
           and not record["shm_after_shutdown"])
     return 0 if ok else 1

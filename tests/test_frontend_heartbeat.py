@@ -114,3 +114,47 @@ def test_a_silent_frontend_is_killed_and_restarted_and_the_others_serve_on(super
     beats[0].beat()
     sup.check_children()
     assert second.restarts == 1, "the restarted frontend starts up: not timed before its first beat"
+
+
+def test_a_frontend_receive_loop_under_a_flood_of_frames_lets_the_heartbeat_beat(tmp_path):
+    """A zmq.asyncio recv of a queued frame never yields: serve_frames (the frontend's client and engine loops) must
+    let the event loop turn while frames keep coming, or a busy frontend's heartbeat stalls and the watch kills it.
+    (Fails with per_turn past the flood: the beat count does not move while the frames are drained.)"""
+    import zmq
+    import zmq.asyncio
+
+    from metrale.frontend.server import serve_frames
+
+    frames, seen = 5000, []
+    beat = Heartbeat(tmp_path / "beat", interval_s=0.0)
+
+    class Drained(Exception):
+        pass
+
+    def handle(frame) -> None:
+        seen.append(beat.count)
+        if len(seen) == frames:
+            raise Drained
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        try:
+            for s in (pull, push):
+                s.set_hwm(0)
+            pull.bind("inproc://flood")
+            push.connect("inproc://flood")
+            for _ in range(frames):
+                await push.send(b"x")
+            while not pull.poll(0):  # the frames are queued before the loop starts to drain them
+                await asyncio.sleep(0)
+            beat.start(asyncio.get_running_loop())
+            with pytest.raises(Drained):
+                await serve_frames(pull.recv, handle)
+        finally:
+            pull.close(0)
+            push.close(0)
+            ctx.term()
+
+    asyncio.run(main())
+    assert seen[-1] - seen[0] >= frames // 64, "the loop turned (and beat) while the queued frames were handled"
