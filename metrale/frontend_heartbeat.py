@@ -14,7 +14,9 @@ any timeout. Only a loop that stops turning (stopped, blocked, spinning inside o
 The watch: the supervisor reads each counter on every pass of its watch (a load from a mapped page, no system call)
 and times on its own clock how long it has not changed; a frontend silent for longer than `timeout_s`
 (--frontend-hang-timeout) is hung, and the supervisor kills it and restarts it as if it had died. A counter still 0
-is a frontend starting up (loading its tokenizer, binding its ports): not timed, as start-up may take long.
+is a frontend starting up (importing, loading its tokenizer, binding its ports), which may take far longer than a
+beat's timeout on a busy box: it is timed against STARTUP_S instead, so a frontend stopped before it first served
+is still caught (later, never not at all).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from metrale.settings import DEFAULTS
 
 HEARTBEAT_ENV = "METRALE_FRONTEND_HEARTBEAT"  # how the supervisor hands a frontend its heartbeat file
 BEAT_INTERVAL_S = 0.25  # a beat's period: a quarter of the smallest timeout, 4 callbacks a second
+# A start-up's budget: a restarted frontend imports and builds its tokenizer again; on a starved box that has taken
+# tens of seconds. Past it, a frontend that never beat is hung like a silent one.
+STARTUP_S = 120.0
 _COUNTER = struct.Struct("=Q")
 
 
@@ -75,6 +80,7 @@ class FrontendHangWatch:
 
     path: Path
     timeout_s: float = DEFAULTS.frontend_hang_timeout_s  # --frontend-hang-timeout
+    startup_s: float = STARTUP_S  # how long a frontend may take to beat for the first time
     _map: mmap.mmap | None = field(default=None, repr=False)
     _last: int = 0  # the counter as last read
     _since: float = 0.0  # when it last changed
@@ -87,18 +93,24 @@ class FrontendHangWatch:
         self._last, self._since = 0, now
 
     def silent_s(self, now: float) -> float | None:
-        """Seconds since the counter last moved; None while the frontend starts up (or was never reset)."""
+        """Seconds since the counter last moved (or, before the first beat, since the reset); None if never reset."""
         if self._map is None:
             return None
         count = _COUNTER.unpack_from(self._map, 0)[0]
         if count != self._last:
             self._last, self._since = count, now
-        return None if count == 0 else now - self._since
+        return now - self._since
 
     def hung(self, now: float) -> str | None:
         """Why the frontend counts as hung now, or None."""
         silent = self.silent_s(now)
-        if silent is None or silent <= self.timeout_s:
+        if silent is None:
+            return None
+        if self._last == 0:
+            if silent <= self.startup_s:
+                return None
+            return f"it has not started serving {silent:.1f} s after it was started (start-up budget {self.startup_s:g} s)"
+        if silent <= self.timeout_s:
             return None
         return f"its event loop has not beaten for {silent:.1f} s (--frontend-hang-timeout {self.timeout_s:g})"
 

@@ -336,7 +336,7 @@ class Supervisor:
             self._wait_until_serving(ready_timeout_s)
 
     def _start_frontend(self, i: int, now: float) -> None:
-        """Frontend i, its heartbeat at 0 (starting up: not timed until it serves)."""
+        """Frontend i, its heartbeat at 0 (starting up: timed against the watch's start-up budget until it serves)."""
         self.frontend_watches[i].reset(now)
         self.frontends[i].start(self.env, now)
 

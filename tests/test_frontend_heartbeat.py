@@ -24,8 +24,8 @@ def test_a_watch_times_silence_from_the_last_beat_and_not_start_up(tmp_path):
     watch = FrontendHangWatch(tmp_path / "beat", TIMEOUT_S)
     watch.reset(clock())
     beat = Heartbeat(tmp_path / "beat")
-    clock.advance(1000.0)
-    assert watch.silent_s(clock()) is None and watch.hung(clock()) is None, "no beat yet: start-up, never hung"
+    clock.advance(watch.startup_s)
+    assert watch.hung(clock()) is None, "no beat yet: start-up, timed against its own budget"
     beat.beat()
     assert watch.silent_s(clock()) == 0.0
     clock.advance(TIMEOUT_S)
@@ -38,6 +38,8 @@ def test_a_watch_times_silence_from_the_last_beat_and_not_start_up(tmp_path):
     watch.reset(clock())
     clock.advance(3 * TIMEOUT_S)
     assert watch.hung(clock()) is None, "a restarted frontend starts up again"
+    clock.advance(watch.startup_s)
+    assert "has not started serving" in watch.hung(clock()), "one stopped before its first beat is caught too"
     watch.close()
 
 
