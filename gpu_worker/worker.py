@@ -343,6 +343,7 @@ def run_worker(config: WorkerConfig) -> int:
     if spec is not None and not spec.reads_ring:
         return _run_off_host(config)
     parent_pid = os.getppid()
+    _import_runner(config)
     bell = Bell.connect(
         bell_path(config.ring_name), config.connect_timeout_s, keep_trying=lambda: os.getppid() == parent_pid
     )
@@ -417,6 +418,15 @@ def _device(config: WorkerConfig):
         torch.cuda.set_device(name)
     config.runner_kwargs["device"] = str(name)
     return torch.device(name)
+
+
+def _import_runner(config: WorkerConfig) -> None:
+    """Import the runner's module (torch and the model code, the longest part of a start) while the engine core
+    is still making its ring; a failure is left to _build_runner, which reports it to the engine core."""
+    try:
+        importlib.import_module(config.factory.partition(":")[0])
+    except Exception:  # noqa: BLE001 - raised again, and reported, where the runner is built
+        pass
 
 
 def _build_runner(config: WorkerConfig, joined):

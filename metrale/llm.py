@@ -14,7 +14,7 @@ from metrale.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, 
 from metrale.config import EngineArgs
 from metrale.settings import DEFAULTS
 from metrale.engine_core.engine import EngineCore, EngineOptions
-from metrale.engine_core.pipeline import SpecialTokens
+from metrale.engine_core.pipeline import special_tokens_of
 from metrale.frontend.chat import ChatTemplate, ChatTemplateError, chat_template_source, special_token_variables
 from metrale.frontend.detokenizer import IncrementalDetokenizer
 from metrale.frontend.tokenizer import Tokenizer
@@ -23,11 +23,9 @@ from metrale.ipc.pooling import PoolingParams
 from metrale.ipc.sampling import SamplingParams, logprobs_cap, seeded_for_choice
 from metrale.llm_embed import EmbeddingRequestOutput, embed
 from metrale.llm_lora import LoRARequest, adapter_names
-from metrale.model_facts import generation_defaults
+from metrale.model_facts import generation_defaults, resolve_model_dir
 
 log = logging.getLogger(__name__)
-
-DEMO_MODEL_NOTE = "serving the built-in tiny demo model: random weights, so its text is random"
 
 
 @dataclass(slots=True)
@@ -84,27 +82,6 @@ class RequestOutput:
     @property
     def error(self) -> str | None:
         return self.outputs[0].error
-
-
-def resolve_model_dir(model: str | None) -> str:
-    """The folder to load: the given one, or the built-in demo model (made once, then cached)."""
-    if model is not None:
-        return model
-    from metrale.gpu_worker.tiny_model import default_model_dir
-
-    log.warning(DEMO_MODEL_NOTE)
-    return str(default_model_dir())
-
-
-def special_tokens_of(tokenizer: Tokenizer) -> SpecialTokens:
-    """The token ids the row masks watch for, from the tokenizer's vocabulary."""
-    return SpecialTokens(
-        think_start=tokenizer.token_id("<think>"),
-        think_end=tokenizer.token_id("</think>"),
-        code_fence=tokenizer.token_id("```"),
-        tool_call_start=tokenizer.token_id("<tool_call>"),
-        tool_call_end=tokenizer.token_id("</tool_call>"),
-    )
 
 
 class LLM:

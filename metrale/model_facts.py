@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 
 import msgspec
@@ -27,6 +28,10 @@ STATE_RECURRENT = "recurrent"
 # Rope types whose max_position_embeddings is the base length that `factor` stretches (vLLM's rule); llama3 and
 # longrope checkpoints already state the extended length.
 _STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+DEMO_MODEL_NOTE = "serving the built-in tiny demo model: random weights, so its text is random"
+
+log = logging.getLogger(__name__)
 
 
 class ModelError(ValueError):
@@ -50,6 +55,16 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     config: dict = {}  # the checkpoint's config.json (a GGUF's mapped to it), for the worker that builds the model
     hidden_size: int = 0  # the width of a hidden state (an embedding's, before any `dimensions` cut)
     pooling: PoolingConfig = PoolingConfig()  # how an embedding is pooled (its sentence-transformers files)
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """The folder to load: the given one, or the built-in demo model (made once, then cached)."""
+    if model is not None:
+        return model
+    from metrale.gpu_worker.tiny_model import default_model_dir
+
+    log.warning(DEMO_MODEL_NOTE)
+    return str(default_model_dir())
 
 
 def resolve_model(path: str | Path, max_model_len: int | None = None) -> ModelFacts:

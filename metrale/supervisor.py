@@ -95,10 +95,11 @@ class Supervisor:
     def __init__(
         self, config: ServeConfig, policy: RestartPolicy | None = None, clock: Callable[[], float] = time.monotonic
     ):
+        # Only what the checks below need: every module imported here delays the children's start (metrale.llm's
+        # engine and the chat module's Jinja are the worker's and the frontend's).
+        from metrale.engine_core.pipeline import special_tokens_of
         from metrale.frontend.tokenizer import Tokenizer
-        from metrale.llm import resolve_model_dir, special_tokens_of
-        from metrale.frontend.chat import ChatTemplateError, chat_template_source
-        from metrale.model_facts import ModelError, generation_defaults, resolve_model
+        from metrale.model_facts import ModelError, generation_defaults, resolve_model, resolve_model_dir
 
         self.config = config
         self.policy = policy or RestartPolicy()
@@ -111,10 +112,14 @@ class Supervisor:
             raise StartupError(str(e)) from None
         except (OSError, ValueError) as e:
             raise StartupError(f"--model {self.model_dir}: its tokenizer cannot be loaded ({e})") from None
+        self.chat_template = None
         try:  # the operator's template and generation config fail here, with one line, not per request
-            self.chat_template = chat_template_source(config.chat_template) if config.chat_template else None
+            if config.chat_template:
+                from metrale.frontend.chat import chat_template_source
+
+                self.chat_template = chat_template_source(config.chat_template)
             generation_defaults(self.model_dir, config.generation_config)
-        except (ChatTemplateError, ModelError) as e:
+        except ValueError as e:  # ChatTemplateError, ModelError
             raise StartupError(str(e)) from None
         self.special_tokens = dataclasses.asdict(special_tokens_of(tokenizer))
         self.max_model_len = self.facts.max_model_len
