@@ -2,7 +2,9 @@
 
 One `execute(plan)` is one step: copy the plan's token arrays to the device, take fed rows' inputs
 from the previous step's sampled tokens (still on the device: no host round trip), run the forward,
-compute logits for the rows that sample (their last token only), sample, and return the tokens.
+compute logits at the sampling positions (a row's last token; a drafted row's last d + 1), sample them in one
+pass, and return the tokens (a verify step: the picks each row keeps, by the device's acceptance). Every kind of
+ticket runs through `_step`: the one executor.
 The runner is not thread-safe: one caller at a time (LocalDevice and the worker loop each own one).
 """
 
@@ -60,6 +62,36 @@ class _StepLogits:
     logits: torch.Tensor  # [S, V] in the model's dtype
     rows: np.ndarray  # int64 [S]: the plan rows they belong to
     num_rows: int  # R
+
+
+@dataclass(slots=True)
+class _Positions:
+    """Where a step samples: one position per sampling row (its last token), or for a row with d drafts its last
+    d + 1 tokens (a verify step), each a pick."""
+
+    token: np.ndarray  # int64 [P]: the step's token index of each pick
+    of_row: np.ndarray  # int64 [P]: its plan row
+    drafted: bool  # some row has drafts (P > S)
+    within: np.ndarray | None = None  # int64 [P]: j of pick j of its row (drafted steps only)
+    last: np.ndarray | None = None  # int64 [P]: its row's last j (d)
+    keys: np.ndarray | None = None  # int64 [P]: the position its noise is keyed by (its KV length with its token in)
+    next_draft: np.ndarray | None = None  # int64 [P]: the draft after its token (-1 after the row's last)
+
+    @classmethod
+    def of(cls, plan: StepPlan, rows: np.ndarray) -> _Positions:
+        """The sampling positions of rows (the plan's sampling rows)."""
+        ends = plan.query_start[rows + 1].astype(np.int64)
+        counts = plan.num_drafts[rows].astype(np.int64) + 1
+        if int(counts.sum()) == len(rows):
+            return cls(ends - 1, rows, False)
+        of_row = np.repeat(rows, counts)
+        firsts = np.cumsum(counts) - counts
+        within = np.arange(int(counts.sum())) - np.repeat(firsts, counts)
+        last = np.repeat(counts - 1, counts)
+        token = np.repeat(ends - counts, counts) + within
+        keys = plan.seq_lens[of_row].astype(np.int64) - last + within
+        next_draft = np.where(within < last, plan.input_ids[np.minimum(token + 1, plan.num_tokens - 1)], -1)
+        return cls(token, of_row, True, within, last, keys, next_draft.astype(np.int64))
 
 
 @dataclass(slots=True)
@@ -224,54 +256,19 @@ class ModelRunner:
         return [self._step(p, greedy) for p in (plan, *later)]  # all queued before any result is waited for
 
     def execute_verify(self, plan: StepPlan) -> list[StepResult]:
-        """A verify step (speculative decoding): a row with d drafts runs its last token and the d drafts and
-        picks at each of those d + 1 positions, noise keyed by each position, so pick j is what a plain decode
-        would pick there; the row keeps its picks up to the first that differs from the next draft. Returns one
-        result per pick index, as a burst does (tokens -1 where a row kept fewer)."""
+        """A verify step's results (see launch_verify)."""
+        return [pending.result() for pending in self.launch_verify(plan)]
+
+    def launch_verify(self, plan: StepPlan) -> list:
+        """Queue a verify step (speculative decoding): a row with d drafts runs its last token and the d drafts and
+        picks at each of those d + 1 positions, noise keyed by each position, so pick j is what a plain decode would
+        pick there; the row keeps its picks up to the first that differs from the next draft. The step's forward and
+        sampler pass are any step's (_step); its pending results are one per pick index, as a burst's (tokens -1
+        where a row kept fewer)."""
         self._check(plan)
-        start = time.perf_counter()
-        self.steps_executed += 1
-        self._last_sample = self._last_picks = None  # the host commits the picks: nothing is fed from a verify step
-        with torch.inference_mode():
-            self.swap.apply(plan)
-            self._staging.begin()
-            hidden = self._eager(plan, self._staging.put("input_ids", plan.input_ids), self._adapted(plan))
-            rows = np.flatnonzero(plan.sample)
-            counts = plan.num_drafts[rows].astype(np.int64) + 1  # picks of each sampling row
-            of_row = np.repeat(rows, counts)
-            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # j of each pick
-            token_at = np.repeat(plan.query_start[rows + 1] - counts, counts) + within  # its input token
-            logits = self.model.compute_logits(hidden[self._staging.put("verify_tokens", token_at)])
-            keys = plan.seq_lens[of_row] - np.repeat(counts, counts) + within + 1
-            out = self.sampler(logits, plan, torch.from_numpy(of_row), keys=keys)
-            self._staging.end()
-            picks = out.tokens.cpu().numpy()
-        # A pick stands while every earlier pick of its row equals the draft that followed it.
-        drafts = plan.input_ids[np.minimum(token_at + 1, plan.num_tokens - 1)]
-        wrong = ((picks != drafts) & (within < np.repeat(counts, counts) - 1)).astype(np.int64)
-        before = np.cumsum(wrong) - wrong  # wrong picks before each pick, over the whole step
-        first = np.repeat(np.cumsum(counts) - counts, counts)  # each pick's row's first pick
-        keep = before - before[first] == 0  # ... and within its own row
-        steps, r = int(counts.max(initial=1)), plan.num_rows
-        j, row = within[keep], of_row[keep]
-        tokens = np.full((steps, r), -1, dtype=np.int32)
-        tokens[j, row] = picks[keep]
-        timings = {"execute_s": time.perf_counter() - start}
-        results = [StepResult(tokens=tokens[k], timings=timings) for k in range(steps)]
-        if out.logprobs is not None:
-            lp = np.full((steps, r), np.nan, dtype=np.float32)
-            lp[j, row] = out.logprobs.float().cpu().numpy()[keep]
-            for k, result in enumerate(results):
-                result.logprobs = lp[k]
-        if out.top_ids is not None:
-            n = out.top_ids.shape[1]
-            ids = np.full((steps, r, n), -1, dtype=np.int32)
-            ids[j, row] = out.top_ids.cpu().numpy()[keep]
-            top = np.full((steps, r, n), np.nan, dtype=np.float32)
-            top[j, row] = out.top_logprobs.float().cpu().numpy()[keep]
-            for k, result in enumerate(results):
-                result.top_ids, result.top_logprobs = ids[k], top[k]
-        return results
+        if not plan.num_drafts.any():
+            raise PlanError("a verify step without drafts")
+        return self._step(plan)
 
     def load_lora(self, slot: int, path: str) -> None:
         """Load the PEFT adapter at path into LoRA slot ("" empties it), between steps; ValueError naming what is
@@ -293,7 +290,7 @@ class ModelRunner:
         with torch.inference_mode():
             self._staging.begin()
             hidden = self._run_model(plan, self._staging.put("input_ids", plan.input_ids))
-            logits = self._logits_of(plan, hidden, np.flatnonzero(plan.sample))
+            logits = self._logits_of(plan, hidden, _Positions.of(plan, np.flatnonzero(plan.sample)))
             self._staging.end()
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -334,8 +331,14 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
 
-    def _step(self, plan: StepPlan, greedy: bool | None = None) -> PendingResult:
-        """Queue one checked step and its sampling (greedy: the sampler's plain-greedy test, when already known)."""
+    def _step(self, plan: StepPlan, greedy: bool | None = None):
+        """Queue one checked step and its sampling (greedy: the sampler's plain-greedy test, when already known): its
+        PendingResult, or for a step with drafts (a verify step) one pending result per pick index.
+
+        A step samples at k positions of each sampling row: k = 1 (its last token) but for a row with d drafts,
+        which samples at its last d + 1 tokens. One logits gather, one sampler pass over every position (each keyed
+        by its own position), and for drafts the acceptance as tensor ops (_accepted): each row's count of kept
+        picks, with no host round trip before the copies."""
         start = time.perf_counter()
         step = self.steps_executed
         self.steps_executed += 1
@@ -354,7 +357,15 @@ class ModelRunner:
                 self._last_sample = plan.sample.copy()
                 return self._copier.start(plan.num_rows, rows, None, start, prompt, pooled)
             self._fill_fed_history(plan, prev_picks)
-            logits = self._logits_of(plan, hidden, rows)
+            at = _Positions.of(plan, rows)
+            logits = self._logits_of(plan, hidden, at)
+            if at.drafted:
+                # Nothing is fed from a verify step (the host commits its picks), and its logits are never asked for
+                # again (a model that could need a repair never speculates).
+                out = self.sampler(logits, plan, torch.from_numpy(at.of_row), keys=at.keys)
+                accepted = self._accepted(plan, at, out.tokens)
+                self._staging.end()
+                return self._copier.start_verify(plan.num_rows, at.of_row, at.within, out, accepted, start)
             # The sampler reads the rows on the host: hand it a host tensor, so it needs no device sync. When
             # every row samples, a greedy pick goes straight where the next step's feeds read it.
             kept = self._kept(plan.num_rows) if len(rows) == plan.num_rows else None
@@ -364,6 +375,18 @@ class ModelRunner:
             self._logits.append(_StepLogits(step, logits, rows, plan.num_rows))
             self._last_picks = self._copier.start(plan.num_rows, rows, out, start, prompt, pooled)
             return self._last_picks
+
+    def _accepted(self, plan: StepPlan, at: _Positions, picks: torch.Tensor) -> torch.Tensor:
+        """int64 [R] on the device: each row's kept picks (0 for a row that does not sample): up to and including
+        its first pick that differs from the draft after it, all d + 1 when none does."""
+        drafts = self._staging.put("verify_drafts", at.next_draft)
+        last = self._staging.put("verify_last", at.last)
+        within = self._staging.put("verify_within", at.within)
+        wrong = (picks != drafts) & (within < last)  # a draft position whose pick rejects the draft
+        stop = torch.where(wrong, within, last)  # where each pick would end its row's kept run
+        accepted = torch.zeros(plan.num_rows, dtype=torch.int64, device=self.device)
+        accepted.scatter_reduce_(0, self._staging.put("verify_rows", at.of_row), stop, "amin", include_self=False)
+        return accepted.add_(self._staging.put("verify_sampling", plan.sample, torch.bool).long())
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple:
         """The rows' prompt logprobs (StepPlan.prompt_lp_*): at each asked position the raw log-probability of the
@@ -546,12 +569,11 @@ class ModelRunner:
             return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens)
         return self.model(p.input_ids, p.positions, self.kv_cache, p.meta, p.token_seq_lens, state=p.state)
 
-    def _logits_of(self, plan: StepPlan, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """[S, V] logits (the model's dtype) at the last token of each sampling row."""
-        if len(rows) == plan.num_tokens:  # one token per row, all sampling (a decode step): all of hidden
+    def _logits_of(self, plan: StepPlan, hidden: torch.Tensor, at: _Positions) -> torch.Tensor:
+        """[P, V] logits (the model's dtype) at each sampling position."""
+        if len(at.token) == plan.num_tokens:  # every token samples (a decode step): all of hidden
             return self.model.compute_logits(hidden)
-        last = self._staging.put("last_token", plan.query_start[rows + 1] - 1)
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[self._staging.put("sample_at", at.token)])
 
     def _kept(self, r: int) -> torch.Tensor:
         """The first r entries of the kept tokens (grown first when r exceeds them)."""

@@ -98,6 +98,19 @@ class ResultCopier:
         event.record()
         return pending
 
+    def start_verify(self, num_rows: int, of_row: np.ndarray, within: np.ndarray, out: SamplerOutput,
+                     accepted: torch.Tensor, start: float) -> list[PickIndex]:
+        """Queue the copies of a verify step's picks (out: one per position, pick within[i] of row of_row[i]) and of
+        each row's accepted count, behind one event; one pending result per pick index, as a burst's steps."""
+        event = new_event(self.device)
+        flat = PendingResult(
+            len(of_row), np.arange(len(of_row)), self._copy(out.tokens), self._copy(out.logprobs, torch.float32),
+            self._copy(out.top_ids), self._copy(out.top_logprobs, torch.float32), event, start,
+        )
+        picks = VerifyPicks(flat, self._copy(accepted), num_rows, of_row, within)
+        event.record()
+        return [PickIndex(picks, j) for j in range(int(within.max(initial=0)) + 1)]
+
     def _copy(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """A host tensor the device tensor t is being copied into (converted to dtype first, on the device)."""
         if t is None:
@@ -108,6 +121,63 @@ class ResultCopier:
         # block only once the copies recorded on it are done; the kept tokens may be overwritten by the next step.
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
         return host.copy_(t, non_blocking=self.pinned)
+
+
+@dataclass(slots=True)
+class VerifyPicks:
+    """A verify step's picks on their way to the host: each row keeps its first accepted[r] picks (the device's
+    acceptance); results() splits them by pick index, as a burst's steps."""
+
+    flat: PendingResult  # one "row" per pick
+    accepted: torch.Tensor  # int64 [R] host: each row's kept picks
+    num_rows: int  # R
+    of_row: np.ndarray  # int64 [P]: each pick's row
+    within: np.ndarray  # int64 [P]: its index in its row
+    _results: list[StepResult] | None = None
+
+    def ready(self) -> bool:
+        """Whether the copies have landed."""
+        return self.flat.ready()
+
+    def results(self) -> list[StepResult]:
+        """One StepResult per pick index (tokens -1, logprobs NaN where a row kept fewer), made once."""
+        if self._results is None:
+            flat = self.flat.result()
+            keep = self.within < self.accepted.numpy()[self.of_row]
+            j, row = self.within[keep], self.of_row[keep]
+            steps, r = int(self.within.max(initial=0)) + 1, self.num_rows
+            tokens = np.full((steps, r), -1, dtype=np.int32)
+            tokens[j, row] = flat.tokens[keep]
+            results = [StepResult(tokens=tokens[k], timings=flat.timings) for k in range(steps)]
+            if flat.logprobs is not None:
+                lp = np.full((steps, r), np.nan, dtype=np.float32)
+                lp[j, row] = flat.logprobs[keep]
+                for k, result in enumerate(results):
+                    result.logprobs = lp[k]
+            if flat.top_ids is not None:
+                n = flat.top_ids.shape[1]
+                ids = np.full((steps, r, n), -1, dtype=np.int32)
+                ids[j, row] = flat.top_ids[keep]
+                top = np.full((steps, r, n), np.nan, dtype=np.float32)
+                top[j, row] = flat.top_logprobs[keep]
+                for k, result in enumerate(results):
+                    result.top_ids, result.top_logprobs = ids[k], top[k]
+            self._results = results
+        return self._results
+
+
+@dataclass(slots=True)
+class PickIndex:
+    """Pick index j of a verify step: a burst step's pending result."""
+
+    picks: VerifyPicks
+    j: int
+
+    def ready(self) -> bool:
+        return self.picks.ready()
+
+    def result(self) -> StepResult:
+        return self.picks.results()[self.j]
 
 
 @dataclass(slots=True)
@@ -126,11 +196,11 @@ class Ready:
 
 
 def launch_ticket(runner, plan, kind: StepKind, steps: int) -> list:
-    """Queue one ticket's plan on the runner as its kind says: a BURST's decode steps, a VERIFY's picks, or one
-    STEP; their pending results in order. A verify step (speculative decoding) runs to completion: nothing is fed
-    from it (the host commits its picks)."""
+    """Queue one ticket's plan on the runner as its kind says: a BURST's decode steps, a VERIFY's picks (one pending
+    result per pick index; nothing is fed from it: the host commits its picks), or one STEP; their pending results
+    in order."""
     if kind == StepKind.VERIFY:
-        return [Ready(r) for r in runner.execute_verify(plan)]
+        return runner.launch_verify(plan)
     return runner.launch_burst(plan, steps) if kind == StepKind.BURST else [runner.launch(plan)]
 
 

@@ -38,7 +38,7 @@ move on to the next allowed id (mod vocab). Temperature, seeds, top-k/p and pena
 (the plan still carries them: the engine's cost of building them is real). This is not FakeDevice's rule:
 FakeDevice samples full logits through the host sampler, ~50 µs a row, more than a step at 1,024 rows.
 Logprobs are 0.0 for every sampled token (and every asked prompt position). Decode bursts run their steps one after another (each timed);
-verify steps (speculative decoding) and logits tickets are not simulated.
+verify steps (speculative decoding) and RESAMPLE tickets are not simulated.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ the doorbell), run it, write the result (or the error), publish, ring. It exits 
 engine core's end of the doorbell closes, or when its parent process dies.
 
 A runner is anything with `info: ModelInfo`, `launch(plan)` / `launch_burst(plan, steps)` (queue a step, or a
-ticket's several, and return pending results: `ready()`, `result()`, result_copy.py) and `execute_verify(plan)`
-for a verify step's drafts. The worker launches ticket t+1 as soon as it is published — fed on the device from
-t's tokens — before t's tokens have reached the host, and writes t's result when its copy has landed, so the
-device is never left waiting for the host's round trip (on a CPU, or a runner that runs a step to completion, a
-step's result is ready when launch returns, and the loop is the synchronous one). One that counts its steps
+ticket's several, and return pending results: `ready()`, `result()`, result_copy.py) and `launch_verify(plan)`
+for a verify step's drafts (one pending result per pick index). The worker launches ticket t+1 as soon as it is
+published — fed on the device from t's tokens — before t's tokens have reached the host, and writes t's result
+when its copy has landed, so the device is never left waiting for the host's round trip (on a CPU, or a runner
+that runs a step to completion, a step's result is ready when launch returns, and the loop is the synchronous
+one). One that counts its steps
 (`steps_executed`) and keeps their logits (`resample(step, plan)`) also answers RESAMPLE tickets: a RepickOnly
 repair, where the engine sends the settled ticket's rows with their masks as they are now and the runner's sampler
 picks again from that step's kept logits, answered as the step's result would be. The plan's arrays are views

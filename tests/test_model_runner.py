@@ -356,3 +356,28 @@ def test_launching_steps_before_reading_their_results_gives_the_same_tokens(mode
         pending.append(runner.launch(_decode_plan(plans, prompts, k)))
     assert all(p.ready() for p in pending)  # a CPU's event has fired when launch returns
     np.testing.assert_array_equal(np.stack([p.result().tokens for p in pending], axis=1), want)
+
+
+def test_a_verify_step_keeps_each_rows_picks_up_to_its_first_rejected_draft(model_path, plans):
+    """A verify step is the one executor's step at k positions a row: drafts that are the greedy continuation are all
+    kept, with the pick after them; a wrong first draft keeps only the pick that corrects it; a row without drafts
+    picks once. The device's accepted counts cut each row's picks."""
+    prompts = _prompts(2048, lens=(5, 17, 9))
+    plain = ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False)
+    greedy = [plain.execute(_prefill_plan(plans, prompts)).tokens]
+    for k in range(3):
+        greedy.append(plain.execute(_decode_plan(plans, prompts, k, greedy[-1])).tokens)
+    g = np.stack(greedy, axis=1)  # row i: its greedy picks t0, t1, t2, t3
+    runner = ModelRunner(model_path, device="cpu", num_kv_blocks=256, show_progress=False)
+    runner.execute(_prefill_plan(plans, prompts))
+    wrong = (int(g[1, 1]) + 1) % 2048
+    inputs = [[g[0, 0], g[0, 1], g[0, 2]], [g[1, 0], wrong, g[1, 2]], [g[2, 0]]]
+    rows = [plans.Row([int(t) for t in ids], len(p), plans.blocks_for(i, MAX_LEN))
+            for i, (p, ids) in enumerate(zip(prompts, inputs))]
+    plan = plans.make_plan(rows)
+    plan.num_drafts = np.array([2, 2, 0], dtype=np.int32)
+    results = runner.execute_verify(plan)
+    picks = np.stack([r.tokens for r in results])  # [pick index, row]
+    assert picks[:, 0].tolist() == g[0, 1:4].tolist()
+    assert picks[:, 1].tolist() == [g[1, 1], -1, -1]
+    assert picks[:, 2].tolist() == [g[2, 1], -1, -1]
