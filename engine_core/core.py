@@ -78,7 +78,6 @@ class EngineCoreArgs(msgspec.Struct, kw_only=True):
     special_tokens: dict[str, int | None] = {}
     ready_timeout_s: float = 600.0
     served_path: str = ""  # where to write the pid of each worker once it has served a step (for the supervisor)
-    logits_vocab: int = 0  # unused: the ring carries no logits since its version 13 (the supervisor still sets it)
     pool_dim: int = 0  # the model's hidden size: the width of the embeddings the ring carries back
     status_address: str = ""  # the supervisor's status inbox (ipc/status_channel.py)
     replica: int = 0  # this engine core's data-parallel replica (for its logs)
@@ -89,14 +88,12 @@ def ring_geometry(args: EngineCoreArgs) -> RingGeometry:
     """Ticket slots sized for the largest step this engine can build."""
     # Streamed rows burst up to their interval; longer bursts save little and size every slot's results.
     return geometry_for(args.serve.engine, args.max_model_len, max(1, min(args.serve.stream_interval, MAX_STREAM_BURST)),
-                        args.vocab_size, pool_dim=args.pool_dim)
+                        args.vocab_size, args.pool_dim)
 
 
-def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int, vocab_size: int, logits_vocab: int = 0,
-                 pool_dim: int = 0) -> RingGeometry:
+def geometry_for(e: EngineArgs, max_model_len: int, max_burst: int, vocab_size: int, pool_dim: int = 0) -> RingGeometry:
     """Ticket slots for an engine's largest step and bursts of up to max_burst steps (serve, and LLM's worker group):
-    grammar rows' bitmasks for vocab_size, a verify step's picks, and every row's embedding of pool_dim (0: none).
-    logits_vocab is unused (no logits cross the ring since its version 13; LLM's group still passes it)."""
+    grammar rows' bitmasks for vocab_size, a verify step's picks, and every row's embedding of pool_dim (0: none)."""
     return RingGeometry(
         num_slots=4,
         max_tokens=max(e.max_num_batched_tokens, e.max_num_seqs),

@@ -417,16 +417,14 @@ def _spawn_group(args: EngineArgs, model_dir: str):
 
     from metrale.engine_core.core import geometry_for
     from metrale.engine_core.worker_device import WorkerDevice
-    from metrale.model_facts import STATE_RECURRENT, resolve_model
+    from metrale.model_facts import resolve_model
 
     n = args.tensor_parallel_size
     env = {}
     if args.device in (None, "cpu"):
         env["OMP_NUM_THREADS"] = str(args.worker_threads or max(1, (os.cpu_count() or 1) // n))
     facts = resolve_model(model_dir, args.max_model_len)
-    logits_vocab = facts.vocab_size if facts.state_kind == STATE_RECURRENT else 0
-    geometry = geometry_for(args, facts.max_model_len, args.decode_burst, facts.vocab_size, logits_vocab,
-                            facts.hidden_size)
+    geometry = geometry_for(args, facts.max_model_len, args.decode_burst, facts.vocab_size, facts.hidden_size)
     return WorkerDevice.spawn(geometry, runner_kwargs=args.runner_kwargs(model_dir),
                               env=env, tensor_parallel_size=n, all_reduce=args.all_reduce)
 

@@ -298,8 +298,6 @@ class Supervisor:
 
     def _engine_argv(self, rep: Replica, token: str) -> list[str]:
         from metrale.engine_core.core import EngineCoreArgs
-        from metrale.model_facts import STATE_RECURRENT
-
         args = EngineCoreArgs(
             serve=msgspec.structs.replace(self.config, api_key=None),  # a command line is no place for a key
             input_address=rep.input_address,
@@ -313,7 +311,6 @@ class Supervisor:
             status_address=self._ipc("status"),
             replica=rep.index,
             ring_ranks=self.layout.ring_ranks,
-            logits_vocab=self.facts.vocab_size if self.facts.state_kind == STATE_RECURRENT else 0,
             pool_dim=self.facts.hidden_size,
         )
         return [sys.executable, "-m", "metrale.engine_core.core", "--args", msgspec.json.encode(args).decode()]
