@@ -19,6 +19,7 @@ num_computed moves only when its own step is settled.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -171,10 +172,11 @@ def _repick(inf: Inflight, result, io: StepIo):
     masks = [NO_MASK if gone else row_mask(s, io.toks, io.eos_ids) for s, gone in zip(inf.seqs, inf.discard)]
     ends = [w + k for w, k in zip(inf.written, inf.num_new)]
     again = io.device.resample(inf.ticket, io.builder.resample(inf.seqs, masks, ends, inf.samples))
-    result.tokens, result.logprobs = again.tokens, again.logprobs
-    result.top_ids, result.top_logprobs = again.top_ids, again.top_logprobs
     io.repicks += sum(smp and not gone for smp, gone in zip(inf.samples, inf.discard))
-    return result
+    # A new result: the step's own (its prompt logprobs, pooled rows) with the repicked tokens and their logprobs.
+    return dataclasses.replace(
+        result, tokens=again.tokens, logprobs=again.logprobs, top_ids=again.top_ids, top_logprobs=again.top_logprobs
+    )
 
 
 def _commit_picks(inf: Inflight, results: list, io: StepIo) -> None:
