@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -23,6 +26,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every quantized product on the forced (or the process's) kernel class, not the one a start-up measurement picks:
 # a test that forces a path runs that path (tests/test_kernel_choice.py measures on purpose).
 os.environ.setdefault("METRALE_KERNEL_DISPATCH", "rank")
+
+
+def pytest_sessionstart(session) -> None:
+    """Compile every kernel class this CPU runs two at a time in a process of its own, while the first tests run:
+    the tests would each build theirs on first use, one compiler at a time, the box's other core idle. A test that
+    needs a class still building waits on the build's lock (cpu_kernels._build); the process is stopped at the
+    session's end."""
+    if os.environ.get("METRALE_CPU_KERNELS", "").strip().lower() == "torch":
+        return
+    session.config._kernel_prebuild = subprocess.Popen(
+        [sys.executable, "-m", "metrale.gpu_worker.layers.cpu_kernels", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+
+
+def pytest_sessionfinish(session) -> None:
+    builder = getattr(session.config, "_kernel_prebuild", None)
+    if builder is None or builder.poll() is not None:
+        return
+    os.killpg(builder.pid, signal.SIGTERM)  # a short session: its compilers stop, no further build starts
+    try:
+        builder.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(builder.pid, signal.SIGKILL)
+        builder.wait()
 
 
 def _torch_threads() -> None:

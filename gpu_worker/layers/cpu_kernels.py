@@ -25,10 +25,12 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 
 import torch
 
@@ -287,3 +289,35 @@ def _compile(source: str, flags: list[str], lib: pathlib.Path, what: str) -> Non
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(out, lib)
+
+
+
+def prebuild(classes: list[str] | None = None, jobs: int = 2, stop: threading.Event | None = None) -> dict[str, str]:
+    """Build (or find cached) every unit of each class (default: every class this CPU can run, this process's
+    first), `jobs` compilers at a time, without loading any: for an image or a test session that would otherwise
+    compile them one after another on first use. Once `stop` is set no further build starts. Returns
+    "class/unit" -> the error of each build that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if classes is None:
+        own = isa()
+        classes = [own] + [c for c in reversed(supported_isas()) if c != own]
+
+    def build(cls: str, unit: str) -> None:
+        if stop is None or not stop.is_set():
+            _build(cls, unit)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {f"{c}/{u}": pool.submit(build, c, u) for c in classes for u in UNITS}
+    return {what: f"{type(f.exception()).__name__}: {f.exception()}" for what, f in futures.items() if f.exception()}
+
+
+if __name__ == "__main__":  # python -m metrale.gpu_worker.layers.cpu_kernels [JOBS]: prebuild()
+    # SIGTERM (a test session that ended first): the compilers, in this process group, die of it, each build's
+    # temporary folder is removed as its thread sees the failure, and no queued build starts.
+    halt = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: halt.set())
+    failed = prebuild(jobs=int(sys.argv[1]) if len(sys.argv) > 1 else 2, stop=halt)
+    for what, why in failed.items():
+        print(f"{what}: {why}", file=sys.stderr)
+    sys.exit(1 if failed and not halt.is_set() else 0)
