@@ -172,7 +172,7 @@ def _cache_path() -> pathlib.Path:
 
 def _cpu_model() -> str:
     """The CPU's model name and flags (two boxes sold under one name can differ in flags)."""
-    name = platform.processor()
+    name = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -181,7 +181,8 @@ def _cpu_model() -> str:
                     break
     except OSError:
         pass
-    return name + " " + " ".join(sorted(cpu_isa.cpu_flags()))
+    # platform.processor() runs `uname -p` in a child process on Linux: only where /proc/cpuinfo names nothing
+    return (name or platform.processor()) + " " + " ".join(sorted(cpu_isa.cpu_flags()))
 
 
 def _read(path: pathlib.Path) -> dict[str, str]:
