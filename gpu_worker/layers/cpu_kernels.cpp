@@ -6,10 +6,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -414,13 +416,55 @@ FoldFn<T> choose_fold(const Shape& sh) {
   return fold_block_generic<T>;
 }
 
+// A row's keys are folded in chunks of this many positions, aligned to multiples of it (whole blocks): a
+// chunk is the unit a lone row's keys are split into across threads, and every row is chunked alike whatever
+// the batch and the thread count, so a row's bits never depend on them. A row within one chunk pays no merge.
+constexpr int64_t kChunkKeys = 256;
+
+// Merge one head's softmax state over later keys (pm, pl, pacc) into its state over the keys before them
+// (m, l, acc): both rescaled to the larger max. Chunks are merged in key order, left to right, in every path.
+// The side holding the larger max has factor e^0 = 1 exactly, so its exp and products are skipped.
+inline void merge_state(float& m, float& l, float* __restrict acc, float pm, float pl, const float* __restrict pacc, int64_t dim) {
+  if (m >= pm) {
+    const float b = exp_nonpositive(pm - m);
+    for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + pacc[d] * b;
+    l = l + pl * b;
+  } else {
+    const float a = exp_nonpositive(m - pm);
+    for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] * a + pacc[d];
+    l = l * a + pl;
+    m = pm;
+  }
+}
+
+// A unit of a split decode: KV head h of row r over keys [t0, t1); slot: where its partial state goes, -1 for
+// a row of one chunk (written out directly).
+struct ChunkUnit {
+  int64_t r, h, t0, t1, slot;
+};
+
+// Buffers reused from call to call on each thread (their capacity: a decode step calls this per layer).
+struct DecodeScratch {
+  std::vector<float> state;  // a task's RowState
+  std::vector<float> merged;  // a row's merged chunks (one unit a row)
+  // The caller's plan of a split decode: its units, per row the first slot and the chunks, per thread its first
+  // unit, the chunks' partial states, per (row, KV head) the chunks done.
+  std::vector<ChunkUnit> units;
+  std::vector<int64_t> slot0, chunks, owner_start;
+  std::vector<float> partial;
+  std::unique_ptr<std::atomic<int64_t>[]> done;
+  int64_t done_size = 0;
+};
+thread_local DecodeScratch decode_scratch;
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& first_key,
             double scale, at::Tensor& out) {
   const Shape sh{q.size(1), k_blocks.size(1), q.size(1) / k_blocks.size(1), q.size(2), k_blocks.size(3)};
   const int64_t rows = q.size(0), width = block_tables.size(1);
-  const int64_t q_row = q.stride(0), q_head = q.stride(1), block_elems = sh.kv_heads * sh.dim * sh.block_size;
+  const int64_t heads = sh.heads, dim = sh.dim, group = sh.group, bs = sh.block_size;
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), block_elems = sh.kv_heads * dim * bs;
   const T* qp = q.data_ptr<T>();
   const T* kp = k_blocks.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -430,53 +474,188 @@ void decode(const at::Tensor& q, const at::Tensor& k_blocks, const at::Tensor& v
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   const FoldFn<T> fold = choose_fold<T>(sh);
+  const int64_t span = std::max<int64_t>(1, kChunkKeys / bs) * bs;  // a chunk's positions
 
-  // One unit of work per row, its blocks in order, with an online softmax (flash-decoding): every key and
-  // value is read once, straight from its block. With fewer rows than twice the threads (a batch-1 step),
-  // a unit is one KV head of a row instead, so every thread has work; each head's arithmetic is the same.
-  const int64_t splits = rows >= 2 * at::get_num_threads() ? 1 : sh.kv_heads;
-  at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals ftz;
-    const int64_t heads = sh.heads, dim = sh.dim;
-    std::vector<float> scratch(heads * dim * 2 + heads * sh.block_size + heads * 2);
-    const RowState st{scratch.data(), scratch.data() + heads * dim, scratch.data() + 2 * heads * dim,
-                      scratch.data() + 2 * heads * dim + heads * sh.block_size,
-                      scratch.data() + 2 * heads * dim + heads * sh.block_size + heads};
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t r = u / splits, h0 = (u % splits) * sh.kv_heads / splits, h1 = (u % splits + 1) * sh.kv_heads / splits;
-      for (int64_t hq = h0 * sh.group; hq < h1 * sh.group; ++hq) {
-        const T* src = qp + r * q_row + hq * q_head;
-        for (int64_t d = 0; d < dim; ++d) st.qf[hq * dim + d] = load(src, d) * sc;
-        for (int64_t d = 0; d < dim; ++d) st.acc[hq * dim + d] = 0.0f;
-        st.m[hq] = -FLT_MAX;
-        st.l[hq] = 0.0f;
+  // Flash-decoding: each row's blocks in order with an online softmax, every key and value read once,
+  // straight from its block. One task's state: per query head the scaled query, the running sum of weight *
+  // value, one block's weights, the running max and sum (RowState).
+  auto scratch_for = [&](std::vector<float>& buf) {
+    buf.resize(heads * dim * 2 + heads * bs + heads * 2);  // every entry is written before it is read
+    float* b = buf.data();
+    return RowState{b, b + heads * dim, b + 2 * heads * dim, b + 2 * heads * dim + heads * bs,
+                    b + 2 * heads * dim + heads * bs + heads};
+  };
+  auto load_queries = [&](const RowState& st, int64_t r, int64_t h0, int64_t h1) {
+    for (int64_t hq = h0 * group; hq < h1 * group; ++hq) {
+      const T* src = qp + r * q_row + hq * q_head;
+      for (int64_t d = 0; d < dim; ++d) st.qf[hq * dim + d] = load(src, d) * sc;
+    }
+  };
+  // Fold keys [t0, t1) of row r into a fresh state of KV heads [h0, h1); after_k/after_v (null for none) is
+  // the block this task folds next, prefetched while the range's last block is folded.
+  auto fold_keys = [&](const RowState& st, int64_t r, int64_t h0, int64_t h1, int64_t t0, int64_t t1,
+                       const T* after_k, const T* after_v) {
+    for (int64_t hq = h0 * group; hq < h1 * group; ++hq) {
+      for (int64_t d = 0; d < dim; ++d) st.acc[hq * dim + d] = 0.0f;
+      st.m[hq] = -FLT_MAX;
+      st.l[hq] = 0.0f;
+    }
+    const int64_t* table = tables + r * width;
+    for (int64_t t = t0; t < t1;) {
+      const int64_t block = table[t / bs];
+      const int64_t offset = t % bs;
+      const int64_t n = std::min(bs - offset, t1 - t);
+      const T* nk = after_k;
+      const T* nv = after_v;
+      if (t + n < t1) {
+        nk = kp + table[(t + n) / bs] * block_elems;
+        nv = vp + table[(t + n) / bs] * block_elems;
       }
-      const int64_t len = lens[r];
-      const int64_t* table = tables + r * width;
-      for (int64_t t = firsts[r]; t < len;) {
-        const int64_t block = table[t / sh.block_size];
-        const int64_t offset = t % sh.block_size;
-        const int64_t n = std::min(sh.block_size - offset, len - t);
-        // The block after this one: the row's next, else the first of the task's next unit's row.
-        const T* nk = nullptr;
-        const T* nv = nullptr;
-        const int64_t rn = (u + 1) / splits;
-        if (t + n < len) {
-          nk = kp + table[(t + n) / sh.block_size] * block_elems;
-          nv = vp + table[(t + n) / sh.block_size] * block_elems;
-        } else if (u + 1 < end && firsts[rn] < lens[rn]) {
-          const int64_t next = tables[rn * width + firsts[rn] / sh.block_size];
-          nk = kp + next * block_elems;
-          nv = vp + next * block_elems;
+      fold(st, sh, kp + block * block_elems, vp + block * block_elems, offset, n, nk, nv, h0, h1);
+      t += n;
+    }
+  };
+  auto finish = [&](int64_t r, int64_t hq0, int64_t hq1, const float* acc, const float* l) {
+    for (int64_t hq = hq0; hq < hq1; ++hq) {
+      const float inv = 1.0f / l[hq];
+      T* dst = op + (r * heads + hq) * dim;
+      for (int64_t d = 0; d < dim; ++d) store(dst, d, acc[hq * dim + d] * inv);
+    }
+  };
+  auto chunk_end = [&](int64_t t, int64_t len) { return std::min(len, (t / span + 1) * span); };
+
+  const int64_t threads = at::get_num_threads();
+  if (rows >= 2 * threads) {
+    // Enough rows for every thread: one unit a row, its chunks folded in turn and merged as they end.
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      FlushDenormals ftz;
+      DecodeScratch& mine = decode_scratch;
+      const RowState st = scratch_for(mine.state);
+      mine.merged.resize(heads * dim + 2 * heads);
+      float* run_acc = mine.merged.data();
+      float* run_m = run_acc + heads * dim;
+      float* run_l = run_m + heads;
+      for (int64_t r = begin; r < end; ++r) {
+        load_queries(st, r, 0, sh.kv_heads);
+        const int64_t first = firsts[r], len = lens[r];
+        int64_t t0 = first;
+        do {
+          const int64_t t1 = chunk_end(t0, len);
+          const T* ak = nullptr;
+          const T* av = nullptr;
+          if (t1 < len) {
+            ak = kp + tables[r * width + t1 / bs] * block_elems;
+            av = vp + tables[r * width + t1 / bs] * block_elems;
+          } else if (r + 1 < end && firsts[r + 1] < lens[r + 1]) {
+            ak = kp + tables[(r + 1) * width + firsts[r + 1] / bs] * block_elems;
+            av = vp + tables[(r + 1) * width + firsts[r + 1] / bs] * block_elems;
+          }
+          fold_keys(st, r, 0, sh.kv_heads, t0, std::max(t0, t1), ak, av);
+          if (t0 == first && t1 < len) {
+            std::memcpy(run_acc, st.acc, sizeof(float) * heads * dim);
+            std::memcpy(run_m, st.m, sizeof(float) * heads);
+            std::memcpy(run_l, st.l, sizeof(float) * heads);
+          } else if (t0 != first) {
+            for (int64_t hq = 0; hq < heads; ++hq)
+              merge_state(run_m[hq], run_l[hq], run_acc + hq * dim, st.m[hq], st.l[hq], st.acc + hq * dim, dim);
+          }
+          t0 = t1;
+        } while (t0 < len);
+        if (chunk_end(first, len) >= len) {
+          finish(r, 0, heads, st.acc, st.l);
+        } else {
+          finish(r, 0, heads, run_acc, run_l);
         }
-        fold(st, sh, kp + block * block_elems, vp + block * block_elems, offset, n, nk, nv, h0, h1);
-        t += n;
       }
-      for (int64_t hq = h0 * sh.group; hq < h1 * sh.group; ++hq) {
-        const float inv = 1.0f / st.l[hq];
-        T* dst = op + (r * heads + hq) * dim;
-        for (int64_t d = 0; d < dim; ++d) store(dst, d, st.acc[hq * dim + d] * inv);
+    });
+    return;
+  }
+
+  // Fewer rows than that (a batch-1 step): a unit is one KV head of one chunk of a row, so a lone row's
+  // work spreads over every thread whatever its KV heads, and the units are dealt to the threads in even
+  // shares of keys. A chunk's state goes to its slot; the last of a (row, KV head)'s chunks to finish merges
+  // them in key order and writes the row's output.
+  DecodeScratch& plan = decode_scratch;
+  std::vector<ChunkUnit>& units = plan.units;
+  std::vector<int64_t>& slot0 = plan.slot0;
+  std::vector<int64_t>& chunks = plan.chunks;
+  std::vector<int64_t>& owner_start = plan.owner_start;
+  units.clear();
+  slot0.assign(rows, -1);
+  chunks.assign(rows, 1);
+  int64_t slots = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t first = firsts[r], len = lens[r];
+    if (first < len) chunks[r] = (len - 1) / span - first / span + 1;
+    if (chunks[r] > 1) {
+      slot0[r] = slots;
+      slots += chunks[r];
+    }
+    for (int64_t h = 0; h < sh.kv_heads; ++h) {
+      int64_t t0 = first;
+      for (int64_t c = 0; c < chunks[r]; ++c) {
+        const int64_t t1 = std::max(t0, chunk_end(t0, len));
+        units.push_back({r, h, t0, t1, chunks[r] > 1 ? slot0[r] + c : -1});
+        t0 = t1;
       }
+    }
+  }
+  // Thread i takes the units whose middle key lies in the i-th share (a unit's cost: its keys and a block).
+  const int64_t count = static_cast<int64_t>(units.size());
+  owner_start.assign(threads + 1, count);
+  {
+    int64_t total = 0;
+    for (const ChunkUnit& u : units) total += u.t1 - u.t0 + bs;
+    int64_t before = 0, next = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t cost = units[i].t1 - units[i].t0 + bs;
+      const int64_t owner = std::min(threads - 1, (2 * before + cost) * threads / (2 * total));
+      while (next <= owner) owner_start[next++] = i;
+      before += cost;
+    }
+  }
+  plan.partial.resize(slots * heads * (dim + 2));
+  float* part_acc = plan.partial.data();
+  float* part_m = part_acc + slots * heads * dim;
+  float* part_l = part_m + slots * heads;
+  if (plan.done_size < rows * sh.kv_heads) {
+    plan.done.reset(new std::atomic<int64_t>[rows * sh.kv_heads]);
+    plan.done_size = rows * sh.kv_heads;
+  }
+  std::atomic<int64_t>* done = plan.done.get();
+  for (int64_t i = 0; i < rows * sh.kv_heads; ++i) done[i].store(0, std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
+    const RowState st = scratch_for(decode_scratch.state);
+    const int64_t last = owner_start[end];
+    for (int64_t i = owner_start[begin]; i < last; ++i) {
+      const ChunkUnit& u = units[i];
+      const int64_t hq0 = u.h * group, hq1 = hq0 + group;
+      const T* ak = nullptr;
+      const T* av = nullptr;
+      if (i + 1 < last && units[i + 1].t0 < units[i + 1].t1) {
+        const ChunkUnit& nu = units[i + 1];
+        ak = kp + tables[nu.r * width + nu.t0 / bs] * block_elems;
+        av = vp + tables[nu.r * width + nu.t0 / bs] * block_elems;
+      }
+      if (i == owner_start[begin] || units[i - 1].r != u.r || units[i - 1].h != u.h) load_queries(st, u.r, u.h, u.h + 1);
+      fold_keys(st, u.r, u.h, u.h + 1, u.t0, u.t1, ak, av);
+      if (u.slot < 0) {
+        finish(u.r, hq0, hq1, st.acc, st.l);
+        continue;
+      }
+      std::memcpy(part_acc + (u.slot * heads + hq0) * dim, st.acc + hq0 * dim, sizeof(float) * group * dim);
+      std::memcpy(part_m + u.slot * heads + hq0, st.m + hq0, sizeof(float) * group);
+      std::memcpy(part_l + u.slot * heads + hq0, st.l + hq0, sizeof(float) * group);
+      if (done[u.r * sh.kv_heads + u.h].fetch_add(1, std::memory_order_acq_rel) + 1 < chunks[u.r]) continue;
+      // The (row, KV head)'s last chunk: merge every chunk into the first's slot, in key order.
+      const int64_t s0 = slot0[u.r];
+      for (int64_t c = 1; c < chunks[u.r]; ++c)
+        for (int64_t hq = hq0; hq < hq1; ++hq)
+          merge_state(part_m[s0 * heads + hq], part_l[s0 * heads + hq], part_acc + (s0 * heads + hq) * dim,
+                      part_m[(s0 + c) * heads + hq], part_l[(s0 + c) * heads + hq],
+                      part_acc + ((s0 + c) * heads + hq) * dim, dim);
+      finish(u.r, hq0, hq1, part_acc + s0 * heads * dim, part_l + s0 * heads);
     }
   });
 }
