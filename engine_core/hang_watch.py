@@ -9,9 +9,12 @@ A ticket may run `floor_s` (--worker-hang-timeout) plus `margin` times its EXPEC
 comes from the work the ticket carries (StepWork: forward passes, prefill tokens, decode positions) through a
 linear fit of the steps this server ran, t = a·forwards + b·prefill_tokens + c·decode_positions, so a
 4,096-token prefill after a run of decode steps is priced at prefill speed, not at the per-token time of a
-one-row decode. Until the fit has seen enough prefill (or decode) steps to price that kind of work, the
-slowest recent time per unit of work stands in for its rate: cautious, never the old 20-fold of it. A
-worker's first `warmup` steps (compilation, warm-up) are not recorded and get `first_steps_s`.
+one-row decode. Until the fit has seen enough prefill (or decode) steps to price that kind of work, a guess
+stands in for its rate: for prefill, the slowest time per token of the prefill steps seen (a one-row decode's
+time per token is its whole step overhead, which would price a long prompt at minutes), else the slowest recent
+time per unit of any work; cautious, never the old 20-fold of it. A step of a kind still guessed refits at once
+rather than `refit_every` records later. A worker's first `warmup` steps (compilation, warm-up) are not
+recorded and get `first_steps_s`.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class HangWatch:
     _seen: int = 0  # steps completed by the current worker
     _stale: int = 0  # records since the last fit
     _rates: tuple[float, float, float] | None = None  # seconds per forward, prefill token, decode position
+    _guessed: tuple[bool, bool] = (True, True)  # the prefill, the decode rate is a guess (too few steps of it)
 
     def __post_init__(self) -> None:
         self._recent, self._prefills = _Samples(self.history), _Samples(self.prefill_history)
@@ -88,7 +92,7 @@ class HangWatch:
             return  # warm-up steps say nothing about the model's steady step time
         (self._prefills if work.prefill_tokens else self._recent).add(work, elapsed_ns / NS)
         self._stale += 1
-        if self._rates is None or self._stale >= self.refit_every:
+        if self._rates is None or self._stale >= self.refit_every or self._guessed[0 if work.prefill_tokens else 1]:
             self._refit()
 
     def expected_s(self, work: StepWork) -> float | None:
@@ -114,10 +118,14 @@ class HangWatch:
             self._rates = None
             return
         x, y = samples[:, :3], samples[:, 3]
-        slowest = float((y / np.maximum(1.0, x[:, 1] + x[:, 2])).max())  # seconds per token, the slowest step's
-        known = [True, len(self._prefills.rows()) >= MIN_SAMPLES, int(np.count_nonzero(x[:, 2])) >= MIN_SAMPLES]
+        per_token = y / np.maximum(1.0, x[:, 1] + x[:, 2])  # seconds per token of each step
+        slowest = float(per_token.max())
+        prefills = len(self._prefills.rows())  # the prefill steps come last in samples
+        slowest_prefill = float(per_token[-prefills:].max()) if prefills else slowest
+        known = [True, prefills >= MIN_SAMPLES, int(np.count_nonzero(x[:, 2])) >= MIN_SAMPLES]
         rates = _nonnegative_fit(x.T @ x, x.T @ y, [j for j in range(3) if known[j]])
-        self._rates = tuple(rates[j] if known[j] else slowest for j in range(3))
+        self._rates = (rates[0], rates[1] if known[1] else slowest_prefill, rates[2] if known[2] else slowest)
+        self._guessed = (not known[1], not known[2])
 
 
 class _Samples:

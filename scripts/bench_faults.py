@@ -271,7 +271,11 @@ def main() -> None:
         meter = LoadMeter()
         with ServeProcess(model_dir, *flags, env=env) as server:
             if args.fault == "stop-prefill":
-                emit_prefill_hangs(server, args, vocab, vocab_end, meter)
+                try:
+                    emit_prefill_hangs(server, args, vocab, vocab_end, meter)
+                except BaseException:
+                    note("the server's log ends:\n" + server.log_text()[-6000:])  # it goes with the server
+                    raise
                 return
             rounds = []
             for k in range(args.kills):

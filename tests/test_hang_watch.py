@@ -69,6 +69,19 @@ def test_prefill_work_never_measured_is_priced_at_the_slowest_recent_rate():
     assert watch.expected_s(mixed(1000, 0)) == pytest.approx(true_s(mixed(1000, 0)), rel=0.01)
 
 
+def test_one_prefill_step_prices_a_long_prompt_at_its_own_speed_at_once():
+    """A restarted worker after one-row decode bursts (a recomputed request): one prefill step seen is too few for
+    the fit, and the guess is that step's time per token, taken as soon as it is recorded (not `refit_every`
+    records later), not the one-row burst's, whose time per token is the step overhead (bench_faults' second
+    prefill hang: a 4,000-token prefill was allowed 432 s)."""
+    watch = HangWatch(floor_s=10.0, margin=2.0, warmup=0)  # the default refit_every
+    run(watch, [StepWork(forwards=8, decode_positions=8)] * 3)  # bursts of one row: A + C a token
+    run(watch, [mixed(512, 0)])
+    expected = watch.expected_s(mixed(4000, 0))
+    assert expected == pytest.approx(4000 * true_s(mixed(512, 0)) / 512, rel=0.05)  # plus a step overhead
+    assert expected < 0.05 * 4000 * (A + C), "not priced at the one-row decode's time per token"
+
+
 def test_prefill_samples_outlive_a_long_run_of_decode_steps():
     watch = HangWatch(floor_s=1.0, warmup=0, history=16, prefill_history=4, refit_every=1)
     run(watch, [mixed(256, 1), mixed(1024, 4), mixed(64, 32)])
