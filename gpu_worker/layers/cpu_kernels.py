@@ -294,14 +294,14 @@ def _compile(source: str, flags: list[str], lib: pathlib.Path, what: str) -> Non
 
 def prebuild(classes: list[str] | None = None, jobs: int = 2, stop: threading.Event | None = None) -> dict[str, str]:
     """Build (or find cached) every unit of each class (default: every class this CPU can run, this process's
-    first), `jobs` compilers at a time, without loading any: for an image or a test session that would otherwise
-    compile them one after another on first use. Once `stop` is set no further build starts. Returns
-    "class/unit" -> the error of each build that failed."""
+    first, then least first, the order of the tests' kernel_isa fixture), `jobs` compilers at a time, without
+    loading any: for an image or a test session that would otherwise compile them one after another on first
+    use. Once `stop` is set no further build starts. Returns "class/unit" -> the error of each build that failed."""
     from concurrent.futures import ThreadPoolExecutor
 
     if classes is None:
         own = isa()
-        classes = [own] + [c for c in reversed(supported_isas()) if c != own]
+        classes = [own] + [c for c in supported_isas() if c != own]
 
     def build(cls: str, unit: str) -> None:
         if stop is None or not stop.is_set():
