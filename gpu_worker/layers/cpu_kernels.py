@@ -291,7 +291,6 @@ def _compile(source: str, flags: list[str], lib: pathlib.Path, what: str) -> Non
         os.replace(out, lib)
 
 
-
 def prebuild(classes: list[str] | None = None, jobs: int = 2, stop: threading.Event | None = None) -> dict[str, str]:
     """Build (or find cached) every unit of each class (default: every class this CPU can run, this process's
     first, then least first, the order of the tests' kernel_isa fixture), `jobs` compilers at a time, without
