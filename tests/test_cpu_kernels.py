@@ -238,6 +238,17 @@ def test_kernels_are_built_to_run_on_torchs_threads():
     assert b"GOMP_parallel" in lib.read_bytes()
 
 
+def test_prebuild_starts_no_build_once_told_to_stop(tmp_path, monkeypatch):
+    """A test session that ends before its background prebuild stops it: no queued build starts after that."""
+    import threading
+
+    monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path))
+    stop = threading.Event()
+    stop.set()
+    assert cpu_kernels.prebuild(["generic"], jobs=2, stop=stop) == {}
+    assert not list(tmp_path.rglob("*.so"))
+
+
 @native
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 33])
 @pytest.mark.parametrize(("out", "inp"), [(64, 64), (43, 70), (130, 576)])
