@@ -369,7 +369,9 @@ def test_longrope_switches_per_row_as_transformers_forward(hf_model_dir, plans):
                 out = hf(torch.tensor([[tok]], device=DEVICE), use_cache=True, **_kept_cache(hf, out))
                 theirs.append(out.logits[0, -1].float().cpu().numpy())
         assert [int(t.argmax()) for t in theirs] == seq.out
-        assert max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, theirs)) < LOGIT_ATOL
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(seq.logits, theirs))
+        scale = max(1.0, max(float(np.abs(b).max()) for b in theirs) / 16)  # as above: ulps grow with the logits
+        assert worst < LOGIT_ATOL * scale, f"logits differ by {worst} (scale {scale:.2f})"
 
 
 def test_recurrent_state_slots_are_reset_and_kept_apart(hf_model_dir, plans):
