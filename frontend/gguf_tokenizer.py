@@ -44,7 +44,7 @@ from metrale.frontend.gguf_pretokenizers import Pre, UnknownPre, rules, split_pr
 from metrale.frontend.gguf_special_tokens import (
     CONTROL, NORMAL, UNKNOWN, USER_DEFINED, add_special_tokens, token_types,
 )
-from metrale.gguf_metadata import GgufError, eos_token_ids, field
+from metrale.gguf_metadata import GgufError, eos_token_ids, field, split_pairs
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def _pre_rules(reader, path: str):
 
 def _byte_level_bpe(reader, tokens: list[str], types: list[int], found: Pre) -> HfTokenizer:
     """Byte-level BPE (`gpt2`): the vocabulary spelled in GPT-2's byte alphabet, llama.cpp's splits before it."""
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]
+    merges = split_pairs(reader, "tokenizer.ggml.merges")
     if found.raw_utf8:
         return _spm_style_bpe(tokens, merges, found)
     spelling = _byte_spelling()

@@ -20,7 +20,7 @@ import numpy as np
 from metrale.gguf_reader import GgufError, reader_class
 from metrale.gguf_rope import rope_scaling_from_factors
 
-__all__ = ["GgufError", "field", "gguf_file", "hf_config", "open_gguf", "eos_token_ids"]
+__all__ = ["GgufError", "field", "gguf_file", "hf_config", "open_gguf", "eos_token_ids", "split_pairs"]
 
 SUFFIX = ".gguf"
 
@@ -97,6 +97,17 @@ def field(reader, key: str, default=None):
     """A metadata value as Python (str, int, float, bool or a list of them), or default when absent."""
     f = reader.fields.get(key)
     return default if f is None else f.contents()
+
+
+def split_pairs(reader, key: str) -> list[tuple[str, ...]]:
+    """A string array's items split at their first space ("left right" -> (left, right): a vocabulary's merges),
+    [] when the file lacks the key: in one split where every item has exactly one space."""
+    f = reader.fields.get(key)
+    if f is None:
+        return []
+    split = getattr(getattr(f, "parts", None), "pairs", None)  # (gguf_reader's lazy arrays have it)
+    pairs = split() if split is not None else None
+    return pairs if pairs is not None else [tuple(m.split(" ", 1)) for m in f.contents()]
 
 
 def hf_config(reader, *, path: str) -> dict:

@@ -34,8 +34,8 @@ class _ArrayParts(Sequence):
     """The parts of a flat array field as gguf's reader lists them (the five head parts, then one part per scalar
     or two per string: its length and its bytes), each item part made when it is asked for."""
 
-    def __init__(self, head: list, plain: np.ndarray, values: np.ndarray | None, starts: list[int] | None,
-                 lengths: list[int] | None):
+    def __init__(self, head: list, plain: np.ndarray, values: np.ndarray | None, starts: np.ndarray | None,
+                 lengths: np.ndarray | None):
         self.head = head
         self.plain = plain
         self.values = values  # scalars: the array's values (a view of the map)
@@ -71,9 +71,53 @@ class _ArrayParts(Sequence):
             if self.values is not None:
                 self._items = self.values.tolist()
             else:
-                buf = memoryview(self.plain)
-                self._items = [str(buf[s : s + n], "utf-8") for s, n in zip(self.starts, self.lengths)]
+                self._items = _strings(self.plain, self.starts, self.lengths)
         return self._items
+
+    def pairs(self) -> list[tuple[str, str]] | None:
+        """A string array's items split at their one space ("left right" -> (left, right): a vocabulary's merges),
+        all in one split; None where an item has no space or more than one, or the array is not of strings."""
+        if self.starts is None:
+            return None
+        joined = _joined(self.plain, self.starts, self.lengths)
+        # Each item's NUL mark, then its one space: nothing else may be either (a NUL or a second space in an item).
+        found = joined[np.flatnonzero((joined == 0) | (joined == 32))]
+        if len(found) != 2 * len(self.starts) or found[0::2].any() or (found[1::2] != 32).any():
+            return None
+        try:
+            flat = joined.tobytes().decode("utf-8").replace("\x00", " ").split(" ")
+        except UnicodeDecodeError:
+            return None
+        return list(zip(flat[1::2], flat[2::2]))
+
+
+def _joined(plain: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The bytes of the strings at starts (each after its 8-byte length prefix), each after a NUL (uint8, a copy)."""
+    if len(starts) == 0:
+        return np.zeros(0, dtype=np.uint8)
+    lo, hi = int(starts[0]) - 1, int(starts[-1] + lengths[-1])
+    region = plain[lo:hi].copy()
+    marks = starts - (lo + 1)  # the last byte of each string's length prefix, in region
+    region[marks] = 0
+    keep = np.ones(len(region), dtype=bool)
+    keep[(marks[1:, None] - np.arange(7, 0, -1)).ravel()] = False  # the rest of each prefix but the first
+    return region[keep]
+
+
+def _strings(plain: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> list[str]:
+    """The strings at starts (each after its 8-byte length) decoded from UTF-8 in one call: _joined's bytes
+    decoded, then split at the NULs (one string at a time where a string holds a NUL itself).
+    UnicodeDecodeError as str(bytes, "utf-8") raises it for a string that is not UTF-8."""
+    try:
+        text = _joined(plain, starts, lengths).tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or text.count("\x00") != len(starts):
+        buf = memoryview(plain)
+        return [str(buf[s : s + n], "utf-8") for s, n in zip(starts.tolist(), lengths.tolist())]
+    items = text.split("\x00")
+    del items[0]
+    return items
 
 
 @functools.cache
@@ -123,9 +167,12 @@ def _array_field(reader, offs: int, head: list):
     if at > len(plain):
         raise ValueError("a string runs past the end of the file")
     # (starts holds each string's end so far: its start is the end before it plus the next length prefix)
-    ends = starts
-    starts = [offs + 20, *(e + 8 for e in ends[:-1])] if count else []
-    lengths = [e - s for s, e in zip(starts, ends)]
+    ends = np.array(starts, dtype=np.int64)
+    starts = np.empty_like(ends)
+    if count:
+        starts[0] = offs + 20
+        starts[1:] = ends[:-1] + 8
+    lengths = ends - starts
     data = list(range(_HEAD + 1, _HEAD + 2 * count, 2))
     return _ArrayParts(parts, plain, None, starts, lengths), data, [GGUFValueType.ARRAY, GGUFValueType.STRING], at - offs
 
