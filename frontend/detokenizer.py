@@ -16,7 +16,11 @@ BPE tokenizers that equals `tokenizer.decode(output_ids)`. Pure and synchronous:
 Over metrale's Tokenizer the per-token step is `tokenizers`' own DecodeStream (the same window technique in Rust:
 one call a token instead of two decodes and two list slices), started from the same prompt context; the window
 above then serves only the end of a request (text still held mid-character) and other decoders (a chat's
-tag-keeping one).
+tag-keeping one). Over a byte-level decoder most ids need no call at all: once every id before it is text, an
+id whose own bytes are whole characters adds exactly its own text (`_decodes_bytewise`), which the tokenizer
+decoded once for every id (`Tokenizer.token_texts`). The DecodeStream does not see such ids; the next id it steps
+comes after whole characters, where no context changes a byte-level text, so its text is what stepping every id
+would have given (tests/test_detokenizer.py compares the two on valid and on broken UTF-8).
 
 A caller that does not stream (the offline LLM) hands a request's ids over once, at its end (`finish`). On a
 byte-level tokenizer without stop strings that is a single decode of the window: the per-token windows' texts
@@ -49,7 +53,7 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "_tok", "_skip", "_stops", "_ids", "_prefix", "_read", "_prefix_text", "_pending", "_pieces",
-        "_bytewise", "_stream", "_backend", "_covered", "output_ids", "stopped", "stop_string",
+        "_bytewise", "_stream", "_backend", "_covered", "_texts", "output_ids", "stopped", "stop_string",
     )
 
     def __init__(self, tokenizer: Decoder, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -65,6 +69,9 @@ class IncrementalDetokenizer:
         self._backend = tokenizer.backend if isinstance(tokenizer, Tokenizer) else None
         self._stream = DecodeStream(self._ids, skip_special_tokens=self._skip) if self._backend is not None else None
         self._covered = self._read
+        # Byte-level: each id's own text (None: not whole characters). An id taken from it is not stepped through
+        # the stream, whose window then ends on whole characters, so its next step's text is its id's own all the same.
+        self._texts = tokenizer.token_texts(self._skip) if _decodes_bytewise(tokenizer) else None
         self._pending = ""  # decoded text not emitted yet: a possible stop-string start
         self._pieces: list[str] = []  # everything emitted, for `text`
         self.output_ids: list[int] = []  # ids accepted (those after a stop string are not)
@@ -83,16 +90,32 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
         """Feed new ids; return (text to emit now, whether a stop string ended the request)."""
+        if len(token_ids) == 1 and not self._stops and not self.stopped:  # one id a step: most pushes
+            new_text = self._next_text(token_ids[0])
+            if new_text:
+                self._pieces.append(new_text)
+            return new_text, False
         out: list[str] = []
         for token_id in token_ids:
             if self.stopped:
                 break
-            self._ids.append(token_id)
-            self.output_ids.append(token_id)
-            new_text = self._step(token_id)
+            new_text = self._next_text(token_id)
             if new_text:
                 out.append(self._release(new_text, final=False))
         return self._emit("".join(out)), self.stopped
+
+    def _next_text(self, token_id: int) -> str:
+        """Take one id; the text it completes ("" while a character is still split across ids)."""
+        ids = self._ids
+        ids.append(token_id)
+        self.output_ids.append(token_id)
+        texts = self._texts
+        if texts is not None and self._covered == len(ids) - 1 and 0 <= token_id < len(texts):
+            text = texts[token_id]
+            if text is not None:  # every id before it is text, and its bytes are whole characters
+                self._covered += 1
+                return text
+        return self._step(token_id)
 
     def flush(self) -> str:
         """At the end of the request: emit what was held back (incomplete characters, partial stop strings)."""
@@ -126,6 +149,7 @@ class IncrementalDetokenizer:
         except Exception:  # noqa: BLE001 - tokenizers refuses a window its invalid UTF-8 made ambiguous
             self._window_at_covered()
             self._stream = None  # this request goes on with the window, which renders such bytes as U+FFFD
+            self._texts = None  # ...for every id: the window does not move with ids taken from token_texts
             return self._advance(final=False)
         if chunk is None:
             return ""

@@ -39,6 +39,20 @@ class SampleRing:
         if self.count < len(self.times):
             self.count += 1
 
+    def add_all(self, at: float, values: np.ndarray) -> None:
+        """Keep samples all taken at `at` (the oldest go once the ring is full), in one or two slice writes."""
+        cap = len(self.times)
+        i = (self.next + max(0, len(values) - cap)) % cap  # where the newest cap of them go, as add would put them
+        values = values[-cap:]
+        n = len(values)
+        first = min(n, cap - i)
+        self.times[i : i + first] = at
+        self.values[i : i + first] = values[:first]
+        self.times[: n - first] = at
+        self.values[: n - first] = values[first:]
+        self.next = (i + n) % cap
+        self.count = min(cap, self.count + n)
+
     def since(self, t0: float) -> tuple[np.ndarray, float]:
         """(values of the samples taken at t0 or later, the time of the oldest sample kept)."""
         times, values = self.times[: self.count], self.values[: self.count]
@@ -65,6 +79,14 @@ class LatencyWindow:
     def next_tokens(self, seconds_per_token: float) -> None:
         """Later tokens of a request came, `seconds_per_token` apart."""
         self.itl.add(self.clock(), seconds_per_token)
+
+    def tokens_came(self, first: np.ndarray, gaps: np.ndarray) -> None:
+        """One engine message's samples: first_token and next_tokens for each."""
+        now = self.clock()
+        if len(first):
+            self.ttft.add_all(now, first)
+        if len(gaps):
+            self.itl.add_all(now, gaps)
 
     def admitted(self, prompt_tokens: int) -> None:
         """A request's prompt went to the engine core."""

@@ -53,6 +53,7 @@ log = logging.getLogger("metrale.frontend.server")
 MAX_ENGINE_DEATHS = 2
 # ...and one live at this many deaths in all, tokens or not (a request that kills every engine one token later).
 MAX_ENGINE_DEATHS_IN_ALL = 8
+_RESUME_LOST = ErrorCode.RESUME_LOST.value
 _SYNC_ENCODE_CHARS = 8192  # longer prompts are tokenized off the event loop (~1 ms per 1,500 characters)
 
 LocalSink = Callable[[Delta | Error], None]
@@ -143,6 +144,10 @@ class LiveRequests:
         self.grammar_timeout_s = grammar_timeout_s
         self._grammars: GrammarCompiler | None = None  # made at the first structured request
         self._vocab_sent: set[int] = set()  # the replicas whose engine core up now has our GrammarVocab
+        # While on_outputs handles an engine message: the time it came, and its rows' latency samples.
+        self._frame_at: float | None = None
+        self._first_samples: list[float] = []
+        self._gap_samples: list[float] = []
 
     @property
     def num_live(self) -> int:
@@ -413,14 +418,27 @@ class LiveRequests:
         for state in self.clients.values():
             yield from state.requests.values()
 
-    def on_output(self, out: RequestOutputDelta, aborts: list[str], link: EngineLink) -> None:
-        """Detokenize one request's new tokens (from the replica of link) and stream them; collect engine ids to
-        abort there."""
+    def on_outputs(self, outputs: list[RequestOutputDelta], aborts: list[str], link: EngineLink) -> None:
+        """Detokenize and stream the outputs of one engine message (from the replica of link); collect engine ids to
+        abort there. Its rows all came at one time, read once: their latency samples go to the metrics together."""
+        self._frame_at = self.clock()
+        try:
+            for out in outputs:
+                self._on_output(out, aborts, link)
+        finally:
+            self._frame_at = None
+            if self._first_samples or self._gap_samples:
+                self.metrics.tokens_came(self._first_samples, self._gap_samples)
+                self._first_samples.clear()
+                self._gap_samples.clear()
+
+    def _on_output(self, out: RequestOutputDelta, aborts: list[str], link: EngineLink) -> None:
+        """Detokenize one request's new tokens and stream them."""
         req = self._by_engine_id.get(out.request_id)
         if req is None:
             link.on_orphan(out, aborts)
             return
-        if out.error_code == ErrorCode.RESUME_LOST.value and req.untried:
+        if out.error_code is not None and out.error_code == _RESUME_LOST and req.untried:
             self._submit(req)  # not held by that replica: ask the next
             return
         req.reattach = None  # the engine core has it: a resubmission carries its tokens
@@ -442,14 +460,15 @@ class LiveRequests:
             req.cached_tokens = out.num_cached_tokens
         if out.queued_s is not None and req.queued_s is None:
             req.queued_s = out.queued_s
-        before = len(req.detok.output_ids)
-        text, stopped = req.detok.push(out.new_token_ids)
-        accepted = req.detok.output_ids[before:]
+        new_ids, detok = out.new_token_ids, req.detok
+        before = len(detok.output_ids)
+        text, stopped = detok.push(new_ids)
+        accepted = new_ids if not stopped else detok.output_ids[before:]  # a stop string accepts fewer
         if accepted:
             self._tokens_came(req, len(accepted))
         wants_logprobs = out.logprobs is not None and req.params.num_logprobs is not None
         logprobs = out.logprobs[: len(accepted)] if wants_logprobs else None
-        prompt_logprobs = self._prompt_logprobs(req, out)
+        prompt_logprobs = None if out.prompt_logprobs is None else self._prompt_logprobs(req, out)
         if stopped:
             self._finish(req, "stop", text, accepted, logprobs, prompt_logprobs)
             if out.finish_reason is None:
@@ -495,12 +514,13 @@ class LiveRequests:
         return text, token_ids, logprobs
 
     def _tokens_came(self, req: RequestState, count: int) -> None:
-        """Time to first token, or the gap per token since the request's last tokens."""
-        now = self.clock()
+        """Time to first token, or the gap per token since the request's last tokens (to the metrics at the end of
+        the engine message)."""
+        now = self._frame_at
         if req.last_token_at is None:
-            self.metrics.first_token(now - req.arrival)
+            self._first_samples.append(now - req.arrival)
         else:
-            self.metrics.next_tokens((now - req.last_token_at) / count)
+            self._gap_samples.append((now - req.last_token_at) / count)
         req.last_token_at = now
 
     # ---- endings ---------------------------------------------------------------------

@@ -95,6 +95,11 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# libzmq's send without pyzmq's wrapper (zmq.Socket.send adds a Python layer and an enum flag per call), for the
+# batched sends of one engine message; flags as plain ints.
+_raw_send = zmq.backend.Socket.send
+_DONTWAIT = int(zmq.DONTWAIT)
+_MORE = int(zmq.DONTWAIT | zmq.SNDMORE)
 _CLOSE_LINGER_MS = 2000  # a shutdown's final frames get this long to reach their clients
 _PROBE_DELAYS_S = (0.05, 0.5)  # after a disconnect event: libzmq tears the pipe down just after reporting it
 _LOCAL_PREFIX = b"\x00local-"  # ROUTER ids are 5 bytes from libzmq or never start with 0: no collision
@@ -221,7 +226,8 @@ class FrontendServer:
         self._router: zmq.asyncio.Socket | None = None
         self._router_sync: zmq.Socket | None = None  # the same socket without futures, for batched sends
         self._monitor: zmq.asyncio.Socket | None = None
-        self._batch: list[list[bytes]] | None = None  # frames queued while one engine message is handled
+        # (client, envelope, payload) queued while one engine message is handled
+        self._batch: list[tuple[bytes, tuple[bytes, ...], bytes]] | None = None
         self._status = StatusSender(config.status_address, self.name) if config.status_address else None
         self._draining = False  # shutting down: new requests are refused, live ones get shutdown_timeout_s
         self._live_at_shutdown = 0
@@ -650,8 +656,7 @@ class FrontendServer:
             aborts: list[str] = []
             self._batch = []
             try:
-                for out in msg.outputs:
-                    self.requests.on_output(out, aborts, link)
+                self.requests.on_outputs(msg.outputs, aborts, link)
             finally:
                 batch, self._batch = self._batch, None
                 self._send_batch(batch)
@@ -728,26 +733,38 @@ class FrontendServer:
     def _send(self, client: bytes, envelope: tuple[bytes, ...], msg: msgspec.Struct) -> None:
         """Send one frame without waiting (queued while an engine message is handled); a client that
         cannot take it is gone and its requests are aborted."""
-        frames = [client, *envelope, self._encoder.encode(msg)]
+        frames = (client, envelope, self._encoder.encode(msg))
         if self._batch is not None:
             self._batch.append(frames)
         else:
             self._send_batch([frames])
 
-    def _send_batch(self, batch: list[list[bytes]]) -> None:
-        """Send frames in order: all but the last straight through the socket (a zmq.asyncio send costs a
-        future and an event check each: most of a token's cost here), the last through zmq.asyncio, which
-        then re-checks the socket's edge-triggered events for the receive waiting on it."""
-        for frames in batch[:-1]:
+    def _send_batch(self, batch: list[tuple[bytes, tuple[bytes, ...], bytes]]) -> None:
+        """Send (client, envelope, payload) messages in order: all but the last straight through libzmq (pyzmq's
+        send_multipart, and zmq.asyncio's future and event check, cost several times the send itself), the last
+        through zmq.asyncio, which then re-checks the socket's edge-triggered events for the receive waiting on it.
+        A client whose send fails is dropped once; its later messages in the batch are not sent."""
+        send, sock, failed = _raw_send, self._router_sync, None
+        for client, envelope, payload in batch[:-1]:
+            if failed is not None and client in failed:
+                continue
             try:
-                self._router_sync.send_multipart(frames, flags=zmq.DONTWAIT)
+                send(sock, client, _MORE)
+                for part in envelope:
+                    send(sock, part, _MORE)
+                send(sock, payload, _DONTWAIT)
             except zmq.ZMQError as e:
-                self._send_failed(frames[0], e)
+                failed = failed or set()
+                failed.add(client)
+                self._send_failed(client, e)
         if batch:
-            future = self._router.send_multipart(batch[-1], flags=zmq.DONTWAIT)
+            client, envelope, payload = batch[-1]
+            if failed is not None and client in failed:
+                return
+            future = self._router.send_multipart([client, *envelope, payload], flags=zmq.DONTWAIT)
             exc = future.exception() if future.done() else None
             if exc is not None:
-                self._send_failed(batch[-1][0], exc)
+                self._send_failed(client, exc)
 
     def _send_failed(self, client: bytes, exc: BaseException) -> None:
         """A send the client could not take: it is gone, or not reading, or the send broke; either way its

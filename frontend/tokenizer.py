@@ -39,6 +39,7 @@ class Tokenizer:
     chat_template: str | None = None
     model_max_length: int | None = None
     _lookups: dict[str, int | None] = field(default_factory=dict)
+    _texts: dict[bool, list[str | None]] = field(default_factory=dict)  # token_texts, by skip_special_tokens
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -116,6 +117,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 sequence decodes to U+FFFD."""
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, skip_special_tokens: bool = True) -> list[str | None]:
+        """Each id's text decoded alone, by id; None where that is not whole characters (it has U+FFFD: a byte of
+        a split character, or a broken one). Decoded once per tokenizer (one batch call), then shared by every
+        request's detokenizer: over a byte-level decoder, an id's text after whole characters is its entry here."""
+        texts = self._texts.get(skip_special_tokens)
+        if texts is None:
+            decoded = self.backend.decode_batch([[i] for i in range(self.vocab_size)],
+                                                skip_special_tokens=skip_special_tokens)
+            texts = self._texts[skip_special_tokens] = [None if "\ufffd" in t else t for t in decoded]
+        return texts
 
     def token_id(self, token: str) -> int | None:
         """The id of the single token spelled `token` (e.g. "</think>"), or None when it is not one token."""

@@ -316,3 +316,91 @@ def test_finish_equals_pushing_on_a_byte_fallback_tokenizer():
     assert per_token_text(sp, [1], [e4, b8, ad, e4, b], SamplingParams()) == "中\ufffd\ufffd\ufffdb"
     assert IncrementalDetokenizer(sp, [1], SamplingParams()).finish([e4, b8, ad, e4, b]) == "中\ufffd\ufffd\ufffdb"
     check_finish_equals_pushing(sp, seed=4)
+
+
+# ---- token_texts: an id whose bytes are whole characters needs no decode ---------------------------------------
+
+
+def stepped_texts(tok, prompt: list[int], chunks: list[list[int]], params: SamplingParams, table: bool):
+    """Each push's (text, stopped), then flush's text, the ids accepted and the whole text: with the tokenizer's
+    token_texts, or (table False) every id stepped through the DecodeStream as before token_texts."""
+    detok = IncrementalDetokenizer(tok, prompt, params)
+    if not table:
+        detok._texts = None
+    got = [detok.push(chunk) for chunk in chunks]
+    return got, detok.flush(), detok.output_ids, detok.text
+
+
+def random_chunks(rng: random.Random, out: list[int]) -> list[list[int]]:
+    """out cut into pushes of 1 to 3 ids, mostly 1."""
+    chunks, i = [], 0
+    while i < len(out):
+        n = rng.choice([1, 1, 1, 2, 3])
+        chunks.append(out[i : i + n])
+        i += n
+    return chunks
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_token_texts_stream_exactly_the_decode_streams_deltas_on_valid_text(tok, seed):
+    """Output ids of real text (whole characters split across ids included), both skip flags, chunks of 1-3, with
+    and without stop strings: every push's text, the flush and the ids equal the DecodeStream-only path's."""
+    rng = random.Random(seed)
+    words = ["The", " quick", " 你好", "世界", " 😀", "🎉", " naïve", " café", " fox", "\n", " 猫", "<think>", "</s>"]
+    for _ in range(120):
+        text = "".join(rng.choice(words) for _ in range(rng.randrange(0, 20)))
+        out = tok.encode(text, add_special_tokens=False)
+        prompt = tok.encode("".join(rng.choice(words) for _ in range(3)))
+        at = rng.randrange(len(text)) if text else 0
+        stops = [text[at : at + 3]] if text and rng.random() < 0.3 else []
+        params = SamplingParams(skip_special_tokens=rng.random() < 0.5, stop=[s for s in stops if s.strip()])
+        chunks = random_chunks(rng, out)
+        assert stepped_texts(tok, prompt, chunks, params, table=True) == \
+            stepped_texts(tok, prompt, chunks, params, table=False)
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_token_texts_stream_exactly_the_decode_streams_deltas_on_broken_bytes(tok, seed):
+    """Random ids (character fragments that make broken UTF-8, special ids, one past the vocabulary), both skip
+    flags, with and without stop strings: every push's text, the flush and the ids equal the DecodeStream-only
+    path's; without stop strings the text is the whole decode and no delta ends in half a character."""
+    rng = random.Random(seed)
+    pool = fragment_ids(tok)
+    for _ in range(150):
+        prompt = random_ids(rng, tok, pool, rng.randrange(0, 9))
+        out = random_ids(rng, tok, pool, rng.randrange(0, 60))
+        skip = rng.random() < 0.5
+        whole = tok.decode(out, skip_special_tokens=skip)
+        at = rng.randrange(len(whole)) if whole else 0
+        stops = [whole[at : at + 2]] if whole and rng.random() < 0.3 else []
+        params = SamplingParams(skip_special_tokens=skip, stop=stops)
+        chunks = random_chunks(rng, out)
+        fast = stepped_texts(tok, prompt, chunks, params, table=True)
+        assert fast == stepped_texts(tok, prompt, chunks, params, table=False)
+        if not stops:
+            assert fast[3] == whole
+            assert not any(t.endswith("\ufffd") for t, _ in fast[0])  # a split character waits for its last byte
+
+
+def test_whole_character_ids_are_not_stepped(tok, monkeypatch):
+    """ASCII ids take their text from token_texts (no DecodeStream step); a split character is stepped, and the
+    ids after it are table ids again."""
+    steps = []
+    original = IncrementalDetokenizer._step
+    monkeypatch.setattr(IncrementalDetokenizer, "_step", lambda self, t: steps.append(t) or original(self, t))
+    words = tok.encode(" the quick brown fox", add_special_tokens=False)
+    emoji = tok.encode("😀", add_special_tokens=False)
+    assert len(emoji) >= 2 and all(tok.token_texts()[t] is None for t in emoji)
+    detok = IncrementalDetokenizer(tok, tok.encode("Q:"), SamplingParams())
+    text = "".join(detok.push([t])[0] for t in words + emoji + words)
+    assert text == tok.decode(words + emoji + words)
+    assert steps == emoji  # only the emoji's pieces went through the stream
+
+
+def test_token_texts_are_each_ids_whole_text_or_none(tok):
+    texts = tok.token_texts()
+    assert len(texts) == tok.vocab_size
+    for i in range(tok.vocab_size):
+        alone = tok.decode([i])
+        assert texts[i] == (None if "\ufffd" in alone else alone)
+    assert texts[tok.bos_token_id] == "" and tok.token_texts(skip_special_tokens=False)[tok.bos_token_id] == "<s>"
