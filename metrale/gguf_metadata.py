@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from metrale.gguf_reader import GgufError, reader_class
+from metrale.gguf_reader import GgufError, read
+from metrale.gguf_types import FILE_TYPES, TensorType
 from metrale.gguf_rope import rope_scaling_from_factors
 
 __all__ = ["GgufError", "field", "gguf_file", "hf_config", "open_gguf", "eos_token_ids", "split_pairs"]
@@ -86,7 +87,7 @@ def open_gguf(path: str | Path):
 def _open(path: str):
     """open_gguf for a resolved path."""
     try:
-        return reader_class()(path)
+        return read(path)
     except GgufError:
         raise
     except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
@@ -309,17 +310,13 @@ def _rope_scaling(reader, arch: str) -> dict:
 
 def _all_f32(reader) -> bool:
     """True when every matrix in the file is float32 (files that state no file_type)."""
-    from gguf import GGMLQuantizationType
-
-    return all(t.tensor_type == GGMLQuantizationType.F32 for t in reader.tensors if len(t.shape) > 1)
+    return all(t.tensor_type == TensorType.F32 for t in reader.tensors if len(t.shape) > 1)
 
 
 def _file_type_name(value) -> str:
     """llama.cpp's name of a general.file_type value (MOSTLY_Q4_1, ...), or "unknown"."""
-    from gguf import LlamaFileType
-
     try:
-        return LlamaFileType(int(value)).name
+        return FILE_TYPES.get(int(value), "unknown")
     except (TypeError, ValueError):
         return "unknown"
 

@@ -1,12 +1,18 @@
-"""gguf's GGUFReader, made fast on the parts a served model reads: checked tensor infos, plain slices, and arrays
-(a vocabulary's hundred thousand strings, its scores and types) whose items are made only when asked for.
+"""A GGUF file's fields and tensors as gguf's GGUFReader lists them, read without importing `gguf`, made fast on
+the parts a served model reads: checked tensor infos, plain slices, and arrays (a vocabulary's hundred thousand
+strings, its scores and types) whose items are made only when asked for.
+
+`read(path)` parses a little-endian file of version 2 or 3 itself (`GgufFile`: the same fields, parts, types and
+tensors as gguf's reader, its types numbered as gguf_types.py names them); a big-endian file, or one with an
+array of arrays, goes to gguf's own reader (`reader_class`), made fast the same way. gguf's import costs a
+served process more than this file's header does, and each of its processes reads it.
 
 gguf's reader lists a field's items as parts, two numpy views per string and one per scalar, each made by a
 chain of Python calls: over a vocabulary that is most of a file's open time, and most of those views are never
 read. Here a flat array in the host's byte order is read in one pass over its length prefixes (`_ArrayParts`:
 the same parts, types and data indices as gguf's, each part made on access), and its contents come in bulk
-(`ArrayField.contents`: the strings decoded once, the scalars as one list), so opening a file costs the scan
-and the tokenizer pays for the strings it reads, once. No torch here (the frontend and the engine core read
+(the strings decoded in one call, the scalars as one list), so opening a file costs the scan and the
+tokenizer pays for the strings it reads, once. No torch here (the frontend and the engine core read
 metadata too).
 """
 
@@ -14,9 +20,13 @@ from __future__ import annotations
 
 import functools
 import struct
+import sys
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
+
+from metrale.gguf_types import BLOCK_SIZES, TensorType, ValueType
 
 
 class GgufError(ValueError):
@@ -140,8 +150,6 @@ def _field_class():
 def _array_field(reader, offs: int, head: list):
     """(field parts, data indices, types, size in bytes) of the flat array at offs in the host's byte order, its
     items left unmade; None for anything else (nested arrays: gguf's reader reads those)."""
-    from gguf import GGUFValueType
-
     plain = reader.plain()
     itype = plain[offs : offs + 4].view(np.uint32)
     alen = plain[offs + 4 : offs + 12].view(np.uint64)
@@ -154,7 +162,7 @@ def _array_field(reader, offs: int, head: list):
         if len(values) != count:
             raise ValueError(f"array of {count} runs past the end of the file")
         data = list(range(_HEAD, _HEAD + count))
-        return _ArrayParts(parts, plain, values, None, None), data, [GGUFValueType.ARRAY, GGUFValueType(kind)], 12 + values.nbytes
+        return _ArrayParts(parts, plain, values, None, None), data, [ValueType.ARRAY, ValueType(kind)], 12 + values.nbytes
     if kind != _STRING:
         return None
     starts, unpack, buf = [0] * count, _LENGTH.unpack_from, memoryview(plain)
@@ -174,7 +182,7 @@ def _array_field(reader, offs: int, head: list):
         starts[1:] = ends[:-1] + 8
     lengths = ends - starts
     data = list(range(_HEAD + 1, _HEAD + 2 * count, 2))
-    return _ArrayParts(parts, plain, None, starts, lengths), data, [GGUFValueType.ARRAY, GGUFValueType.STRING], at - offs
+    return _ArrayParts(parts, plain, None, starts, lengths), data, [ValueType.ARRAY, ValueType.STRING], at - offs
 
 
 @functools.cache
@@ -232,17 +240,15 @@ def reader_class():
 
 def _check_tensor_infos(reader, start_offs: int, fields: list) -> None:
     """Raise GgufError naming the first tensor whose type is unknown or whose bytes lie past the file's end."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     size = len(reader.data)
     for field in fields:
         _len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
         name = bytes(name_data).decode("utf-8", errors="replace")
         try:
-            qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            qtype = TensorType(int(raw_dtype[0]))
         except ValueError:
             raise GgufError(f"tensor {name}: unknown ggml type {int(raw_dtype[0])} (corrupt file?)") from None
-        block, type_size = GGML_QUANT_SIZES[qtype]
+        block, type_size = BLOCK_SIZES[qtype]
         n = int(np.prod(dims.astype(np.int64)))
         if n % block:
             raise GgufError(f"tensor {name}: {n} elements is not a whole number of {qtype.name} blocks")
@@ -251,3 +257,191 @@ def _check_tensor_infos(reader, start_offs: int, fields: list) -> None:
             raise GgufError(
                 f"tensor {name}: its data ends at byte {end} but the file has {size} bytes (truncated file)"
             )
+
+
+# ---- the reader without gguf ----------------------------------------------------------------------------------
+
+_MAGIC = 0x46554747  # "GGUF" read little-endian
+_VERSIONS = (2, 3)
+_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
+# Tensor types whose data gguf's reader gives as their own dtype; every other type as uint8 rows of blocks.
+_ITEM_TYPES = {TensorType.F32: np.float32, TensorType.F16: np.float16, TensorType.F64: np.float64,
+               TensorType.I8: np.int8, TensorType.I16: np.int16, TensorType.I32: np.int32, TensorType.I64: np.int64}
+
+
+class _NotHere(Exception):
+    """The file needs gguf's own reader (big-endian, an array of arrays)."""
+
+
+class Field(NamedTuple):
+    """A metadata field as gguf's ReaderField: its parts (numpy views of the file), which of them hold the value
+    (`data`), and its value types."""
+
+    offset: int
+    name: str
+    parts: Any = []
+    data: list[int] = [-1]
+    types: list[ValueType] = []
+
+    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+        """As gguf's: the value as Python; of an array, the item (an int index) or a list of them (a slice)."""
+        if isinstance(self.parts, _ArrayParts):
+            return self.parts.items()[index_or_slice]
+        if not self.types:
+            return None
+        if self.types[0] == ValueType.STRING:
+            return str(self.parts[-1].tobytes(), encoding="utf-8")
+        return self.parts[-1].tolist()[0]
+
+
+class Tensor(NamedTuple):
+    """A tensor's info and data (a view of the map) as gguf's ReaderTensor."""
+
+    name: str
+    tensor_type: TensorType
+    shape: np.ndarray
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray
+    field: Field
+
+
+def read(path: str):
+    """The reader of the GGUF file at path: GgufFile, or gguf's (reader_class) for a file GgufFile leaves to it.
+    ValueError / IndexError / KeyError / OSError / UnicodeDecodeError for a file that is not a readable GGUF."""
+    try:
+        return GgufFile(path)
+    except _NotHere:
+        return reader_class()(path)
+
+
+class GgufFile:
+    """A little-endian GGUF file of version 2 or 3, memory-mapped read-only: `fields` (name -> Field, in the
+    file's order, after gguf's GGUF.version / tensor_count / kv_count), `tensors` (Tensor, in the file's order),
+    `data` (the map), `alignment`, `data_offset`, `byte_order` ("I": the host's), as gguf's reader has them."""
+
+    byte_order = "I"
+
+    def __init__(self, path: str):
+        if sys.byteorder != "little":
+            raise _NotHere
+        self.data = np.memmap(path, mode="r")
+        self._plain = self.data.view(np.ndarray)
+        if self._view(0, np.uint32)[0] != _MAGIC:
+            raise ValueError("GGUF magic invalid")
+        version = self._view(4, np.uint32)
+        if version[0] & 0xFFFF == 0:
+            raise _NotHere  # big-endian
+        if version[0] not in _VERSIONS:
+            raise ValueError(f"GGUF version {int(version[0])} is not one this reader handles")
+        counts = self._view(8, np.uint64, 2)
+        self.fields: dict[str, Field] = {}
+        self.tensors: list[Tensor] = []
+        self._push(Field(4, "GGUF.version", [version], [0], [ValueType.UINT32]))
+        self._push(Field(8, "GGUF.tensor_count", [counts[:1]], [0], [ValueType.UINT64]))
+        self._push(Field(16, "GGUF.kv_count", [counts[1:]], [0], [ValueType.UINT64]))
+        offs = self._read_fields(24, int(counts[1]))
+        offs, infos = self._read_tensor_infos(offs, int(counts[0]))
+        self.alignment = _ALIGNMENT
+        align = self.fields.get("general.alignment")
+        if align is not None:
+            if align.types != [ValueType.UINT32]:
+                raise ValueError("Bad type for general.alignment field")
+            self.alignment = int(align.parts[-1][0])
+            if self.alignment == 0 or self.alignment & (self.alignment - 1):
+                raise ValueError("Invalid alignment: must be a non-zero power of two")
+        self.data_offset = offs + -offs % self.alignment
+        _check_tensor_infos(self, self.data_offset, infos)
+        self._read_tensors(self.data_offset, infos)
+
+    def plain(self) -> np.ndarray:
+        """The file's bytes as a plain ndarray view of the map."""
+        return self._plain
+
+    def _view(self, offset: int, dtype, count: int = 1) -> np.ndarray:
+        """count values of dtype at offset (a view of the map); ValueError past the file's end."""
+        dt = np.dtype(dtype)
+        arr = self._plain[offset : offset + dt.itemsize * count].view(dt)
+        if len(arr) != count:
+            raise ValueError(f"the file ends inside a value at byte {offset}")
+        return arr
+
+    def _string(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        """A string's (length, bytes) parts at offset."""
+        length = self._view(offset, np.uint64)
+        return length, self._view(offset + 8, np.uint8, int(length[0]))
+
+    def _push(self, field: Field) -> None:
+        if field.name in self.fields:
+            raise KeyError(f"Duplicate {field.name} already in list at offset {field.offset}")
+        self.fields[field.name] = field
+
+    def _read_fields(self, offs: int, count: int) -> int:
+        """The count metadata fields from offs; the offset after them."""
+        for _ in range(count):
+            start = offs
+            klen, key = self._string(offs)
+            offs += 8 + len(key)
+            vtype = self._view(offs, np.uint32)
+            offs += 4
+            head = [klen, key, vtype]
+            name = str(key.tobytes(), encoding="utf-8")
+            kind = int(vtype[0])
+            if kind == ValueType.ARRAY:
+                lazy = _array_field(self, offs, head)
+                if lazy is None:
+                    raise _NotHere  # an array of arrays
+                parts, data, types, size = lazy
+                self._push(Field(start, name, parts, data, types))
+                offs += size
+            elif kind == ValueType.STRING:
+                slen, text = self._string(offs)
+                self._push(Field(start, name, [*head, slen, text], [4], [ValueType.STRING]))
+                offs += 8 + len(text)
+            elif kind in _SCALARS:
+                value = self._view(offs, _SCALARS[kind])
+                self._push(Field(start, name, [*head, value], [3], [ValueType(kind)]))
+                offs += value.nbytes
+            else:
+                raise ValueError(f"Unknown/unhandled field type {kind}")
+        return offs
+
+    def _read_tensor_infos(self, offs: int, count: int) -> tuple[int, list[Field]]:
+        """The count tensor infos from offs (as gguf's fields of them); the offset after them."""
+        infos = []
+        for _ in range(count):
+            start = offs
+            nlen, name = self._string(offs)
+            offs += 8 + len(name)
+            n_dims = self._view(offs, np.uint32)
+            dims = self._view(offs + 4, np.uint64, int(n_dims[0]))
+            offs += 4 + dims.nbytes
+            raw_type = self._view(offs, np.uint32)
+            offset = self._view(offs + 4, np.uint64)
+            offs += 12
+            parts = [nlen, name, n_dims, dims, raw_type, offset]
+            infos.append(Field(start, str(name.tobytes(), encoding="utf-8"), parts, [1, 3, 4, 5]))
+        return offs, infos
+
+    def _read_tensors(self, start: int, infos: list[Field]) -> None:
+        """Each tensor's data as gguf's reader shapes it: its own dtype for float and integer types, else uint8
+        rows of blocks (the last dimension in bytes); the dimensions reversed (rows first)."""
+        names = set()
+        for info in infos:
+            _nlen, _name, _n_dims, dims, raw_type, offset = info.parts
+            if info.name in names:
+                raise ValueError(f"Found duplicated tensor with name {info.name}")
+            names.add(info.name)
+            ttype = TensorType(int(raw_type[0]))
+            shape = tuple(reversed(dims.tolist()))
+            n = int(np.prod(dims.astype(np.int64)))
+            block, type_size = BLOCK_SIZES[ttype]
+            n_bytes = n * type_size // block
+            at = start + int(offset[0])
+            item = _ITEM_TYPES.get(ttype)
+            if item is None:
+                shape = (*shape[:-1], shape[-1] // block * type_size)
+                item = np.uint8
+            data = self._plain[at : at + n_bytes].view(item).reshape(shape)
+            self.tensors.append(Tensor(info.name, ttype, dims, n, n_bytes, at, data, info))
