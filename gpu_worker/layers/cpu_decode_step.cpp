@@ -6,7 +6,7 @@
 // op. The weights are handed over once, when the model is loaded. A quantized projection (set_products) is its
 // layer's native products, called through the dispatcher as the Python method calls them, their outputs side by
 // side: the kernel class dispatch chose may be another library than this one.
-#include <ATen/ATen.h>
+// ATen/ATen.h: cpu_prelude.h
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 

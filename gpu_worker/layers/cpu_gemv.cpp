@@ -12,7 +12,7 @@
 //   float32 inputs with torch's sgemm, one chunk per task: compute-bound, the weight read once, and never a
 //   float32 copy of the whole weight in memory.
 // Every path sums in float32 and rounds once to bfloat16, as oneDNN's bf16 matmul does.
-#include <ATen/ATen.h>
+// ATen/ATen.h: cpu_prelude.h
 #include <ATen/Parallel.h>
 
 namespace {

@@ -1,8 +1,14 @@
 // Included first in every unit of metrale's native CPU kernels (cpu_kernels.py prepends it): the
 // instruction-set macros and the per-class op namespace.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #if defined(__SSE__)
