@@ -202,6 +202,56 @@ static void unsigned_block(int type, const uint8_t *b, uint8_t *u, uint32_t *fif
     }
 }
 
+/* One panel of rows all of one 32-input type (Q4_0, Q4_1, Q5_0 or Q5_1), for stored_int4: each block's nibbles go
+ * straight to their output bytes (group 4b + gi of block b: inputs 8gi .. 8gi + 7 of the 32), with no decoded
+ * row in between; the same bytes and float32 values as unsigned_block and the general loop. */
+static void panel_blocks32(int type, const int64_t *ptrs, int64_t p, int64_t cols, uint8_t *codes, uint8_t *bits5,
+                           float *s, float *z) {
+    const int with_m = type == TYPE_Q4_1 || type == TYPE_Q5_1, five = type == TYPE_Q5_0 || type == TYPE_Q5_1;
+    const int64_t nbytes = BLOCK_BYTES[type], groups = cols / 8, blocks32 = cols / 32, head = 2 + 2 * with_m;
+    const float bias = type == TYPE_Q4_0 ? 8.0f : 16.0f;
+    for (int64_t b = 0; b < blocks32; b++) {
+        uint64_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+        float *sl = s + (p * blocks32 + b) * PANEL, *zl = z + (p * blocks32 + b) * PANEL;
+        uint8_t *o = codes + (p * groups + 4 * b) * PANEL * 4;
+        for (int r = 0; r < PANEL; r++) {
+            const uint8_t *src = (const uint8_t *)(intptr_t)ptrs[p * PANEL + r];
+            const uint8_t *blk = src ? src + b * nbytes : ZERO_BLOCK, *qs = blk + head + (five ? 4 : 0);
+            const float d = h2f(half_at(blk));
+            sl[r] = d;
+            if (with_m) {
+                const float zero = -0.0f * d;
+                zl[r] = h2f(half_at(blk + 2)) * 1.0f + zero;
+            } else {
+                zl[r] = -bias * d;
+            }
+            uint8_t *out = o + 4 * r;
+            for (int k = 0; k < 4; k++) {
+                out[k] = (uint8_t)((qs[k] & 15) | ((qs[k + 4] & 15) << 4));
+                out[PANEL * 4 + k] = (uint8_t)((qs[8 + k] & 15) | ((qs[12 + k] & 15) << 4));
+                out[2 * PANEL * 4 + k] = (uint8_t)((qs[k] >> 4) | (qs[k + 4] & 0xF0));
+                out[3 * PANEL * 4 + k] = (uint8_t)((qs[8 + k] >> 4) | (qs[12 + k] & 0xF0));
+            }
+            if (five) {
+                uint32_t qh;
+                memcpy(&qh, blk + head, 4);
+                for (int gi = 0; gi < 4; gi++) {
+                    lo[gi] |= (uint64_t)((qh >> (8 * gi)) & 15) << (4 * r);
+                    hi[gi] |= (uint64_t)((qh >> (8 * gi + 4)) & 15) << (4 * r);
+                }
+            }
+        }
+        if (five)
+            for (int gi = 0; gi < 4; gi++) {
+                uint8_t *line = bits5 + (p * groups + 4 * b + gi) * 16;
+                for (int k = 0; k < 8; k++) {
+                    line[k] = (uint8_t)(lo[gi] >> (8 * k));
+                    line[8 + k] = (uint8_t)(hi[gi] >> (8 * k));
+                }
+            }
+    }
+}
+
 /* The 4-bit layout's codes (and, with bits5, the 5-bit layout's plane of fifth bits) and float32 scales and
  * offsets [panels][cols / 32][16] of rows of Q4_0, Q4_1, Q4_K (bits5 NULL) or Q5_0, Q5_1. A panel is filled a
  * chunk of inputs at a time (256 where a row is Q4_K, else 32), its 16 rows decoded first, so each output line
@@ -213,6 +263,12 @@ void stored_int4(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t
     uint32_t fifth[PANEL][8];
     float bs[PANEL][8], bz[PANEL][8];
     for (int64_t p = p0; p < p1; p++) {
+        int same = types[p * PANEL] != TYPE_Q4_K && types[p * PANEL] >= 0;
+        for (int r = 1; r < PANEL; r++) same &= types[p * PANEL + r] == types[p * PANEL];
+        if (same && (bits5 != NULL) == (types[p * PANEL] == TYPE_Q5_0 || types[p * PANEL] == TYPE_Q5_1)) {
+            panel_blocks32(types[p * PANEL], ptrs, p, cols, codes, bits5, s, z);
+            continue;
+        }
         int64_t chunk = 32;
         for (int r = 0; r < PANEL; r++)
             if (types[p * PANEL + r] == TYPE_Q4_K) chunk = 256;
