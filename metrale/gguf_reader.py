@@ -12,13 +12,15 @@ chain of Python calls: over a vocabulary that is most of a file's open time, and
 read. Here a flat array in the host's byte order is read in one pass over its length prefixes (`_ArrayParts`:
 the same parts, types and data indices as gguf's, each part made on access), and its contents come in bulk
 (the strings decoded in one call, the scalars as one list), so opening a file costs the scan and the
-tokenizer pays for the strings it reads, once. No torch here (the frontend and the engine core read
-metadata too).
+tokenizer pays for the strings it reads, once. The scan's lengths are remembered between processes
+(gguf_string_index.py: checked against the file before use). No torch here (the frontend and the engine core
+read metadata too).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import sys
 from collections.abc import Iterator, Sequence
@@ -26,6 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from metrale import gguf_string_index as string_index
 from metrale.gguf_types import BLOCK_SIZES, TensorType, ValueType
 
 
@@ -165,24 +168,32 @@ def _array_field(reader, offs: int, head: list):
         return _ArrayParts(parts, plain, values, None, None), data, [ValueType.ARRAY, ValueType(kind)], 12 + values.nbytes
     if kind != _STRING:
         return None
-    starts, unpack, buf = [0] * count, _LENGTH.unpack_from, memoryview(plain)
+    path = getattr(reader.data, "filename", None)
+    lengths = string_index.recall(plain, path, at, count) if path else None
+    if lengths is None:
+        lengths = _walk(plain, at, count)
+        if path:
+            string_index.remember(path, at, count, lengths)
+    starts = at + 8 + np.concatenate(([0], np.cumsum(lengths[:-1] + 8))) if count else np.zeros(0, dtype=np.int64)
+    end = int(starts[-1] + lengths[-1]) if count else at
+    data = list(range(_HEAD + 1, _HEAD + 2 * count, 2))
+    return _ArrayParts(parts, plain, None, starts, lengths), data, [ValueType.ARRAY, ValueType.STRING], end - offs
+
+
+def _walk(plain: np.ndarray, at: int, count: int) -> np.ndarray:
+    """The lengths (int64 [count]) of the count strings from byte `at`, each after its 8-byte length prefix:
+    one pass over the prefixes (each string's place depends on the one before)."""
+    lengths, unpack, buf = [0] * count, _LENGTH.unpack_from, memoryview(plain)
     try:
-        for i in range(count):  # the one pass over the length prefixes (each string's place depends on the last)
-            at += 8 + unpack(buf, at)[0]
-            starts[i] = at
+        for i in range(count):
+            n = unpack(buf, at)[0]
+            lengths[i] = n
+            at += 8 + n
     except struct.error:
         raise ValueError("a string runs past the end of the file") from None
     if at > len(plain):
         raise ValueError("a string runs past the end of the file")
-    # (starts holds each string's end so far: its start is the end before it plus the next length prefix)
-    ends = np.array(starts, dtype=np.int64)
-    starts = np.empty_like(ends)
-    if count:
-        starts[0] = offs + 20
-        starts[1:] = ends[:-1] + 8
-    lengths = ends - starts
-    data = list(range(_HEAD + 1, _HEAD + 2 * count, 2))
-    return _ArrayParts(parts, plain, None, starts, lengths), data, [ValueType.ARRAY, ValueType.STRING], at - offs
+    return np.array(lengths, dtype=np.int64)
 
 
 @functools.cache
@@ -249,7 +260,7 @@ def _check_tensor_infos(reader, start_offs: int, fields: list) -> None:
         except ValueError:
             raise GgufError(f"tensor {name}: unknown ggml type {int(raw_dtype[0])} (corrupt file?)") from None
         block, type_size = BLOCK_SIZES[qtype]
-        n = int(np.prod(dims.astype(np.int64)))
+        n = math.prod(dims.tolist())
         if n % block:
             raise GgufError(f"tensor {name}: {n} elements is not a whole number of {qtype.name} blocks")
         end = start_offs + int(offset[0]) + n // block * type_size
@@ -435,7 +446,7 @@ class GgufFile:
             names.add(info.name)
             ttype = TensorType(int(raw_type[0]))
             shape = tuple(reversed(dims.tolist()))
-            n = int(np.prod(dims.astype(np.int64)))
+            n = math.prod(dims.tolist())
             block, type_size = BLOCK_SIZES[ttype]
             n_bytes = n * type_size // block
             at = start + int(offset[0])
