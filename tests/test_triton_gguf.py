@@ -187,7 +187,7 @@ def test_every_row_of_the_table_multiplies(triton_gguf):
 def test_a_split_over_k_sums_its_spans(triton_gguf, name):
     """Five chunks of 256 inputs split 1, 2 (3 + 2), 3 (2 + 2 + 1) and 5 ways; the GEMV also two chunks a loop
     (a span's last loop half past its end), with rows 1, 3 (of a 4-row tile) and 8."""
-    w, weight = _weight(triton_gguf, name, cols=1280, seed=7)
+    w, weight = _weight(triton_gguf, name, rows=20, cols=1280, seed=7)  # 20: no whole number of 8-, 16- or 32-row tiles
     assert w.k // w.chunk == 5
     for split in (1, 2, 3, 5):
         for rows, cfg in ((1, triton_gguf.Config("gemv", 1, 16, chunks=2)), (3, triton_gguf.Config("gemv", 4, 8)),

@@ -1,6 +1,7 @@
 // Included first in every unit of metrale's native CPU kernels (cpu_kernels.py prepends it): the
 // instruction-set macros and the per-class op namespace.
 #pragma once
+// The ops the units call, each by its own header: ATen/ATen.h (every op's) was most of a unit's compile time.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/cat.h>
