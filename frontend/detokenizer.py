@@ -91,7 +91,18 @@ class IncrementalDetokenizer:
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
         """Feed new ids; return (text to emit now, whether a stop string ended the request)."""
         if len(token_ids) == 1 and not self._stops and not self.stopped:  # one id a step: most pushes
-            new_text = self._next_text(token_ids[0])
+            token_id = token_ids[0]
+            texts, ids = self._texts, self._ids
+            if texts is not None and self._covered == len(ids) and 0 <= token_id < len(texts):
+                new_text = texts[token_id]
+                if new_text is not None:  # _next_text's table path, inline
+                    ids.append(token_id)
+                    self.output_ids.append(token_id)
+                    self._covered += 1
+                    if new_text:
+                        self._pieces.append(new_text)
+                    return new_text, False
+            new_text = self._next_text(token_id)
             if new_text:
                 self._pieces.append(new_text)
             return new_text, False

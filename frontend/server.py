@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import itertools
 import logging
+import operator
 import os
 import resource
 import signal
@@ -99,6 +101,7 @@ T = TypeVar("T")
 # batched sends of one engine message; flags as plain ints.
 _raw_send = zmq.backend.Socket.send
 _DONTWAIT = int(zmq.DONTWAIT)
+_by_client = operator.itemgetter(0)
 _MORE = int(zmq.DONTWAIT | zmq.SNDMORE)
 _CLOSE_LINGER_MS = 2000  # a shutdown's final frames get this long to reach their clients
 _PROBE_DELAYS_S = (0.05, 0.5)  # after a disconnect event: libzmq tears the pipe down just after reporting it
@@ -641,12 +644,21 @@ class FrontendServer:
 
         def handle(data: bytes) -> None:
             self._engine_heard_at = self.clock()
+            # An engine message of N rows holds thousands of objects at once (its rows, their lists, the Deltas):
+            # with the collector on, CPython would run it several times a message and walk every live request's
+            # state each time. Off while the message is handled, its objects are freed by reference counting
+            # before the collector next runs.
+            collecting = gc.isenabled()
+            gc.disable()
             try:
                 self._on_engine_message(link, self._engine_decoder.decode(data))
             except msgspec.DecodeError:
                 log.exception("frontend: undecodable frame from the engine core")
             except Exception:
                 log.exception("frontend: failed to handle an engine-core frame")
+            finally:
+                if collecting:
+                    gc.enable()
 
         await serve_frames(link.recv, handle)
 
@@ -744,6 +756,9 @@ class FrontendServer:
         send_multipart, and zmq.asyncio's future and event check, cost several times the send itself), the last
         through zmq.asyncio, which then re-checks the socket's edge-triggered events for the receive waiting on it.
         A client whose send fails is dropped once; its later messages in the batch are not sent."""
+        # Each client's messages back to back (in their order): libzmq wakes its I/O thread once for a run of
+        # messages to one peer instead of once for each message when the clients' messages interleave.
+        batch.sort(key=_by_client)
         send, sock, failed = _raw_send, self._router_sync, None
         for client, envelope, payload in batch[:-1]:
             if failed is not None and client in failed:

@@ -9,7 +9,11 @@ frontend works one tick at a time, as behind a device step). The last frame fini
 
 The frontend's CPU (user + system, from its process) is read before the first frame and after the last, so what
 the clients and this script spend is not counted, and a busy box changes the figure far less than it changes
-wall-clock times: frontend_cpu_us_per_frame is that CPU ÷ frames, frontend_cpu_us_per_token ÷ output tokens. It
+wall-clock times: frontend_cpu_us_per_frame is that CPU ÷ frames, frontend_cpu_us_per_token ÷ output tokens,
+event_loop_cpu_us_per_frame the event loop's thread's alone (the rest is libzmq's I/O thread), and
+handler_cpu_us_p50 / _p10 the median and 10th percentile of the CPU the frontend's engine-message handler took per
+message, read inside the frontend (thread CPU time around each call: decode, rows, sends), the figure least moved by
+other processes. It
 covers the receive loop, the frame's decode, each request's state and detokenizer, and building and sending each
 client's frame — the per-tick path of `bench_sim.py`'s frontend at N streams, without admissions.
 
@@ -61,10 +65,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _frontend(model_dir: str, addresses: tuple[str, str, str]) -> None:
-    """The frontend process."""
+def _frontend(model_dir: str, addresses: tuple[str, str, str], handled) -> None:
+    """The frontend process; `handled` (a shared array: a count, then CPU ns per message) gets its event loop's CPU
+    for each engine message it handles (time.thread_time_ns around FrontendServer's handler, decode included)."""
+    from metrale.frontend import server as server_module
     from metrale.frontend.server import FrontendConfig, main
 
+    serve_frames = server_module.serve_frames
+
+    async def timed_serve_frames(recv, handle, *rest):
+        if getattr(recv, "__self__", None) is None or not hasattr(recv.__self__, "new_request_id"):
+            return await serve_frames(recv, handle, *rest)  # not an engine link's receive loop
+
+        def timed(frame) -> None:
+            t0 = time.thread_time_ns()
+            handle(frame)
+            n = int(handled[0])
+            if n + 1 < len(handled):
+                handled[n + 1] = time.thread_time_ns() - t0
+                handled[0] = n + 1
+        return await serve_frames(recv, timed, *rest)
+
+    server_module.serve_frames = timed_serve_frames
     engine_in, engine_out, client = addresses
     main(FrontendConfig(model_dir=model_dir, engine_input_address=engine_in, engine_output_address=engine_out,
                         client_address=client, http_port=None, heartbeat_s=0))
@@ -78,7 +100,8 @@ class Rig:
 
         self.addresses = (f"ipc://{tmp}/in", f"ipc://{tmp}/out", f"ipc://{tmp}/clients")
         ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(target=_frontend, args=(str(model_dir), self.addresses), daemon=True)
+        self.handled = ctx.Array("d", 1 << 16, lock=False)  # [count, CPU ns of each engine message handled]
+        self.proc = ctx.Process(target=_frontend, args=(str(model_dir), self.addresses, self.handled), daemon=True)
         self.proc.start()
         self.ps = psutil.Process(self.proc.pid)
         self.zctx = zmq.Context()
@@ -135,9 +158,11 @@ class Rig:
                     size += len(frame)
         return size
 
-    def cpu_s(self) -> float:
+    def cpu_s(self) -> tuple[float, float]:
+        """The frontend's CPU seconds so far: all its threads, and its main (event-loop) thread alone."""
         t = self.ps.cpu_times()
-        return t.user + t.system
+        main = next((th for th in self.ps.threads() if th.id == self.ps.pid), None)
+        return t.user + t.system, (main.user_time + main.system_time) if main is not None else 0.0
 
     def close(self) -> None:
         self.proc.terminate()
@@ -188,9 +213,10 @@ def run_once(rig: Rig, args: argparse.Namespace, rep: int, profile: str | None =
     time.sleep(0.2)  # a settle, not synchronisation: the frontend's admissions are all done (every AddRequest came)
     spy = None
     if profile:
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(rig.proc.pid), "--rate", "500", "--format", "raw",
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(rig.proc.pid), "--rate", "500", "--native", "--format", "raw",
                                 "-o", profile], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
+    first = int(rig.handled[0])
     cpu0, wall0 = rig.cpu_s(), time.perf_counter()
     size = 0
     for frame in frames:
@@ -201,9 +227,16 @@ def run_once(rig: Rig, args: argparse.Namespace, rep: int, profile: str | None =
         spy.send_signal(signal.SIGINT)
         spy.wait(30)
     tokens = args.streams * args.ticks * args.tokens
+    (all0, main0), (all1, main1) = cpu0, cpu1
+    per_message = np.array(rig.handled[first + 1 : int(rig.handled[0]) + 1]) / 1e3
     return {
-        "frontend_cpu_us_per_frame": round((cpu1 - cpu0) / len(frames) * 1e6, 1),
-        "frontend_cpu_us_per_token": round((cpu1 - cpu0) / tokens * 1e6, 3),
+        # the handler's own CPU per engine message, read in the frontend (thread_time): median and 10th percentile
+        "handler_cpu_us_p50": round(float(np.median(per_message)), 1) if len(per_message) else None,
+        "handler_cpu_us_p10": round(float(np.percentile(per_message, 10)), 1) if len(per_message) else None,
+        "frontend_cpu_us_per_frame": round((all1 - all0) / len(frames) * 1e6, 1),
+        "frontend_cpu_us_per_token": round((all1 - all0) / tokens * 1e6, 3),
+        # the event loop's thread alone; the rest is libzmq's I/O thread writing the client frames out
+        "event_loop_cpu_us_per_frame": round((main1 - main0) / len(frames) * 1e6, 1),
         "wall_ms_per_frame": round((wall1 - wall0) / len(frames) * 1e3, 3),
         "client_bytes_per_frame": size // len(frames),
         "engine_frame_bytes": sum(len(f) for f in frames) // len(frames),
