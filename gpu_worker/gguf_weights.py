@@ -35,12 +35,13 @@ from metrale.gpu_worker.layers.gguf_linear import tagged
 
 def gguf_tensors(
     path: str | Path, config: dict, wants_codes: Callable[[str], bool] = lambda name: False,
-    wants_blocks: Callable[[str], bool] = lambda name: False,
+    wants_blocks: Callable[[str], bool] = lambda name: False, checks_blocks: Callable[[str], bool] = lambda name: False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the GGUF file at path under its transformers name: a float tensor as stored (a view of the
     map), any other dequantized to float32; where wants_blocks(name) and its type has a table row, its raw blocks
     tagged with the type; where wants_codes(name) and the tensor is 4-bit, its codes, scales and offsets (see
-    the module docstring).
+    the module docstring). Raw blocks are checked for non-finite scales here, except where checks_blocks(name):
+    the layer taking them checks (layers/gguf_linear.py, in its packing's own pass).
 
     config is the file's config dict (metrale.gguf_metadata.hf_config); GgufError names the tensor at fault.
     """
@@ -58,7 +59,7 @@ def gguf_tensors(
         qtype = gguf_quant_types.TYPES.get(tensor.tensor_type.name)
         bf16 = False
         if wants_blocks(name) and qtype is not None:
-            if not gguf_quant_types.finite(qtype.name, np.asarray(tensor.data)):
+            if not checks_blocks(name) and not gguf_quant_types.finite(qtype.name, np.asarray(tensor.data)):
                 raise GgufError(f"tensor {tensor.name}: holds values that are not finite (corrupt file?)")
             parts = [("", np.asarray(tensor.data))]
             base = name
@@ -79,7 +80,7 @@ def gguf_tensors(
                 values = unpermute_rows(values, rows_heads)
             for hf, part in checkpoint_tensors(base + suffix, values, arch):
                 if part.dtype == np.uint8 and not suffix:
-                    yield hf, tagged(part, qtype.name)
+                    yield hf, tagged(part, qtype.name, tensor.name)
                 else:
                     yield hf, _torch(part, bf16)
 
@@ -141,7 +142,7 @@ def gguf_blocks(path: str | Path, name: str) -> torch.Tensor | None:
     arch = field(reader, "general.architecture", "llama")
     for tensor in reader.tensors:
         if hf_name(tensor.name, arch) == name and tensor.tensor_type.name in gguf_quant_types.TYPES:
-            return tagged(np.asarray(tensor.data), tensor.tensor_type.name)
+            return tagged(np.asarray(tensor.data), tensor.tensor_type.name, tensor.name)
     return None
 
 

@@ -87,12 +87,14 @@ def load_model(
     model = cls(ctx)
     if gguf is not None:
         codes = {n for n, m in model.named_modules() if getattr(getattr(m, "quant_method", None), "codes", False)}
-        blocks = {n for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None), GgufLinearMethod)}
+        linear = {n for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None), GgufLinearMethod)}
+        blocks = set(linear)
         if _embeds_in_place(model, quantization, kinds, ctx):
             embed = model.model.embed_tokens
             model.model.embed_tokens = GgufEmbedding(embed.vocab_size, embed.weight.shape[1], dtype=ctx.dtype)
             blocks.add("model.embed_tokens")
-        stream = gguf_tensors(gguf, facts.config, lambda name: layer_of(name) in codes, lambda name: layer_of(name) in blocks)
+        stream = gguf_tensors(gguf, facts.config, lambda name: layer_of(name) in codes, lambda name: layer_of(name) in blocks,
+                              lambda name: layer_of(name) in linear)
         model.load_weights(_in_place(model, stream, gguf, group))
     else:
         model.load_weights(_tensors(weight_files(facts.path), show_progress))

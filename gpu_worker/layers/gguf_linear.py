@@ -27,12 +27,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from metrale.gguf_reader import GgufError
 from metrale.gpu_worker.layers import gguf_quant_types as qt
 from metrale.gpu_worker.layers import gguf_repack
 from metrale.gpu_worker.layers.linear_method import LinearMethod, set_weight_attrs
 from metrale.gpu_worker.layers.quantization import NativeProduct, _dense_product, _goes_wide, _kernel, _kernel_input, _wide, native_product
 
 GGUF_TYPE = "gguf_type"  # the attribute naming a raw tensor's GGUF type (gguf_weights.py sets it)
+GGUF_TENSOR = "gguf_tensor"  # and the one naming the file's tensor it comes from
 
 
 @dataclass(slots=True)
@@ -44,6 +46,7 @@ class _Part:
     name: str
     index: np.ndarray  # int64 [rows]
     source: torch.Tensor  # uint8 [n, bytes per row], rows contiguous
+    tensor: str  # the file's name for the tensor (for errors), "" where not known
 
 
 @dataclass(slots=True)
@@ -79,9 +82,10 @@ class GgufLinearMethod(LinearMethod):
         runs = _by_kernel(spans)
         ops = {kernel: None if self.reference else _kernel(f"{kernel}_linear", device) for kernel, _ in runs}
         layer.wide = _goes_wide(device)
-        if not self.reference and device.type == "cuda" and (triton_runs := _triton_runs(_segments(layer), device)):
+        if not self.reference and device.type == "cuda" and (triton_runs := _triton_runs(_checked_segments(layer), device)):
             layer.gguf_runs = triton_runs
         elif any(op is None for op in ops.values()):
+            _check_finite(layer)
             weight = torch.cat([qt.dequantize(b) for _, b in _segments(layer)]).to(device)
             layer.dequantized = weight if self.reference else weight.to(layer.act_dtype)
             layer.gguf_runs = None
@@ -136,7 +140,7 @@ def _stage(layer: nn.Module, weight_loader, param: nn.Parameter, loaded: torch.T
         source = torch.zeros(rows, width, dtype=torch.uint8)
         _through(weight_loader, source, loaded, 1, shard_id)
         index = torch.where(index > 0, torch.arange(1, rows + 1).view(-1, 1), 0)
-    layer.gguf_staged.append(_Part(name, index.view(-1).numpy(), source))
+    layer.gguf_staged.append(_Part(name, index.view(-1).numpy(), source, getattr(loaded, GGUF_TENSOR, "")))
 
 
 def _through(weight_loader, target: torch.Tensor, source: torch.Tensor, input_dim: int | None, shard_id) -> None:
@@ -199,6 +203,21 @@ def _segments(layer: nn.Module) -> list[tuple[str, qt.Blocks]]:
     return [(name, qt.decode(name, _rows(layer, name, start, end))) for name, start, end in _spans(layer)]
 
 
+def _checked_segments(layer: nn.Module) -> list[tuple[str, qt.Blocks]]:
+    """_segments, after _check_finite."""
+    _check_finite(layer)
+    return _segments(layer)
+
+
+def _check_finite(layer: nn.Module, types: set[str] | None = None) -> None:
+    """GgufError naming the first staged tensor (of these types; None: any) holding a block whose fp16 scale is
+    not finite (gguf_weights.py leaves the check of a GGUF-typed layer's blocks to it: the C packing makes it in
+    its own pass, this for every other path)."""
+    for part in layer.gguf_staged:
+        if (types is None or part.name in types) and not qt.finite(part.name, part.source.numpy()):
+            raise GgufError(f"tensor {part.tensor or '?'}: holds values that are not finite (corrupt file?)")
+
+
 def _by_kernel(spans: list[tuple[str, int, int]]) -> list[tuple[str, list[tuple[str, int, int]]]]:
     """Consecutive spans grouped by their type's kernel."""
     runs: list[tuple[str, list]] = []
@@ -237,8 +256,13 @@ def _run(layer: nn.Module, kernel: str, spans: list[tuple[str, int, int]]) -> _R
     decodes their types, else through the common form), on the class dispatch measured fastest for its shape."""
     cols = layer.in_features
     rows = sum(end - start for _, start, end in spans)
-    packed = gguf_repack.from_stored(kernel, [(name, _addresses(layer, name, start, end)) for name, start, end in spans], cols)
+    try:
+        packed = gguf_repack.from_stored(kernel, [(name, _addresses(layer, name, start, end)) for name, start, end in spans], cols)
+    except gguf_repack.NonFiniteScales:
+        _check_finite(layer)  # names the tensor
+        raise GgufError(f"a tensor of {kernel} layer rows holds values that are not finite (corrupt file?)") from None
     if packed is None:
+        _check_finite(layer, {name for name, _, _ in spans})
         parts = [(name, qt.decode(name, _rows(layer, name, start, end))) for name, start, end in spans]
         if kernel == "int8":
             packed = qt.pack_int8_parts(parts)
@@ -272,11 +296,13 @@ def raw_columns(raw: torch.Tensor) -> int:
     return raw.shape[1] // t.nbytes * t.block
 
 
-def tagged(values: np.ndarray, name: str) -> torch.Tensor:
-    """A raw tensor of GGUF blocks tagged with its type's name (what GgufLinearMethod's loader takes)."""
+def tagged(values: np.ndarray, name: str, tensor_name: str = "") -> torch.Tensor:
+    """A raw tensor of GGUF blocks tagged with its type's name (what GgufLinearMethod's loader takes) and the file's
+    name for it (for errors)."""
     with warnings.catch_warnings():  # the file's read-only pages: the loader only reads them, into its staging rows
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.from_numpy(np.ascontiguousarray(values))
     setattr(tensor, GGUF_TYPE, name)
+    setattr(tensor, GGUF_TENSOR, tensor_name)
     return tensor
 

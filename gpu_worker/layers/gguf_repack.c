@@ -76,7 +76,8 @@ void panel_bits5(const int8_t *codes, int64_t bias, int64_t rows, int64_t cols, 
  * (`types`: TYPE_*, -1 for the padding past the last row, which is all zeros); each call fills whole panels
  * [p0, p1), so threads never share a panel. Scales and offsets of the 4- and 5-bit layouts are written as
  * float32, in numpy's order of operations (s = d * sc, z = dm * mn + (-bias * s)); f16_exact then gives their
- * fp16 bits where every one is exact. */
+ * fp16 bits where every one is exact. Each returns 1 when every fp16 scale it read was finite, else 0 (the file's
+ * finiteness check, made in the same pass). */
 
 enum { TYPE_Q8_0 = 0, TYPE_Q4_0 = 1, TYPE_Q4_1 = 2, TYPE_Q4_K = 3, TYPE_Q5_0 = 4, TYPE_Q5_1 = 5, TYPE_Q5_K = 6, TYPE_Q6_K = 7 };
 
@@ -108,6 +109,16 @@ static uint16_t half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return h;
+}
+
+/* Where each type's fp16 scales lie in its block (gguf_quant_types.TYPES' halves; -1: none). */
+static const int HALF0[8] = {0, 0, 0, 0, 0, 0, 0, 208}, HALF1[8] = {-1, -1, 2, 2, -1, 2, 2, -1};
+
+/* 1 when the block's fp16 scales are finite (an inf or NaN scale makes its whole block so), else 0. */
+static int block_finite(int type, const uint8_t *b) {
+    int ok = (half_at(b + HALF0[type]) & 0x7C00) != 0x7C00;
+    if (HALF1[type] >= 0) ok &= (half_at(b + HALF1[type]) & 0x7C00) != 0x7C00;
+    return ok;
 }
 
 /* The fp16 bits of x when x is exactly an fp16 number (1), else 0 (torch's x.half().float() == x). */
@@ -205,11 +216,12 @@ static void unsigned_block(int type, const uint8_t *b, uint8_t *u, uint32_t *fif
 /* One panel of rows all of one 32-input type (Q4_0, Q4_1, Q5_0 or Q5_1), for stored_int4: each block's nibbles go
  * straight to their output bytes (group 4b + gi of block b: inputs 8gi .. 8gi + 7 of the 32), with no decoded
  * row in between; the same bytes and float32 values as unsigned_block and the general loop. */
-static void panel_blocks32(int type, const int64_t *ptrs, int64_t p, int64_t cols, uint8_t *codes, uint8_t *bits5,
-                           float *s, float *z) {
+static int panel_blocks32(int type, const int64_t *ptrs, int64_t p, int64_t cols, uint8_t *codes, uint8_t *bits5,
+                          float *s, float *z) {
     const int with_m = type == TYPE_Q4_1 || type == TYPE_Q5_1, five = type == TYPE_Q5_0 || type == TYPE_Q5_1;
     const int64_t nbytes = BLOCK_BYTES[type], groups = cols / 8, blocks32 = cols / 32, head = 2 + 2 * with_m;
     const float bias = type == TYPE_Q4_0 ? 8.0f : 16.0f;
+    int finite = 1;
     for (int64_t b = 0; b < blocks32; b++) {
         uint64_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
         float *sl = s + (p * blocks32 + b) * PANEL, *zl = z + (p * blocks32 + b) * PANEL;
@@ -217,6 +229,7 @@ static void panel_blocks32(int type, const int64_t *ptrs, int64_t p, int64_t col
         for (int r = 0; r < PANEL; r++) {
             const uint8_t *src = (const uint8_t *)(intptr_t)ptrs[p * PANEL + r];
             const uint8_t *blk = src ? src + b * nbytes : ZERO_BLOCK, *qs = blk + head + (five ? 4 : 0);
+            finite &= block_finite(type, blk);
             const float d = h2f(half_at(blk));
             sl[r] = d;
             if (with_m) {
@@ -250,23 +263,25 @@ static void panel_blocks32(int type, const int64_t *ptrs, int64_t p, int64_t col
                 }
             }
     }
+    return finite;
 }
 
 /* The 4-bit layout's codes (and, with bits5, the 5-bit layout's plane of fifth bits) and float32 scales and
  * offsets [panels][cols / 32][16] of rows of Q4_0, Q4_1, Q4_K (bits5 NULL) or Q5_0, Q5_1. A panel is filled a
  * chunk of inputs at a time (256 where a row is Q4_K, else 32), its 16 rows decoded first, so each output line
  * is written whole, in order. */
-void stored_int4(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t p0, int64_t p1, uint8_t *codes,
-                 uint8_t *bits5, float *s, float *z) {
+int64_t stored_int4(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t p0, int64_t p1, uint8_t *codes,
+                    uint8_t *bits5, float *s, float *z) {
     const int64_t groups = cols / 8, blocks32 = cols / 32;
     uint8_t u[PANEL][256];
     uint32_t fifth[PANEL][8];
     float bs[PANEL][8], bz[PANEL][8];
+    int finite = 1;
     for (int64_t p = p0; p < p1; p++) {
         int same = types[p * PANEL] != TYPE_Q4_K && types[p * PANEL] >= 0;
         for (int r = 1; r < PANEL; r++) same &= types[p * PANEL + r] == types[p * PANEL];
         if (same && (bits5 != NULL) == (types[p * PANEL] == TYPE_Q5_0 || types[p * PANEL] == TYPE_Q5_1)) {
-            panel_blocks32(types[p * PANEL], ptrs, p, cols, codes, bits5, s, z);
+            finite &= panel_blocks32(types[p * PANEL], ptrs, p, cols, codes, bits5, s, z);
             continue;
         }
         int64_t chunk = 32;
@@ -286,8 +301,10 @@ void stored_int4(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t
                 const uint8_t *src = (const uint8_t *)(intptr_t)ptrs[row];
                 for (int64_t at = 0; at < chunk; at += n) {
                     const int64_t blk = (c0 + at) / n;
+                    const uint8_t *block = src ? src + blk * nbytes : ZERO_BLOCK;
                     fifth[r][at / 32] = 0;
-                    unsigned_block(type, src ? src + blk * nbytes : ZERO_BLOCK, u[r] + at, &fifth[r][at / 32], bs[r] + at / 32, bz[r] + at / 32);
+                    finite &= block_finite(type, block);
+                    unsigned_block(type, block, u[r] + at, &fifth[r][at / 32], bs[r] + at / 32, bz[r] + at / 32);
                 }
             }
             for (int64_t j = 0; j < chunk / 32; j++) {
@@ -320,12 +337,14 @@ void stored_int4(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t
             }
         }
     }
+    return finite;
 }
 
 /* The int8 layout (codes [panels][cols / 4][16][4], fp16 scale bits [panels][cols / 32][16]) of Q8_0 rows. */
-void stored_int8(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t p0, int64_t p1, int8_t *codes,
-                 uint16_t *d) {
+int64_t stored_int8(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t p0, int64_t p1, int8_t *codes,
+                    uint16_t *d) {
     const int64_t groups = cols / 4, blocks = cols / 32;
+    int finite = 1;
     for (int64_t p = p0; p < p1; p++) {
         int8_t *dst = codes + p * groups * PANEL * 4;
         for (int64_t r = 0; r < PANEL; r++) {
@@ -333,11 +352,13 @@ void stored_int8(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t
             const uint8_t *src = types[row] < 0 ? NULL : ptrs[row] ? (const uint8_t *)(intptr_t)ptrs[row] : NULL;
             for (int64_t b = 0; b < blocks; b++) {
                 const uint8_t *blk = src ? src + b * 34 : ZERO_BLOCK;
+                finite &= block_finite(TYPE_Q8_0, blk);
                 d[(p * blocks + b) * PANEL + r] = half_at(blk);
                 for (int gi = 0; gi < 8; gi++) memcpy(dst + ((b * 8 + gi) * PANEL + r) * 4, blk + 2 + 4 * gi, 4);
             }
         }
     }
+    return finite;
 }
 
 /* One K block (Q5_K or Q6_K) as the common form's signed codes c, int8 sub-scales and mins, d and dm bits. */
@@ -379,11 +400,12 @@ static void k_block(int type, const uint8_t *b, int8_t *c, int8_t *sc, int8_t *m
 
 /* The kq8 layout (gguf_quant_types.pack_kq8, of the rows merged at sub-blocks of `sub` inputs: a type's coarser
  * sub-scales repeated; mins, when with_mn, zero for a type without them) of Q5_K and Q6_K rows. */
-void stored_kq8(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t sub, int64_t with_mn, int64_t p0,
-                int64_t p1, int8_t *codes, int8_t *sc, int8_t *mn, uint16_t *d, uint16_t *dm) {
+int64_t stored_kq8(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t sub, int64_t with_mn, int64_t p0,
+                   int64_t p1, int8_t *codes, int8_t *sc, int8_t *mn, uint16_t *d, uint16_t *dm) {
     const int64_t groups = cols / 4, subs = cols / sub, blocks = cols / 256;
     int8_t c[256], bsc[16], bmn[16];
     uint16_t bd, bdm;
+    int finite = 1;
     for (int64_t p = p0; p < p1; p++) {
         int8_t *dst = codes + p * groups * PANEL * 4;
         for (int64_t r = 0; r < PANEL; r++) {
@@ -398,8 +420,10 @@ void stored_kq8(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t 
                     memset(bmn, 0, 16);
                     bd = bdm = 0;
                 } else {
+                    const uint8_t *block = src ? src + blk * BLOCK_BYTES[type] : ZERO_BLOCK;
                     memset(bmn, 0, 16);
-                    k_block(type, src ? src + blk * BLOCK_BYTES[type] : ZERO_BLOCK, c, bsc, bmn, &bd, &bdm);
+                    finite &= block_finite(type, block);
+                    k_block(type, block, c, bsc, bmn, &bd, &bdm);
                 }
                 for (int gi = 0; gi < 64; gi++) memcpy(dst + ((blk * 64 + gi) * PANEL + r) * 4, c + 4 * gi, 4);
                 for (int64_t j = 0; j < 256 / sub; j++) {
@@ -412,4 +436,5 @@ void stored_kq8(const int64_t *ptrs, const int8_t *types, int64_t cols, int64_t 
             }
         }
     }
+    return finite;
 }

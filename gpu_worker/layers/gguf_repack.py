@@ -65,19 +65,30 @@ def _library():
     lib.stored_int8.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
     lib.stored_int4.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     lib.stored_kq8.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    for stored in (lib.stored_int8, lib.stored_int4, lib.stored_kq8):
+        stored.restype = i64  # 1: every scale read was finite
     lib.f16_exact.argtypes = [ptr, i64, ptr]
     lib.f16_exact.restype = i64
     return lib
 
 
-def _over_panels(call, panels: int) -> None:
-    """call(p0, p1) over [0, panels), split over torch's threads where the layer is large enough."""
+def _over_panels(call, panels: int) -> list:
+    """call(p0, p1) over [0, panels), split over torch's threads where the layer is large enough: each call's result."""
     threads = max(1, min(torch.get_num_threads(), panels // _MIN_PANELS_PER_THREAD))
     if threads == 1:
-        call(0, panels)
-        return
+        return [call(0, panels)]
     edges = [panels * i // threads for i in range(threads + 1)]
-    list(_pool(threads).map(call, edges[:-1], edges[1:]))
+    return list(_pool(threads).map(call, edges[:-1], edges[1:]))
+
+
+class NonFiniteScales(ValueError):
+    """A stored block's fp16 scale is an inf or a NaN (from_stored checks every one it reads)."""
+
+
+def _finite(results: list) -> None:
+    """Raise NonFiniteScales unless every part of a stored_* call found its scales finite."""
+    if not all(results):
+        raise NonFiniteScales("a block's scale is not finite")
 
 
 @functools.cache
@@ -132,7 +143,8 @@ def from_stored(kernel: str, parts: list[tuple[str, np.ndarray]], cols: int) -> 
     """The packed layout of one kernel's run of rows (what gguf_quant_types.pack_int8_parts, int4_pack, pack_int5
     or pack_kq8 give for the same rows, byte for byte) straight from the stored blocks: parts are (type name,
     int64 addresses of its rows' blocks, 0 for a row no part filled: zero blocks), stacked by rows. None where the
-    library is not built or a part's type is not one it decodes; ValueError as pack_int5 raises it."""
+    library is not built or a part's type is not one it decodes; ValueError as pack_int5 raises it;
+    NonFiniteScales where a block's fp16 scale is an inf or a NaN."""
     if not available() or any(t not in _STORED_KERNELS.get(kernel, ()) for t, _ in parts):
         return None
     rows = sum(len(a) for _, a in parts)
@@ -148,14 +160,14 @@ def from_stored(kernel: str, parts: list[tuple[str, np.ndarray]], cols: int) -> 
     if kernel == "int8":
         codes = torch.empty(panels, cols // 4, PANEL, 4, dtype=torch.int8)
         d = torch.empty(panels, cols // 32, PANEL, dtype=torch.int16)
-        _over_panels(lambda p0, p1: lib.stored_int8(*rows_at, p0, p1, codes.data_ptr(), d.data_ptr()), panels)
+        _finite(_over_panels(lambda p0, p1: lib.stored_int8(*rows_at, p0, p1, codes.data_ptr(), d.data_ptr()), panels))
         return codes, d
     if kernel in ("int4", "int5"):
         codes = torch.empty(panels, cols // 8, PANEL, 4, dtype=torch.uint8)
         bits = torch.empty(panels, cols // 8, 16, dtype=torch.uint8) if kernel == "int5" else None
         s, z = (torch.empty(panels, cols // 32, PANEL, dtype=torch.float32) for _ in range(2))
         bits_at = bits.data_ptr() if bits is not None else None
-        _over_panels(lambda p0, p1: lib.stored_int4(*rows_at, p0, p1, codes.data_ptr(), bits_at, s.data_ptr(), z.data_ptr()), panels)
+        _finite(_over_panels(lambda p0, p1: lib.stored_int4(*rows_at, p0, p1, codes.data_ptr(), bits_at, s.data_ptr(), z.data_ptr()), panels))
         if kernel == "int5" and all(name == "Q5_0" for name, _ in parts):  # offsets -16 s: the kernel makes them
             halves = _f16_bits(s), torch.empty(0, dtype=torch.int16)
         else:
@@ -174,7 +186,7 @@ def from_stored(kernel: str, parts: list[tuple[str, np.ndarray]], cols: int) -> 
     d = torch.empty(panels, cols // 256, PANEL, dtype=torch.int16)
     dm = torch.empty(panels, cols // 256, PANEL, dtype=torch.int16) if with_mn else torch.empty(0, dtype=torch.int16)
     outs = (codes.data_ptr(), sc.data_ptr(), mn.data_ptr() if with_mn else None, d.data_ptr(), dm.data_ptr() if with_mn else None)
-    _over_panels(lambda p0, p1: lib.stored_kq8(*rows_at, sub, int(with_mn), p0, p1, *outs), panels)
+    _finite(_over_panels(lambda p0, p1: lib.stored_kq8(*rows_at, sub, int(with_mn), p0, p1, *outs), panels))
     return codes, sc, mn, d, dm
 
 
