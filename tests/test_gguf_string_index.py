@@ -9,7 +9,7 @@ import os
 import gguf
 import pytest
 
-from metrale import gguf_reader, gguf_string_index
+from metrale import gguf_arrays, gguf_reader, gguf_string_index
 
 N = gguf_string_index.MIN_ITEMS + 7
 
@@ -46,7 +46,7 @@ def test_a_second_open_reads_the_remembered_lengths_without_walking(tmp_path, ca
     def no_walk(*a):
         raise AssertionError("walked the prefixes again")
 
-    monkeypatch.setattr(gguf_reader, "_walk", no_walk)
+    monkeypatch.setattr(gguf_arrays, "walk", no_walk)
     assert _tokens(path) == tokens
 
 

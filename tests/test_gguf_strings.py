@@ -1,4 +1,4 @@
-"""A GGUF's string arrays read in bulk (metrale/gguf_reader.py): the vocabulary decoded in one call and the merges
+"""A GGUF's string arrays read in bulk (metrale/gguf_arrays.py): the vocabulary decoded in one call and the merges
 split in one, giving what gguf's reader gives item by item, and falling back to it for items the bulk path
 cannot take (a NUL inside an item, a merge without exactly one space, bytes that are not UTF-8)."""
 
@@ -61,8 +61,8 @@ def test_a_string_that_is_not_utf8_is_refused(tmp_path, key):
 
 def test_the_bulk_path_sees_each_string_after_one_nul(tmp_path):
     # (the bulk decode falls back to one string at a time when its bytes are wrong, so check them directly)
-    from metrale.gguf_reader import _joined
+    from metrale.gguf_arrays import joined
 
     path = _write(tmp_path, {"tokenizer.ggml.tokens": TOKENS})
     parts = open_gguf(path).fields["tokenizer.ggml.tokens"].parts
-    assert _joined(parts.plain, parts.starts, parts.lengths).tobytes() == b"".join(b"\0" + t.encode() for t in TOKENS)
+    assert joined(parts.plain, parts.starts, parts.lengths).tobytes() == b"".join(b"\0" + t.encode() for t in TOKENS)
