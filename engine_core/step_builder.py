@@ -23,6 +23,7 @@ from .sequence import Sequence
 from .swap import SwapSpace
 
 MAX_BAN_IDS = 64
+_FED_SLOT = np.array([-1], np.int32).tobytes()  # a fed penalised row's last history entry (_history)
 _NO_STATE = np.zeros(0, np.int32)  # the plans of a model without recurrent state carry no state slots
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BY_LENGTH = [(name, kind) for name, _, kind in PLAN_FIELDS if kind in ("T", "R", "R1")]  # plain views of a buffer
@@ -152,6 +153,7 @@ class StepBuilder:
         self.pool = pool
         self._rows = _Rows(vocab_size)
         self._arange = np.arange(max_rows + 1, dtype=np.int32)
+        self._tokens = np.arange(max_tokens, dtype=np.int64)
 
     def build(
         self, seqs: list[Sequence], num_new: list[int], masks: list[RowMask], *, feed: list[int] | None = None,
@@ -279,29 +281,40 @@ class StepBuilder:
         self, b: _Buffers, seqs: list[Sequence], starts: list[int], num_new: list[int], tables: np.ndarray,
         feed: list[int] | None, drafts: list[list[int]] | None = None,
     ) -> None:
-        """Token and per-row arrays of a step with prefill chunks (or drafts), row by row."""
+        """Token and per-row arrays of a step with prefill chunks (or drafts): positions, slots, lengths and samples
+        with whole-batch numpy; each row's first input in one gather; only the rows running several tokens copy
+        their slices one by one (a step has few)."""
         R, bs = len(seqs), self.block_size
-        feed = feed or [FEED_HOST] * R
-        extra = [len(d) for d in drafts] if drafts is not None else [0] * R  # tokens past the committed ones
-        t = 0
-        for r, (seq, start, k) in enumerate(zip(seqs, starts, num_new)):
-            if k == 1:  # a decode: scalars, no temporary arrays
-                b.positions[t] = start
-                b.slot_mapping[t] = int(tables[r, start // bs]) * bs + start % bs
-                b.input_ids[t] = 0 if feed[r] != FEED_HOST else seq.tokens[start]
-            else:
-                pos = np.arange(start, start + k, dtype=np.int32)
-                b.positions[t : t + k] = pos
-                b.slot_mapping[t : t + k] = tables[r, pos // bs].astype(np.int64) * bs + pos % bs
-                n = k - extra[r]  # committed tokens, then the drafts
-                b.input_ids[t : t + n] = seq.tokens[start : start + n]
-                b.input_ids[t + n : t + k] = drafts[r] if extra[r] else ()
-            t += k
-        b.seq_lens[:R] = ends = list(map(add, starts, num_new))
-        b.sample[:R] = [src != FEED_HOST or end - x == len(s.tokens) for s, end, src, x in zip(seqs, ends, feed, extra)]
-        b.query_start[0] = 0
-        np.cumsum(num_new, out=b.query_start[1 : R + 1])
-        b.feed_from_row[:R] = feed
+        starts = starts.tolist() if isinstance(starts, np.ndarray) else starts
+        nn = np.array(num_new, np.int64)
+        st = np.array(starts, np.int64)
+        qs = b.query_start[: R + 1]
+        qs[0] = 0
+        np.cumsum(nn, out=qs[1:])
+        T = int(qs[R])
+        pos = b.positions[:T]
+        np.add(np.repeat(st - qs[:R], nn), self._tokens[:T], out=pos, casting="unsafe")  # start + offset in row
+        slots = b.slot_mapping[:T]
+        np.multiply(tables[np.repeat(self._arange[:R], nn), pos // bs], bs, out=slots, dtype=np.int64)
+        slots += pos % bs
+        toks = [s.out.tokens for s in seqs]
+        if feed is None:
+            feed = [FEED_HOST] * R
+            b.input_ids[qs[:R]] = [t[n] for t, n in zip(toks, starts)]
+        else:  # a fed row's input is the device's (0 here); it runs one token
+            b.input_ids[qs[:R]] = [0 if src != FEED_HOST else t[n] for t, n, src in zip(toks, starts, feed)]
+        extra = np.array([len(d) for d in drafts], np.int64) if drafts is not None else 0  # tokens past the committed
+        for r in np.flatnonzero(nn > 1).tolist():
+            t, start, k = int(qs[r]), starts[r], num_new[r]
+            n = k - (len(drafts[r]) if drafts is not None else 0)  # committed tokens, then the drafts
+            b.input_ids[t : t + n] = toks[r][start : start + n]
+            if n < k:
+                b.input_ids[t + n : t + k] = drafts[r]
+        ends = st + nn
+        b.seq_lens[:R] = ends
+        fed = np.array(feed, np.int32)
+        b.sample[:R] = (fed != FEED_HOST) | (ends - extra == np.fromiter(map(len, toks), np.int64, R))
+        b.feed_from_row[:R] = fed
 
     def _sampling(self, b: _Buffers, seqs: list[Sequence], rows: np.ndarray, masks: list[RowMask]) -> int:
         """Each row's sampling values (from the mirror) and mask; returns the bitmask rows (filled): a grammar row's
@@ -346,24 +359,23 @@ class StepBuilder:
             b.hist_start[: R + 1] = 0
             b.hist_prompt_len[:R] = 0
             return 0
-        fed = [False] * R if feed is None else [src != FEED_HOST for src in feed]
-        need = sum(s.num_tokens + f for s, p, f in zip(seqs, pen, fed) if p)
-        if need > len(b.hist_tokens):  # rare: grow, and keep the larger size from now on
-            b.hist_tokens = np.zeros(need * 2, np.int32)
-        h = 0
+        which = np.flatnonzero(pen).tolist()
+        toks = [seqs[r].out.tokens for r in which]
+        counts = np.zeros(R, np.int64)
+        counts[which] = list(map(len, toks))
+        if feed is not None:  # a fed row's history ends with the slot its fed token is written to
+            fed = [feed[r] != FEED_HOST for r in which]
+            if any(fed):
+                counts[which] += fed
+                toks = [part for t, f in zip(toks, fed) for part in ((t, _FED_SLOT) if f else (t,))]
         b.hist_start[0] = 0
-        for r, (seq, p) in enumerate(zip(seqs, pen)):
-            if p:
-                n = seq.num_tokens
-                b.hist_tokens[h : h + n] = np.frombuffer(seq.tokens, np.int32, n)  # a copy in C, no per-token Python
-                b.hist_prompt_len[r] = seq.num_prompt
-                h += n
-                if fed[r]:
-                    b.hist_tokens[h] = -1
-                    h += 1
-            else:
-                b.hist_prompt_len[r] = 0
-            b.hist_start[r + 1] = h
+        np.cumsum(counts, out=b.hist_start[1 : R + 1])
+        h = int(b.hist_start[R])
+        if h > len(b.hist_tokens):  # rare: grow, and keep the larger size from now on
+            b.hist_tokens = np.zeros(h * 2, np.int32)
+        b.hist_tokens[:h] = np.frombuffer(b"".join(toks), np.int32)  # one copy in C, no per-token Python
+        b.hist_prompt_len[:R] = 0
+        b.hist_prompt_len[which] = [seqs[r].req.num_prompt for r in which]
         return h
 
 
