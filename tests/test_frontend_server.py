@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import shutil
 import signal
 import subprocess
@@ -795,3 +796,23 @@ def test_a_request_moved_by_two_worker_losses_is_not_failed_as_a_poison(model_di
             e.stop()
         stop_server(server, thread)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_an_engine_message_is_handled_with_the_garbage_collector_off(stack):
+    """The collector is off while an engine message's rows are handled (each Delta reaches its sink then), on again
+    after: a message's thousands of objects are freed by reference counting, not walked by collections."""
+    assert gc.isenabled()
+    seen: list[bool] = []
+    done = threading.Event()
+
+    def sink(msg) -> None:
+        seen.append(gc.isenabled())
+        if getattr(msg, "finish_reason", "error") is not None:  # its final Delta, or an Error
+            done.set()
+
+    key = stack.server.open_local()
+    stack.server._loop.call_soon_threadsafe(
+        lambda: stack.server.generate_local(key, "gc", sink, SamplingParams(max_tokens=6), prompt="collector"))
+    assert done.wait(WAIT_S)
+    assert seen and not any(seen)
+    assert gc.isenabled()
