@@ -10,12 +10,15 @@ strips the spaces beside some of them (Phi-3's right of its special tokens, a ma
 
 from __future__ import annotations
 
+import itertools
+
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HfTokenizer
 
-from metrale.gguf_metadata import field
+from metrale.gguf_metadata import field, indices_of
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
+_MATCHED_WHOLE = frozenset((CONTROL, UNKNOWN, USER_DEFINED))
 
 # Texts llama.cpp treats as control tokens whatever their type says (end of turn / generation, fill-in-the-middle).
 _CONTROL_LOOKING = frozenset((
@@ -30,13 +33,16 @@ _CONTROL_LOOKING = frozenset((
 ))
 # gpt-oss's channel markers: llama.cpp renders them as text (user-defined) whatever the file says.
 _ALWAYS_RENDERED = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
+# Every text token_types asks the vocabulary about (the promotions above, and their exceptions' conditions).
+_LOOKED_FOR = _ALWAYS_RENDERED | _CONTROL_LOOKING | {"<|tool_response>", "<|plamo:eos|>", "<|return|>", "<|call|>",
+                                                     "<|calls|>", "<|flush|>"}
 
 
 def token_types(reader, tokens: list[str]) -> list[int]:
     """Each token's llama.cpp type: the file's, with llama.cpp's promotions by text (control-looking, gpt-oss)."""
     types = list(field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     types += [NORMAL] * (len(tokens) - len(types))
-    present = set(tokens)
+    present = _LOOKED_FOR.intersection(tokens)  # (the texts below that the vocabulary has)
     promoted = present & (_ALWAYS_RENDERED | _CONTROL_LOOKING)
     if not promoted:  # (most vocabularies have a few; the loops below only visit those)
         return types
@@ -57,7 +63,7 @@ def token_types(reader, tokens: list[str]) -> list[int]:
 
 def _where(tokens: list[str], texts: set[str]) -> list[int]:
     """The ids of the tokens whose text is one of texts, in order."""
-    return [i for i, text in enumerate(tokens) if text in texts] if texts else []
+    return indices_of(tokens, texts) if texts else []
 
 
 def add_special_tokens(backend: HfTokenizer, reader, tokens: list[str], types: list[int]) -> None:
@@ -69,9 +75,8 @@ def add_special_tokens(backend: HfTokenizer, reader, tokens: list[str], types: l
     rstrip = _rstripped(reader, tokens, types)
     lstrip = _lstripped(reader)
     special, plain = [], []
-    for text, kind in zip(tokens, types):
-        if kind not in (CONTROL, UNKNOWN, USER_DEFINED):
-            continue
+    for i in itertools.compress(range(len(tokens)), map(_MATCHED_WHOLE.__contains__, types)):  # (few: no Python loop)
+        text, kind = tokens[i], types[i]
         token = AddedToken(
             text, normalized=False, special=kind != USER_DEFINED, rstrip=text in rstrip, lstrip=text in lstrip
         )

@@ -21,7 +21,7 @@ from metrale.gguf_reader import GgufError, read
 from metrale.gguf_types import FILE_TYPES, TensorType
 from metrale.gguf_rope import rope_scaling_from_factors
 
-__all__ = ["GgufError", "field", "gguf_file", "hf_config", "open_gguf", "eos_token_ids", "split_pairs"]
+__all__ = ["GgufError", "field", "gguf_file", "hf_config", "open_gguf", "eos_token_ids", "indices_of", "split_pairs"]
 
 SUFFIX = ".gguf"
 
@@ -291,8 +291,22 @@ def eos_token_ids(reader) -> list[int]:
     except UnicodeDecodeError:  # a token that is not UTF-8 (the tokenizer refuses the file; the ids still stand)
         tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8", errors="replace")
                   for i in reader.fields["tokenizer.ggml.tokens"].data]
-    by_text = [i for i, text in enumerate(tokens) if text in _EOG_TEXTS]
-    return list(dict.fromkeys(named + by_text))
+    return list(dict.fromkeys(named + indices_of(tokens, _EOG_TEXTS)))
+
+
+def indices_of(tokens: list[str], texts: frozenset[str] | set[str]) -> list[int]:
+    """The ids of the tokens whose text is one of texts, in order (each text found by list.index: a vocabulary
+    holds few of them, so this reads the list in C rather than looping over it in Python)."""
+    found = []
+    for text in texts.intersection(tokens):
+        at = -1
+        try:
+            while True:
+                at = tokens.index(text, at + 1)
+                found.append(at)
+        except ValueError:
+            pass
+    return sorted(found)
 
 
 def _rope_scaling(reader, arch: str) -> dict:
