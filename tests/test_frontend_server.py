@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -801,7 +801,6 @@ def test_a_request_moved_by_two_worker_losses_is_not_failed_as_a_poison(model_di
 def test_an_engine_message_is_handled_with_the_garbage_collector_off(stack):
     """The collector is off while an engine message's rows are handled (each Delta reaches its sink then), on again
     after: a message's thousands of objects are freed by reference counting, not walked by collections."""
-    assert gc.isenabled()
     seen: list[bool] = []
     done = threading.Event()
 
@@ -810,9 +809,16 @@ def test_an_engine_message_is_handled_with_the_garbage_collector_off(stack):
         if getattr(msg, "finish_reason", "error") is not None:  # its final Delta, or an Error
             done.set()
 
+    def between_messages() -> bool:
+        """gc.isenabled() read on the event loop, between two of its callbacks (so no handler is running)."""
+        answer: Future = Future()
+        stack.server._loop.call_soon_threadsafe(lambda: answer.set_result(gc.isenabled()))
+        return answer.result(WAIT_S)
+
+    assert between_messages()
     key = stack.server.open_local()
     stack.server._loop.call_soon_threadsafe(
         lambda: stack.server.generate_local(key, "gc", sink, SamplingParams(max_tokens=6), prompt="collector"))
     assert done.wait(WAIT_S)
     assert seen and not any(seen)
-    assert gc.isenabled()
+    assert between_messages()
