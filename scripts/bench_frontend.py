@@ -213,7 +213,7 @@ def run_once(rig: Rig, args: argparse.Namespace, rep: int, profile: str | None =
     time.sleep(0.2)  # a settle, not synchronisation: the frontend's admissions are all done (every AddRequest came)
     spy = None
     if profile:
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(rig.proc.pid), "--rate", "500", "--native", "--format", "raw",
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(rig.proc.pid), "--rate", "500", "--format", "raw",
                                 "-o", profile], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
     first = int(rig.handled[0])
