@@ -206,6 +206,13 @@ class IncrementalDetokenizer:
         return text
 
 
+def prepare_token_texts(tokenizer: Decoder) -> None:
+    """Decode the per-id table now (one batch call: a long vocabulary takes a noticeable while) when detokenizers over
+    this tokenizer will use it, so a server does it before serving rather than at its first request."""
+    if _decodes_bytewise(tokenizer):
+        tokenizer.token_texts()
+
+
 def _prompt_context(tokenizer: Decoder, prompt_ids: list[int], skip: bool) -> tuple[list[int], str]:
     """The prompt's last few ids and their text; none when they end mid-character (not a prefix then)."""
     context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from metrale.frontend.detokenizer import IncrementalDetokenizer
+from metrale.frontend.detokenizer import IncrementalDetokenizer, prepare_token_texts
 from metrale.frontend.tokenizer import Tokenizer
 from metrale.ipc.sampling import SamplingParams
 
@@ -404,3 +404,14 @@ def test_token_texts_are_each_ids_whole_text_or_none(tok):
         alone = tok.decode([i])
         assert texts[i] == (None if "\ufffd" in alone else alone)
     assert texts[tok.bos_token_id] == "" and tok.token_texts(skip_special_tokens=False)[tok.bos_token_id] == "<s>"
+
+
+def test_prepare_token_texts_decodes_the_table_before_any_request(tok_dir):
+    """A server decodes the per-id table when it starts (prepare_token_texts), not at its first request; a tokenizer
+    that does not decode bytewise gets none."""
+    byte_level = Tokenizer.from_dir(tok_dir)
+    prepare_token_texts(byte_level)
+    assert set(byte_level._texts) == {True}
+    sp = sentencepiece_like()
+    prepare_token_texts(sp)
+    assert sp._texts == {}
