@@ -13,7 +13,8 @@ wall-clock times: frontend_cpu_us_per_frame is that CPU ÷ frames, frontend_cpu_
 event_loop_cpu_us_per_frame the event loop's thread's alone (the rest is libzmq's I/O thread), and
 handler_cpu_us_p50 / _p10 the median and 10th percentile of the CPU the frontend's engine-message handler took per
 message, read inside the frontend (thread CPU time around each call: decode, rows, sends), the figure least moved by
-other processes. It
+other processes; admit_cpu_us_per_request is its CPU from the first Generate sent to the last AddRequest received
+÷ requests. It
 covers the receive loop, the frame's decode, each request's state and detokenizer, and building and sending each
 client's frame — the per-tick path of `bench_sim.py`'s frontend at N streams, without admissions.
 
@@ -208,7 +209,9 @@ def run_once(rig: Rig, args: argparse.Namespace, rep: int, profile: str | None =
     params = SamplingParams(max_tokens=args.ticks * args.tokens, temperature=0.0, ignore_eos=True,
                             stop=["\x00never-1", "\x00never-2"] if args.stop else [],
                             logprobs=1 if args.logprobs else None)
+    admit0 = rig.cpu_s()[0]
     engine_ids = rig.admit(args.streams, rep, params)
+    admit_us = (rig.cpu_s()[0] - admit0) / args.streams * 1e6
     frames = frames_for(engine_ids, args.ticks, args.tokens, args.logprobs, seed=rep)
     time.sleep(0.2)  # a settle, not synchronisation: the frontend's admissions are all done (every AddRequest came)
     spy = None
@@ -238,6 +241,8 @@ def run_once(rig: Rig, args: argparse.Namespace, rep: int, profile: str | None =
         # the event loop's thread alone; the rest is libzmq's I/O thread writing the client frames out
         "event_loop_cpu_us_per_frame": round((main1 - main0) / len(frames) * 1e6, 1),
         "wall_ms_per_frame": round((wall1 - wall0) / len(frames) * 1e3, 3),
+        # admitting one request: its Generate received, checked and submitted (the AddRequest encoded and sent)
+        "admit_cpu_us_per_request": round(admit_us, 1),
         "client_bytes_per_frame": size // len(frames),
         "engine_frame_bytes": sum(len(f) for f in frames) // len(frames),
     }
