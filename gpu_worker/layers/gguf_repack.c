@@ -9,6 +9,9 @@
  *         c (row r, input k: bit 4r + k), little-endian, in bytes 8h .. 8h + 7. */
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define PANEL 16
 
@@ -213,6 +216,32 @@ static void unsigned_block(int type, const uint8_t *b, uint8_t *u, uint32_t *fif
     }
 }
 
+/* A 32-input block's 16 bytes of nibbles (input j low in byte j, input j + 16 high) as the 4-bit layout's four
+ * groups of one row (group gi at out + 64 gi: byte k = input 8gi + k | input 8gi + k + 4 << 4). SSE2 is part of
+ * x86-64 itself (no ISA flag); elsewhere the same bytes one by one. */
+static void nibbles16(const uint8_t *qs, uint8_t *out) {
+#if defined(__SSE2__)
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+    /* (a 16-bit shift by 4 keeps each byte's nibble in its own byte: every byte is below 16) */
+    const __m128i a = _mm_or_si128(lo, _mm_slli_epi16(_mm_srli_si128(lo, 4), 4));  /* groups 0 and 1 at bytes 0, 8 */
+    const __m128i b = _mm_or_si128(hi, _mm_slli_epi16(_mm_srli_si128(hi, 4), 4));  /* groups 2 and 3 */
+    const uint32_t g0 = (uint32_t)_mm_cvtsi128_si32(a), g1 = (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(a, 8));
+    const uint32_t g2 = (uint32_t)_mm_cvtsi128_si32(b), g3 = (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(b, 8));
+    memcpy(out, &g0, 4);
+    memcpy(out + PANEL * 4, &g1, 4);
+    memcpy(out + 2 * PANEL * 4, &g2, 4);
+    memcpy(out + 3 * PANEL * 4, &g3, 4);
+#else
+    for (int k = 0; k < 4; k++) {
+        out[k] = (uint8_t)((qs[k] & 15) | ((qs[k + 4] & 15) << 4));
+        out[PANEL * 4 + k] = (uint8_t)((qs[8 + k] & 15) | ((qs[12 + k] & 15) << 4));
+        out[2 * PANEL * 4 + k] = (uint8_t)((qs[k] >> 4) | (qs[k + 4] & 0xF0));
+        out[3 * PANEL * 4 + k] = (uint8_t)((qs[8 + k] >> 4) | (qs[12 + k] & 0xF0));
+    }
+#endif
+}
+
 /* One panel of rows all of one 32-input type (Q4_0, Q4_1, Q5_0 or Q5_1), for stored_int4: each block's nibbles go
  * straight to their output bytes (group 4b + gi of block b: inputs 8gi .. 8gi + 7 of the 32), with no decoded
  * row in between; the same bytes and float32 values as unsigned_block and the general loop. */
@@ -238,13 +267,7 @@ static int panel_blocks32(int type, const int64_t *ptrs, int64_t p, int64_t cols
             } else {
                 zl[r] = -bias * d;
             }
-            uint8_t *out = o + 4 * r;
-            for (int k = 0; k < 4; k++) {
-                out[k] = (uint8_t)((qs[k] & 15) | ((qs[k + 4] & 15) << 4));
-                out[PANEL * 4 + k] = (uint8_t)((qs[8 + k] & 15) | ((qs[12 + k] & 15) << 4));
-                out[2 * PANEL * 4 + k] = (uint8_t)((qs[k] >> 4) | (qs[k + 4] & 0xF0));
-                out[3 * PANEL * 4 + k] = (uint8_t)((qs[8 + k] >> 4) | (qs[12 + k] & 0xF0));
-            }
+            nibbles16(qs, o + 4 * r);
             if (five) {
                 uint32_t qh;
                 memcpy(&qh, blk + head, 4);
