@@ -5,6 +5,7 @@ METRALE_KERNEL_DISPATCH=rank keeps every part on the process's class."""
 from __future__ import annotations
 
 import json
+import types
 import logging
 
 import pytest
@@ -200,3 +201,30 @@ def test_the_step_measurement_runs_each_candidates_step(measuring, tiny_model_di
     cached = json.loads(files[0].read_text()) if files else {}
     assert any(k.startswith("decode_step ") for k in cached) == (len(kernel_choice.candidates()) > 1)
     assert set(cached.values()) <= set(kernel_choice.candidates())
+
+
+def test_a_product_is_measured_on_copies_streamed_past_the_cache(monkeypatch):
+    """Each round reads every copy of the weight once, the copies together just past stream_bytes(), and the next
+    class goes on through the same copies: the weight comes from memory, as in a decode step, not from cache (a
+    measurement that calls one weight again and again fails this)."""
+    read = []
+    op = types.SimpleNamespace(default=lambda x, codes, scales, rows, wide: read.append(codes.data_ptr()))
+    monkeypatch.setattr(cpu_kernels, "ops", lambda cls=None: types.SimpleNamespace(int8_linear=op))
+    monkeypatch.setattr(kernel_choice, "STREAM_MIN", 1 << 20)
+    monkeypatch.setattr(kernel_choice, "STREAM_MAX", 1 << 20)
+    rounds = {}
+
+    def calls(calls, per_round, clock=None):
+        for cls, call in calls.items():
+            for _ in range(per_round):
+                call()
+            rounds[cls] = per_round
+        return {cls: 1.0 for cls in calls}
+
+    monkeypatch.setattr(kernel_choice, "measure_calls", calls)
+    args = _int8_args(64, 256)
+    size = args[0].nbytes + args[1].nbytes
+    kernel_choice.measure_product("int8_linear", args, 256, ["first", "second"])
+    copies = rounds["first"]
+    assert copies * size >= 1 << 20 > (copies - 1) * size
+    assert len(set(read[:copies])) == copies and read[copies:] == read[:copies]  # each once, in the same turn

@@ -7,9 +7,10 @@ in a narrower build too. So the process measures, on each candidate class, with 
 
 - each quantized product (an op of cpu_quant.cpp, cpu_quant_k.cpp, cpu_quant_q5.cpp: `int8_linear`,
   `int4_linear`, `int5_linear`, `kq8_linear`) per weight shape (`product_class`): the layer's packed weight
-  times one decode row. On the amx class this picks the few-row path only: from WIDE_ROWS bf16 rows a
-  quantized layer (every one of these products) still takes amx's wide product (AMX tiles, which live in that build alone; quantization.py's
-  NativeProduct holds both ops);
+  times one decode row, streamed from memory as a decode step reads it (`measure_product`). On the amx class this
+  picks the few-row path only: from WIDE_ROWS bf16 rows a quantized layer (every one of these products) still
+  takes amx's wide product (AMX tiles, which live in that build alone; quantization.py's NativeProduct holds both
+  ops);
 - the fused decode step (`step_class`, models/fused_decode.py): the model's own step built from each class's
   library, one row over a small private KV cache, its products as chosen above. Only a step whose every
   projection is a native product is measured (a dense projection's GEMV and its packed weight belong to the
@@ -45,9 +46,11 @@ from metrale.gpu_worker.layers import cpu_kernels
 log = logging.getLogger(__name__)
 
 ENV = "METRALE_KERNEL_DISPATCH"  # measure (default) | rank
-# Each measurement: REPEATS alternated rounds of CALLS calls per class.
-REPEATS, CALLS = 5, 8
-STEP_CALLS = 2  # a whole decode step is a few ms: fewer calls a round
+# Each measurement: REPEATS alternated rounds per class; a product's round reads every copy of its weight once.
+REPEATS = 5
+STEP_CALLS = 2  # a whole decode step's calls a round (it reads every layer's weight already)
+STREAM_MIN, STREAM_MAX = 64 << 20, 256 << 20  # bytes of weight copies a product's measurement streams
+MEASURE = "streamed"  # how products are measured: part of the cache's name, so an older method's answers go
 
 _chosen: dict[str, str] = {}  # key ("int8_linear 2048x2048", "decode_step ...") -> class, this process
 
@@ -135,13 +138,34 @@ def _cached_or_measured(key: str, own: str, usable: list[str], timed: Callable[[
 def measure_product(op: str, args: tuple, cols: int, classes: list[str] | None = None,
                     clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """µs per call (measure_calls) of op on each of `classes` (default: the candidates that have it) for one bf16 row
-    times the weight in args."""
+    times the weight in args, as a decode step meets it: streamed from memory, not from cache. A decode step runs
+    every layer's weight once, the model's bytes far beyond the last-level cache, while one weight called again
+    and again stays in cache, where another class may win (on an AMD EPYC the AVX-512 int8 product won in cache and
+    lost streamed). So each round calls the op once on each of copies of the weight that together exceed
+    stream_bytes(), in turn, every class on the same copies."""
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    size = sum(a.nbytes for a in args if isinstance(a, torch.Tensor))
+    copies = [args] + [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+                       for _ in range(-(-stream_bytes() // max(size, 1)) - 1)]
+    turn = iter(range(1 << 62))  # one cycle for every class: each call's copy was last read a stream ago
     calls = {}
     for cls in classes if classes is not None else [c for c in candidates() if cpu_kernels.has(op, c)]:
         fn = getattr(cpu_kernels.ops(cls), op).default
-        calls[cls] = lambda fn=fn: fn(x, *args)
-    return measure_calls(calls, CALLS, clock)
+        calls[cls] = lambda fn=fn: fn(x, *copies[next(turn) % len(copies)])
+    return measure_calls(calls, len(copies), clock)
+
+
+def stream_bytes() -> int:
+    """Bytes of weight copies a product's measurement streams: twice the last-level cache (sysfs), at least
+    STREAM_MIN and at most STREAM_MAX."""
+    largest = 0
+    for size in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size.read_text().strip().upper()
+            largest = max(largest, int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return min(max(2 * largest, STREAM_MIN), STREAM_MAX)
 
 
 def measure_calls(calls: dict[str, Callable[[], object]], per_round: int,
@@ -162,10 +186,10 @@ def measure_calls(calls: dict[str, Callable[[], object]], per_round: int,
 
 
 def _cache_path() -> pathlib.Path:
-    """One file per CPU model, kernel sources and torch version."""
+    """One file per CPU model, kernel sources, torch version and way of measuring."""
     root = pathlib.Path(os.environ.get("METRALE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "metrale") / "dispatch"
     key = hashlib.sha256()
-    for part in (_cpu_model(), torch.__version__, *(cpu_kernels._source(u) for u in cpu_kernels.UNITS)):
+    for part in (_cpu_model(), torch.__version__, MEASURE, *(cpu_kernels._source(u) for u in cpu_kernels.UNITS)):
         key.update(part.encode())
     return root / f"{key.hexdigest()[:16]}.json"
 
