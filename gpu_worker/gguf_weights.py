@@ -11,8 +11,8 @@ A linear layer whose every part has a row in layers/gguf_quant_types.py's table 
 Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) stays quantized: `gguf_layer_kinds` names the kernel each layer
 runs on, and for a layer the model built with layers/gguf_linear.py's `GgufLinearMethod` (`wants_blocks`; also
 the token embedding read in place, layers/gguf_embedding.py) its tensors come as the file stores them, uint8
-rows of blocks tagged with their type (views of the map, except q/k rows unpermuted). For
-`Int4LinearMethod(codes=True)` (`wants_codes`: --quantization int4 of a 4-bit file) a Q4_0 / Q4_1 / Q4_K
+rows of blocks tagged with their type (views of the map; q/k rows tagged with the order that undoes llama.cpp's
+permutation, which the layer reads them in). For `Int4LinearMethod(codes=True)` (`wants_codes`: --quantization int4 of a 4-bit file) a Q4_0 / Q4_1 / Q4_K
 tensor comes as `.qweight` (codes), `.scales` and `.zeros` instead of `.weight`, read off its blocks.
 `release_pages` drops the map's pages from the process's resident set once the model is loaded.
 """
@@ -57,8 +57,9 @@ def gguf_tensors(
             raise GgufError(f"tensor {tensor.name}: not a tensor of a {config['architectures'][0]} (unknown name)")
         rows_heads = heads if ".self_attn.q_proj." in name else kv_heads if ".self_attn.k_proj." in name else 0
         qtype = gguf_quant_types.TYPES.get(tensor.tensor_type.name)
-        bf16 = False
+        bf16 = raw = False
         if wants_blocks(name) and qtype is not None:
+            raw = True
             if not checks_blocks(name) and not gguf_quant_types.finite(qtype.name, np.asarray(tensor.data)):
                 raise GgufError(f"tensor {tensor.name}: holds values that are not finite (corrupt file?)")
             parts = [("", np.asarray(tensor.data))]
@@ -76,11 +77,14 @@ def gguf_tensors(
             parts = [("", values)]
             base = name
         for suffix, values in parts:
-            if permuted and rows_heads:
+            order = None
+            if permuted and rows_heads and raw:
+                order = unpermute_rows(np.arange(len(values)), rows_heads)  # the layer reads the stored rows so
+            elif permuted and rows_heads:
                 values = unpermute_rows(values, rows_heads)
             for hf, part in checkpoint_tensors(base + suffix, values, arch):
                 if part.dtype == np.uint8 and not suffix:
-                    yield hf, tagged(part, qtype.name, tensor.name)
+                    yield hf, tagged(part, qtype.name, tensor.name, order)
                 else:
                     yield hf, _torch(part, bf16)
 

@@ -233,3 +233,22 @@ def test_metadata_parsed_in_one_pass_equals_gguf_readers(tiny_gguf):
             assert got.contents(0) == want.contents(0) and got.contents(-1) == want.contents(-1), key
             assert got.contents(slice(1, 3)) == want.contents(slice(1, 3)), key
     assert any(f.types[:1] == [gguf.GGUFValueType.ARRAY] for f in theirs.fields.values())
+
+
+# ---- q/k rows read in llama.cpp's order ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+def test_q_and_k_blocks_are_read_in_the_models_row_order(tiny_gguf, monkeypatch, outtype):
+    # llama.cpp permutes a llama's q/k rows; the blocks stay where the file has them and the layer reads them in the
+    # model's order (gguf_linear.GGUF_ROWS). The dense load undoes the permutation on a copy of the floats instead.
+    from metrale.model_facts import resolve_model
+
+    path = tiny_gguf("llama", outtype)
+    quantized = loader.load_model(resolve_model(path), dtype="float32", show_progress=False)
+    monkeypatch.setattr(loader, "gguf_layer_kinds", lambda gguf, layer_of: {})  # every layer dense
+    dense = loader.load_model(resolve_model(path), dtype="float32", show_progress=False)
+    x = torch.randn(5, quantized.model.layers[0].self_attn.qkv_proj.in_features, generator=torch.Generator().manual_seed(0))
+    for i in (0, len(dense.model.layers) - 1):
+        got, want = quantized.model.layers[i].self_attn.qkv_proj(x), dense.model.layers[i].self_attn.qkv_proj(x)
+        assert (got - want).norm() < 0.05 * want.norm(), i

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from metrale.gpu_worker.layers import gguf_quant_types as qt
-from metrale.gpu_worker.layers.gguf_linear import GGUF_TYPE, raw_columns, tagged
+from metrale.gpu_worker.layers.gguf_linear import GGUF_ROWS, GGUF_TYPE, raw_columns, tagged
 from metrale.gpu_worker.layers.linear_method import set_weight_attrs
 
 
@@ -38,6 +38,8 @@ class GgufEmbedding(nn.Module):
         name = getattr(loaded, GGUF_TYPE, None)
         if name not in qt.TYPES:
             raise ValueError(f"a GGUF embedding takes its file's blocks of a known type (got {name or loaded.dtype})")
+        if getattr(loaded, GGUF_ROWS, None) is not None:
+            raise ValueError("a GGUF embedding takes its table's rows in order")
         if loaded.shape[0] != self.vocab_size or raw_columns(loaded) != self.hidden_size:
             raise ValueError(f"blocks for {loaded.shape[0]} x {raw_columns(loaded)}, expected {self.vocab_size} x {self.hidden_size}")
         param.data = loaded

@@ -35,6 +35,7 @@ from metrale.gpu_worker.layers.quantization import NativeProduct, _dense_product
 
 GGUF_TYPE = "gguf_type"  # the attribute naming a raw tensor's GGUF type (gguf_weights.py sets it)
 GGUF_TENSOR = "gguf_tensor"  # and the one naming the file's tensor it comes from
+GGUF_ROWS = "gguf_rows"  # and the stored row each of its rows is (int64), or None: in order (q/k: llama.cpp's permutation)
 
 
 @dataclass(slots=True)
@@ -132,13 +133,17 @@ def _stage(layer: nn.Module, weight_loader, param: nn.Parameter, loaded: torch.T
     if layer.in_features % t.block:
         raise ValueError(f"{layer.in_features} inputs are not whole {name} blocks of {t.block}")
     rows, width = param.shape[0], layer.in_features // t.block * t.nbytes
+    order = getattr(loaded, GGUF_ROWS, None)
     index = torch.zeros(rows, 1, dtype=torch.int64)
-    ids = torch.arange(1, loaded.shape[0] + 1, dtype=torch.int64).view(-1, 1)
+    if order is None:
+        ids = torch.arange(1, loaded.shape[0] + 1, dtype=torch.int64).view(-1, 1)
+    else:
+        ids = torch.from_numpy(order + 1).view(-1, 1)  # (the stored rows stay in the map, read in this order)
     _through(weight_loader, index, ids, None, shard_id)
     source = loaded
     if loaded.shape[1] != width or loaded.stride(1) != 1:
         source = torch.zeros(rows, width, dtype=torch.uint8)
-        _through(weight_loader, source, loaded, 1, shard_id)
+        _through(weight_loader, source, loaded if order is None else loaded[torch.from_numpy(order)], 1, shard_id)
         index = torch.where(index > 0, torch.arange(1, rows + 1).view(-1, 1), 0)
     layer.gguf_staged.append(_Part(name, index.view(-1).numpy(), source, getattr(loaded, GGUF_TENSOR, "")))
 
@@ -296,13 +301,15 @@ def raw_columns(raw: torch.Tensor) -> int:
     return raw.shape[1] // t.nbytes * t.block
 
 
-def tagged(values: np.ndarray, name: str, tensor_name: str = "") -> torch.Tensor:
-    """A raw tensor of GGUF blocks tagged with its type's name (what GgufLinearMethod's loader takes) and the file's
-    name for it (for errors)."""
+def tagged(values: np.ndarray, name: str, tensor_name: str = "", rows: np.ndarray | None = None) -> torch.Tensor:
+    """A raw tensor of GGUF blocks tagged with its type's name (what GgufLinearMethod's loader takes), the file's
+    name for it (for errors) and, where its rows are not in the order the model reads them, the stored row each
+    of its rows is (GGUF_ROWS)."""
     with warnings.catch_warnings():  # the file's read-only pages: the loader only reads them, into its staging rows
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.from_numpy(np.ascontiguousarray(values))
     setattr(tensor, GGUF_TYPE, name)
     setattr(tensor, GGUF_TENSOR, tensor_name)
+    setattr(tensor, GGUF_ROWS, rows)
     return tensor
 
