@@ -76,7 +76,8 @@ def test_a_port_in_use_is_one_line_exit_2_and_leaves_nothing(model_dir, which):
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        args = ["--port", str(port)] if which == "zmq" else ["--port", str(free_port()), "--http-port", str(port)]
+        # --port 0: the ZMQ port any free one, so no other process can take it between a probe and the bind
+        args = ["--port", str(port)] if which == "zmq" else ["--port", "0", "--http-port", str(port)]
         result = serve("--model", str(model_dir), *args)
     finally:
         taken.close()
