@@ -131,7 +131,7 @@ def array_field(reader, offs: int, head: list):
         values = plain[at : at + count * np.dtype(SCALARS[kind]).itemsize].view(SCALARS[kind])
         if len(values) != count:
             raise ValueError(f"array of {count} runs past the end of the file")
-        data = list(range(_HEAD, _HEAD + count))
+        data = range(_HEAD, _HEAD + count)  # (a range, not a list of a vocabulary's worth of ints)
         return ArrayParts(parts, plain, values, None, None), data, [ValueType.ARRAY, ValueType(kind)], 12 + values.nbytes
     if kind != ValueType.STRING:
         return None
@@ -143,7 +143,7 @@ def array_field(reader, offs: int, head: list):
             string_index.remember(path, at, count, lengths)
     starts = at + 8 + np.concatenate(([0], np.cumsum(lengths[:-1] + 8))) if count else np.zeros(0, dtype=np.int64)
     end = int(starts[-1] + lengths[-1]) if count else at
-    data = list(range(_HEAD + 1, _HEAD + 2 * count, 2))
+    data = range(_HEAD + 1, _HEAD + 2 * count, 2)
     return ArrayParts(parts, plain, None, starts, lengths), data, [ValueType.ARRAY, ValueType.STRING], end - offs
 
 

@@ -126,6 +126,9 @@ _ITEM_TYPES = {TensorType.F32: np.float32, TensorType.F16: np.float16, TensorTyp
                TensorType.I8: np.int8, TensorType.I16: np.int16, TensorType.I32: np.int32, TensorType.I64: np.int64}
 
 
+_DTYPES = {t: np.dtype(t) for t in (np.uint8, np.uint32, np.uint64, *SCALARS.values())}  # (np.dtype() per view is slow)
+
+
 class _NotHere(Exception):
     """The file needs gguf's own reader (big-endian, an array of arrays)."""
 
@@ -218,11 +221,11 @@ class GgufFile:
 
     def _view(self, offset: int, dtype, count: int = 1) -> np.ndarray:
         """count values of dtype at offset (a view of the map); ValueError past the file's end."""
-        dt = np.dtype(dtype)
-        arr = self._plain[offset : offset + dt.itemsize * count].view(dt)
-        if len(arr) != count:
+        dt = _DTYPES.get(dtype) or np.dtype(dtype)
+        end = offset + dt.itemsize * count
+        if end > len(self._plain):
             raise ValueError(f"the file ends inside a value at byte {offset}")
-        return arr
+        return self._plain[offset:end].view(dt)
 
     def _string(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
         """A string's (length, bytes) parts at offset."""

@@ -32,7 +32,7 @@ def _same_as_ggufs(path) -> None:
     assert list(ours.fields) == list(theirs.fields)
     for key, want in theirs.fields.items():
         got = ours.fields[key]
-        assert (got.offset, got.name, got.types, got.data) == (want.offset, want.name, want.types, want.data), key
+        assert (got.offset, got.name, got.types, list(got.data)) == (want.offset, want.name, want.types, want.data), key
         assert [(p.tobytes(), p.dtype) for p in got.parts] == [(p.tobytes(), p.dtype) for p in want.parts], key
         assert got.contents() == want.contents(), key
     assert len(ours.tensors) == len(theirs.tensors)
