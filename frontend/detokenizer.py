@@ -18,9 +18,9 @@ one call a token instead of two decodes and two list slices), started from the s
 above then serves only the end of a request (text still held mid-character) and other decoders (a chat's
 tag-keeping one). Over a byte-level decoder most ids need no call at all: once every id before it is text, an
 id whose own bytes are whole characters adds exactly its own text (`_decodes_bytewise`), which the tokenizer
-decoded once for every id (`Tokenizer.token_texts`). The DecodeStream does not see such ids; the next id it steps
-comes after whole characters, where no context changes a byte-level text, so its text is what stepping every id
-would have given (tests/test_detokenizer.py compares the two on valid and on broken UTF-8).
+decodes once per id, when first met (`Tokenizer.token_texts`). The DecodeStream does not see such ids; the next
+id it steps comes after whole characters, where no context changes a byte-level text, so its text is what stepping
+every id would have given (tests/test_detokenizer.py compares the two on valid and on broken UTF-8).
 
 A caller that does not stream (the offline LLM) hands a request's ids over once, at its end (`finish`). On a
 byte-level tokenizer without stop strings that is a single decode of the window: the per-token windows' texts
@@ -34,7 +34,7 @@ from typing import Protocol
 from tokenizers import decoders
 from tokenizers.decoders import DecodeStream
 
-from metrale.frontend.tokenizer import Tokenizer
+from metrale.frontend.tokenizer import UNDECODED, Tokenizer
 from metrale.ipc.sampling import SamplingParams
 
 # Prompt tokens decoded before the first output token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
@@ -95,6 +95,8 @@ class IncrementalDetokenizer:
             texts, ids = self._texts, self._ids
             if texts is not None and self._covered == len(ids) and 0 <= token_id < len(texts):
                 new_text = texts[token_id]
+                if new_text is UNDECODED:
+                    new_text = self._tok.token_text(token_id, self._skip)
                 if new_text is not None:  # _next_text's table path, inline
                     ids.append(token_id)
                     self.output_ids.append(token_id)
@@ -123,6 +125,8 @@ class IncrementalDetokenizer:
         texts = self._texts
         if texts is not None and self._covered == len(ids) - 1 and 0 <= token_id < len(texts):
             text = texts[token_id]
+            if text is UNDECODED:
+                text = self._tok.token_text(token_id, self._skip)
             if text is not None:  # every id before it is text, and its bytes are whole characters
                 self._covered += 1
                 return text
@@ -204,13 +208,6 @@ class IncrementalDetokenizer:
         if text:
             self._pieces.append(text)
         return text
-
-
-def prepare_token_texts(tokenizer: Decoder) -> None:
-    """Decode the per-id table now (one batch call: a long vocabulary takes a noticeable while) when detokenizers over
-    this tokenizer will use it, so a server does it before serving rather than at its first request."""
-    if _decodes_bytewise(tokenizer):
-        tokenizer.token_texts()
 
 
 def _prompt_context(tokenizer: Decoder, prompt_ids: list[int], skip: bool) -> tuple[list[int], str]:

@@ -85,7 +85,7 @@ from metrale.settings import DEFAULTS
 from .admin_access import admin_refusal, peer_address
 from .api_key import UNAUTHORIZED_MESSAGE, ApiKey
 from .chat import chat_template_source
-from .detokenizer import Decoder, prepare_token_texts
+from .detokenizer import Decoder
 from .engine_link import EngineLink
 from .replicas import ReplicaSet
 from .served_state import StateFile
@@ -189,7 +189,6 @@ class FrontendServer:
         self.tokenizer = tokenizer or Tokenizer.from_dir(config.model_dir)
         if config.chat_template is not None:  # every chat, and model_info, sees the operator's template
             self.tokenizer.chat_template = chat_template_source(config.chat_template)
-        prepare_token_texts(self.tokenizer)
         self.health_source = health_source
         self.clock = clock
         self.client_endpoint: str | None = None  # the bound client address, once `bound` is set

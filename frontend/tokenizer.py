@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 _NAMED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "```")
 
 
+UNDECODED = False  # token_texts' entry for an id not decoded yet (None: decoded, not whole characters)
+
+
 @dataclass(slots=True)
 class Tokenizer:
     """Text ↔ token ids for one model folder, plus the facts about special tokens the server needs."""
@@ -39,7 +42,7 @@ class Tokenizer:
     chat_template: str | None = None
     model_max_length: int | None = None
     _lookups: dict[str, int | None] = field(default_factory=dict)
-    _texts: dict[bool, list[str | None]] = field(default_factory=dict)  # token_texts, by skip_special_tokens
+    _texts: dict[bool, list[str | None | bool]] = field(default_factory=dict)  # token_texts, by skip_special_tokens
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -118,16 +121,25 @@ class Tokenizer:
         """Text of `ids`; an incomplete UTF-8 sequence decodes to U+FFFD."""
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_texts(self, skip_special_tokens: bool = True) -> list[str | None]:
-        """Each id's text decoded alone, by id; None where that is not whole characters (it has U+FFFD: a byte of
-        a split character, or a broken one). Decoded once per tokenizer (one batch call), then shared by every
-        request's detokenizer: over a byte-level decoder, an id's text after whole characters is its entry here."""
+    def token_texts(self, skip_special_tokens: bool = True) -> list[str | None | bool]:
+        """Each id's text decoded alone, by id, filled as ids are met (token_text): UNDECODED until then, None where
+        that text is not whole characters (it has U+FFFD: a byte of a split character, or a broken one). One table
+        per tokenizer, shared by every request's detokenizer: over a byte-level decoder, an id's text after whole
+        characters is its entry here. Filled lazily: a whole vocabulary decoded at once takes a noticeable while
+        and memory for ids a server may never emit."""
         texts = self._texts.get(skip_special_tokens)
         if texts is None:
-            decoded = self.backend.decode_batch([[i] for i in range(self.vocab_size)],
-                                                skip_special_tokens=skip_special_tokens)
-            texts = self._texts[skip_special_tokens] = [None if "\ufffd" in t else t for t in decoded]
+            texts = self._texts[skip_special_tokens] = [UNDECODED] * self.vocab_size
         return texts
+
+    def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str | None:
+        """token_texts()[token_id], decoded now if it was not (token_id within the vocabulary)."""
+        texts = self.token_texts(skip_special_tokens)
+        text = texts[token_id]
+        if text is UNDECODED:
+            alone = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+            text = texts[token_id] = None if "\ufffd" in alone else alone
+        return text
 
     def token_id(self, token: str) -> int | None:
         """The id of the single token spelled `token` (e.g. "</think>"), or None when it is not one token."""

@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from metrale.frontend.detokenizer import IncrementalDetokenizer, prepare_token_texts
-from metrale.frontend.tokenizer import Tokenizer
+from metrale.frontend.detokenizer import IncrementalDetokenizer
+from metrale.frontend.tokenizer import UNDECODED, Tokenizer
 from metrale.ipc.sampling import SamplingParams
 
 CORPUS = [
@@ -390,7 +390,7 @@ def test_whole_character_ids_are_not_stepped(tok, monkeypatch):
     monkeypatch.setattr(IncrementalDetokenizer, "_step", lambda self, t: steps.append(t) or original(self, t))
     words = tok.encode(" the quick brown fox", add_special_tokens=False)
     emoji = tok.encode("😀", add_special_tokens=False)
-    assert len(emoji) >= 2 and all(tok.token_texts()[t] is None for t in emoji)
+    assert len(emoji) >= 2 and all(tok.token_text(t) is None for t in emoji)
     detok = IncrementalDetokenizer(tok, tok.encode("Q:"), SamplingParams())
     text = "".join(detok.push([t])[0] for t in words + emoji + words)
     assert text == tok.decode(words + emoji + words)
@@ -398,20 +398,21 @@ def test_whole_character_ids_are_not_stepped(tok, monkeypatch):
 
 
 def test_token_texts_are_each_ids_whole_text_or_none(tok):
-    texts = tok.token_texts()
-    assert len(texts) == tok.vocab_size
+    assert len(tok.token_texts()) == tok.vocab_size
     for i in range(tok.vocab_size):
         alone = tok.decode([i])
-        assert texts[i] == (None if "\ufffd" in alone else alone)
-    assert texts[tok.bos_token_id] == "" and tok.token_texts(skip_special_tokens=False)[tok.bos_token_id] == "<s>"
+        assert tok.token_text(i) == (None if "\ufffd" in alone else alone)
+    assert tok.token_texts() == [tok.token_text(i) for i in range(tok.vocab_size)]  # each id decoded once, kept
+    assert tok.token_text(tok.bos_token_id) == "" and tok.token_text(tok.bos_token_id, skip_special_tokens=False) == "<s>"
 
 
-def test_prepare_token_texts_decodes_the_table_before_any_request(tok_dir):
-    """A server decodes the per-id table when it starts (prepare_token_texts), not at its first request; a tokenizer
-    that does not decode bytewise gets none."""
-    byte_level = Tokenizer.from_dir(tok_dir)
-    prepare_token_texts(byte_level)
-    assert set(byte_level._texts) == {True}
-    sp = sentencepiece_like()
-    prepare_token_texts(sp)
-    assert sp._texts == {}
+def test_token_texts_are_decoded_as_ids_are_met(tok_dir):
+    """No id is decoded before a detokenizer meets it (a long vocabulary decoded whole would take a while at a
+    server's start, and memory for ids it may never emit); the ids met are decoded and kept."""
+    fresh = Tokenizer.from_dir(tok_dir)
+    ids = fresh.encode(" the the fox", add_special_tokens=False)
+    detok = IncrementalDetokenizer(fresh, [], SamplingParams())
+    assert all(text is UNDECODED for text in fresh.token_texts())
+    assert "".join(detok.push([t])[0] for t in ids) == " the the fox"
+    met = {i for i, text in enumerate(fresh.token_texts()) if text is not UNDECODED}
+    assert met == set(ids)
