@@ -88,6 +88,9 @@ class Scheduler:
     num_preemptions: int = 0
     _unsorted: bool = False  # a sequence joined running since it was last put in scheduling order
     _plain_live: bool = False  # retire_finished found every running row plain and unfinished (schedule_ahead reads it)
+    # A running row may still be suspect (suspect_running, or a suspect joined): _may_start must look. Cleared when
+    # its look finds none, so the usual admission does not scan every running row.
+    _suspects: bool = False
 
     @property
     def num_waiting(self) -> int:
@@ -129,7 +132,9 @@ class Scheduler:
         is found without failing the requests beside it."""
         if seq.suspect_until > seq.num_tokens and self.running:
             return False
-        return not any(s.suspect_until > s.num_tokens for s in self.running)
+        if self._suspects:
+            self._suspects = any(s.suspect_until > s.num_tokens for s in self.running)
+        return not self._suspects
 
     def _fits(self, seq: Sequence, num_tokens: int) -> bool:
         """The admission rule (swap-in, admit, and has_admissible ask it alike): seq's blocks for num_tokens
@@ -254,6 +259,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         self._unsorted = True
+        self._suspects |= seq.suspect_until > seq.num_tokens
 
     def schedule(self) -> ScheduledStep:
         """Pick this step's work: every running decode, then prefill chunks up to the token budget."""
@@ -436,6 +442,7 @@ class Scheduler:
         seq.state_slot = self.state_slots.take()  # its first step starts at position 0 and resets it
         self.running.append(seq)
         self._unsorted = True
+        self._suspects |= seq.suspect_until > seq.num_tokens
         step.add(seq, k)
 
     def _sort_running(self) -> None:
@@ -454,6 +461,7 @@ class Scheduler:
         for seq in self.running:
             seq.failures += 1
             seq.suspect_until = seq.num_tokens + 1
+        self._suspects = bool(self.running)
         return [seq for seq in self.running if seq.failures >= max_failures]
 
 

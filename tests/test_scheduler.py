@@ -247,3 +247,29 @@ def test_a_block_is_cached_only_once_every_position_of_it_is_computed():
     cached = run_workload(reqs, pipeline=False)
     uncached = run_workload(reqs, pipeline=False, prefix_caching=False)
     assert cached.streams == uncached.streams
+
+
+def test_a_suspect_runs_alone_until_it_is_past_its_failing_point():
+    """After a failed tick every running row is suspect (suspect_running): no waiting request is admitted beside one,
+    a suspect requeued is admitted only into an empty batch, and once every running row holds more tokens than when
+    the tick failed, requests are admitted again."""
+    from metrale.engine_core.kv_blocks import KvBlockPool
+    from metrale.engine_core.scheduler import Scheduler, SchedulerConfig
+    from metrale.engine_core.sequence import Sequence
+
+    pool = KvBlockPool(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), pool)
+    first, second = (Sequence.of(name, greedy(9), 0, [1, 2, 3], 3, i) for i, name in enumerate(("first", "second")))
+    sched.add(first)
+    sched.schedule()
+    first.num_computed = 3
+    assert sched.suspect_running(max_failures=3) == []
+    sched.add(second)
+    assert second not in sched.schedule().seqs and sched.running == [first]  # the suspect runs alone
+    first.tokens.append(4)  # past the failing point: no longer suspect
+    assert second in sched.schedule().seqs
+    assert sched.running == [first, second]
+    sched.suspect_running(max_failures=3)  # both suspect again: a newcomer waits
+    later = Sequence.of("later", greedy(9), 0, [1, 2, 3], 3, 2)
+    sched.add(later)
+    assert later not in sched.schedule().seqs
