@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from metrale.gguf_types import BLOCK_SIZES, TensorType
 from metrale.gpu_worker.layers import gguf_repack
 from metrale.gpu_worker.layers.quantization import PANEL, _per_panel, pack_int4, pack_int8
 
@@ -166,21 +167,26 @@ def _iq4_xs(b):
     return IQ4_VALUES[_nibbles(b[:, 8:], 16)], sc, None, _f16(b[:, :2]), None
 
 
+def _row(name: str, *rest, **kw) -> QuantType:
+    """A type's row, its block (inputs, bytes) as ggml's table has it (metrale/gguf_types.py)."""
+    return QuantType(name, *BLOCK_SIZES[TensorType[name]], *rest, **kw)
+
+
 TYPES: dict[str, QuantType] = {
     t.name: t
     for t in (
-        QuantType("Q8_0", 32, 34, "int8", 32, _q8_0),
-        QuantType("Q5_0", 32, 22, "int5", 32, _q5_0, code_bias=16),
-        QuantType("IQ4_NL", 32, 18, "int8", 32, _iq4_nl),
-        QuantType("Q4_0", 32, 18, "int4", 32, _q4_0, code_bias=8),
-        QuantType("Q4_1", 32, 20, "int4", 32, _q4_1, halves=(0, 2)),
-        QuantType("Q4_K", 256, 144, "int4", 32, _q4_k, halves=(0, 2)),
-        QuantType("Q5_1", 32, 24, "int5", 32, _q5_1, halves=(0, 2)),
-        QuantType("Q5_K", 256, 176, "kq8", 32, _q5_k, halves=(0, 2)),
-        QuantType("Q6_K", 256, 210, "kq8", 16, _q6_k, halves=(208,)),
-        QuantType("Q3_K", 256, 110, "kq8", 16, _q3_k, halves=(108,)),
-        QuantType("Q2_K", 256, 84, "kq8", 16, _q2_k, halves=(80, 82)),
-        QuantType("IQ4_XS", 256, 136, "kq8", 32, _iq4_xs),
+        _row("Q8_0", "int8", 32, _q8_0),
+        _row("Q5_0", "int5", 32, _q5_0, code_bias=16),
+        _row("IQ4_NL", "int8", 32, _iq4_nl),
+        _row("Q4_0", "int4", 32, _q4_0, code_bias=8),
+        _row("Q4_1", "int4", 32, _q4_1, halves=(0, 2)),
+        _row("Q4_K", "int4", 32, _q4_k, halves=(0, 2)),
+        _row("Q5_1", "int5", 32, _q5_1, halves=(0, 2)),
+        _row("Q5_K", "kq8", 32, _q5_k, halves=(0, 2)),
+        _row("Q6_K", "kq8", 16, _q6_k, halves=(208,)),
+        _row("Q3_K", "kq8", 16, _q3_k, halves=(108,)),
+        _row("Q2_K", "kq8", 16, _q2_k, halves=(80, 82)),
+        _row("IQ4_XS", "kq8", 32, _iq4_xs),
     )
 }
 

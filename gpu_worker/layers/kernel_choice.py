@@ -30,6 +30,7 @@ path at a time); METRALE_KERNEL_DISPATCH=measure (the default) measures.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -147,7 +148,7 @@ def measure_product(op: str, args: tuple, cols: int, classes: list[str] | None =
     size = sum(a.nbytes for a in args if isinstance(a, torch.Tensor))
     copies = [args] + [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
                        for _ in range(-(-stream_bytes() // max(size, 1)) - 1)]
-    turn = iter(range(1 << 62))  # one cycle for every class: each call's copy was last read a stream ago
+    turn = itertools.count()  # one cycle for every class: each call's copy was last read a stream ago
     calls = {}
     for cls in classes if classes is not None else [c for c in candidates() if cpu_kernels.has(op, c)]:
         fn = getattr(cpu_kernels.ops(cls), op).default
